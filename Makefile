@@ -1,0 +1,37 @@
+# The two commands: `make demo` and `make test`. Both create .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench lint clean browser
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch pinned to the CPU build that is on disk; see docs/install-gpu.md for CUDA.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/megatronapp demo
+
+# Chromium for the MegaScope browser test (Debian package; never `playwright install`).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
+	    echo "warning: could not install chromium; the browser test will be skipped"; \
+	  else echo "warning: chromium missing and not root; the browser test will be skipped"; fi; }
+
+test: $(STAMP) browser
+	$(BIN)/python -m pytest tests -x -q
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run_all
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

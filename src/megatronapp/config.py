@@ -1,0 +1,267 @@
+"""Run configuration as dataclasses: model, parallelism, training and optional modules.
+
+A config comes from defaults, then a YAML file, then CLI flags. `validate()` refuses impossible
+combinations before any process starts, naming the field and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user-fixable configuration problem; the message names the field and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only transformer shape. `family` sets norm/position/activation defaults."""
+
+    family: str = "gpt2"  # gpt2 (LayerNorm, learned positions, GELU) | llama (RMSNorm, RoPE, SwiGLU, GQA)
+    vocab_size: int = 256
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # grouped-query attention; None means num_heads
+    ffn_hidden_size: int | None = None  # None: 4*h for gpt2, Llama's 8/3*h rounded to 32
+    max_seq_len: int = 128
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    bias: bool | None = None  # None: True for gpt2, False for llama
+    tie_embeddings: bool | None = None  # None: True for gpt2, False for llama
+    parallel_block: bool = False  # attention and MLP read one norm (PaLM / MegaScale)
+    sliding_window: int | None = None  # attend to at most this many previous tokens
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.family not in ("gpt2", "llama"):
+            raise ConfigError(f"model.family={self.family!r}: choose 'gpt2' or 'llama'")
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.bias is None:
+            self.bias = self.family == "gpt2"
+        if self.tie_embeddings is None:
+            self.tie_embeddings = self.family == "gpt2"
+        if self.ffn_hidden_size is None:
+            if self.family == "gpt2":
+                self.ffn_hidden_size = 4 * self.hidden_size
+            else:
+                self.ffn_hidden_size = 32 * ((8 * self.hidden_size // 3 + 31) // 32)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings included once when tied)."""
+        h, f, v, L = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
+        kv = self.num_kv_heads * self.head_dim
+        attn = h * (h + 2 * kv) + h * h
+        mlp = (3 if self.family == "llama" else 2) * h * f
+        emb = v * h * (1 if self.tie_embeddings else 2)
+        pos = self.max_seq_len * h if self.family == "gpt2" else 0
+        return L * (attn + mlp) + emb + pos
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward), PaLM appendix B convention."""
+        n = self.num_params() - (self.max_seq_len * self.hidden_size if self.family == "gpt2" else 0)
+        return 6.0 * n + 12.0 * self.num_layers * self.hidden_size * seq_len
+
+
+@dataclass
+class ParallelConfig:
+    """How ranks are laid out: tp (fastest), dp, pp; and the pipeline schedule."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1  # virtual pipeline chunks per stage (interleaved schedules)
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | dpp
+    microbatches: int = 1  # per DP replica per step
+    dpp_policy: str = "adaptive"  # dfs | bfs | adaptive (schedule=dpp)
+    dpp_max_inflight: int | None = None  # cap on forward-done, backward-pending microbatch chunks
+    grad_bucket_mb: float = 4.0  # DP gradient bucket size
+    backend: str = "auto"  # auto | gloo | nccl
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass
+class TraceConfig:
+    enabled: bool = False
+    dir: str | None = None  # default: <out>/trace
+    interval: int = 10  # trace `iterations` iterations every `interval`
+    iterations: int = 3
+    granularity: str = "coarse"  # coarse | full (per layer)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 50
+    global_batch_size: int = 8  # samples per optimizer step over all DP replicas
+    seq_len: int = 64
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 5
+    optimizer: str = "adamw"  # adamw | lamb
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global norm; 0 disables
+    seed: int = 1234
+    dtype: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and gradient reduction)
+    recompute: str = "none"  # none | selective | full
+    log_interval: int = 1
+    save_interval: int = 0  # 0: only at the end
+    out: str = "runs/default"
+    resume: str | None = None
+    data: str | None = None  # None: embedded corpus; else a .txt / .jsonl file or directory
+    tokenizer: str = "byte"  # byte | path to a tokenizer.json
+    hf_checkpoint: str | None = None  # initialise from a local Hugging Face directory
+    peak_tflops: float | None = None  # MFU denominator; None: measured at start-up
+    progress: bool = True
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    inject: list[str] = field(default_factory=list)  # fault injection specs, see megatronapp.faults
+    scope_port: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "RunConfig":
+        """Build from nested dicts, rejecting unknown keys by name."""
+        sections = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "trace": TraceConfig}
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            if key in sections:
+                if not isinstance(value, dict):
+                    raise ConfigError(f"config section {key!r} must be a mapping, got {type(value).__name__}")
+                kwargs[key] = _build(sections[key], value, key)
+            elif key in ("inject", "scope_port"):
+                kwargs[key] = value
+            else:
+                raise ConfigError(f"unknown config section {key!r}; known: {sorted([*sections, 'inject', 'scope_port'])}")
+        return RunConfig(**kwargs)
+
+
+def _build(cls: type, values: dict[str, Any], section: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(f"unknown field(s) {', '.join(f'{section}.{u}' for u in unknown)}; "
+                          f"known fields of {section}: {sorted(names)}")
+    return cls(**values)
+
+
+def load_yaml(path: str | Path) -> RunConfig:
+    """Read a YAML config file; errors name the file."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of sections (model, parallel, train, ...)")
+    return RunConfig.from_dict(data)
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "dpp")
+
+
+def validate(cfg: RunConfig, world_size: int | None = None) -> None:
+    """Refuse impossible configurations with a message naming the field and the fix."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for name, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.dp", p.dp),
+                        ("parallel.vpp", p.vpp), ("parallel.microbatches", p.microbatches)):
+        if value < 1:
+            raise ConfigError(f"{name}={value} must be >= 1")
+    if world_size is not None and world_size != p.world_size:
+        raise ConfigError(f"world size {world_size} != dp*pp*tp = {p.dp}*{p.pp}*{p.tp} = {p.world_size}; "
+                          f"set --nproc {p.world_size} or change --dp/--pp/--tp")
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
+    if m.num_heads % p.tp:
+        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by parallel.tp={p.tp}; "
+                          f"choose tp from {[d for d in range(1, m.num_heads + 1) if m.num_heads % d == 0]}")
+    if m.num_kv_heads % p.tp:
+        raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} is not divisible by parallel.tp={p.tp}")
+    if m.ffn_hidden_size % p.tp:
+        raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}")
+    if m.vocab_size % p.tp:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; "
+                          f"pad the vocabulary to a multiple of {p.tp}")
+    if m.family == "llama" and m.head_dim % 2:
+        raise ConfigError(f"RoPE needs an even head dim; hidden_size/num_heads = {m.head_dim}")
+    stages = p.pp * p.vpp
+    if m.num_layers < stages:
+        raise ConfigError(f"model.num_layers={m.num_layers} < pp*vpp = {p.pp}*{p.vpp} = {stages} pipeline chunks; "
+                          f"lower --pp/--vpp or add layers")
+    if p.schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.schedule={p.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if p.vpp > 1 and p.schedule in ("gpipe", "1f1b"):
+        raise ConfigError(f"parallel.vpp={p.vpp} needs an interleaved schedule: use --schedule interleaved-1f1b or dpp")
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1")
+    if p.dpp_policy not in ("dfs", "bfs", "adaptive"):
+        raise ConfigError(f"parallel.dpp_policy={p.dpp_policy!r}: choose dfs, bfs or adaptive")
+    if p.dpp_max_inflight is not None and p.dpp_max_inflight < 1:
+        raise ConfigError(f"parallel.dpp_max_inflight={p.dpp_max_inflight} must be >= 1")
+    if p.sequence_parallel and t.seq_len % p.tp:
+        raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} with sequence parallelism")
+    if t.global_batch_size % (p.dp * p.microbatches):
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be divisible by "
+                          f"dp*microbatches = {p.dp}*{p.microbatches}")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if t.optimizer not in ("adamw", "lamb"):
+        raise ConfigError(f"train.optimizer={t.optimizer!r}: choose adamw or lamb")
+    if t.dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"train.dtype={t.dtype!r}: choose fp32 or bf16")
+    if t.recompute not in ("none", "selective", "full"):
+        raise ConfigError(f"train.recompute={t.recompute!r}: choose none, selective or full")
+    if t.steps < 1:
+        raise ConfigError(f"train.steps={t.steps} must be >= 1")
+    if cfg.trace.granularity not in ("coarse", "full"):
+        raise ConfigError(f"trace.granularity={cfg.trace.granularity!r}: choose coarse or full")
+
+
+def micro_batch_size(cfg: RunConfig) -> int:
+    """Samples per microbatch on one DP replica."""
+    return cfg.train.global_batch_size // (cfg.parallel.dp * cfg.parallel.microbatches)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The embedded default: small enough to train visibly on 2 CPU cores in a couple of minutes.
+    "gpt2-tiny": dict(family="gpt2", vocab_size=256, hidden_size=128, num_layers=4, num_heads=4, max_seq_len=128),
+    "llama-tiny": dict(family="llama", vocab_size=256, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                       max_seq_len=128),
+    "gpt2-small": dict(family="gpt2", vocab_size=50304, hidden_size=768, num_layers=12, num_heads=12, max_seq_len=1024),
+    "llama-1b": dict(family="llama", vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                     ffn_hidden_size=5632, max_seq_len=2048),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """A named model shape."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return ModelConfig(**PRESETS[name])
