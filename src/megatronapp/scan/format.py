@@ -1,0 +1,296 @@
+"""MegaScan per-rank trace files (`rank{r:05d}.mst`): an append-only stream of checksummed blocks.
+
+Layout: an 8-byte magic, then blocks `tag(4s) length(u32) crc32(u32) payload`. Tags:
+  HEAD  JSON header (rank, world, coord, topo, host, pid, clock info, handshake samples)
+  STRS  JSON list of new names appended to the string table
+  GRPS  JSON list of new [group name, [global ranks]] appended to the group table
+  SPAN  packed fixed-size span records (`RECORD` dtype), read with one `np.frombuffer`
+  FOOT  JSON footer (records written, records dropped), merged into the header under "footer"
+A string or group is always written before the first SPAN block that refers to it, so any prefix of a file is
+a valid trace: a truncated file reads up to its last complete record. A block whose checksum fails is skipped
+and named in `problems`; reading stops at an unknown tag (the framing is lost).
+"""
+from __future__ import annotations
+
+import json
+import re
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Self
+
+import numpy as np
+
+CATS = ("compute", "comm", "data", "optimizer", "layer", "step", "other")
+CAT_INDEX = {c: i for i, c in enumerate(CATS)}
+
+MAGIC = b"MSCAN\x00\x01\x00"
+_BLOCK = struct.Struct("<4sII")
+FILE_PATTERN = re.compile(r"rank(\d{5,})\.mst$")
+
+# Widest fields first so the packed record has no holes; 56 bytes a span.
+RECORD = np.dtype([("ts", "<i8"), ("dur", "<i8"), ("seq", "<i8"), ("nbytes", "<i8"),
+                   ("name", "<i4"), ("it", "<i4"), ("gid", "<i4"), ("peer", "<i4"), ("mb", "<i4"),
+                   ("chunk", "<i2"), ("cat", "i1"), ("_pad", "u1")])
+COLUMNS = ("name", "cat", "ts", "dur", "it", "gid", "seq", "peer", "nbytes", "chunk", "mb")
+
+
+class TraceFormatError(ValueError):
+    """A file that is not a MegaScan trace at all (bad magic or unreadable header)."""
+
+
+def rank_file(trace_dir: str | Path, rank: int) -> Path:
+    """Path of one rank's trace file in a trace directory."""
+    return Path(trace_dir) / f"rank{rank:05d}.mst"
+
+
+@dataclass
+class RankTrace:
+    """One rank's spans as columnar numpy arrays plus its header, string table and group table."""
+
+    rank: int
+    world: int
+    coord: tuple[int, int, int]  # (dp, pp, tp)
+    topo: tuple[int, int, int]  # (tp, pp, dp) sizes
+    header: dict
+    names: list[str]
+    groups: list[tuple[str, tuple[int, ...]]]
+    name: np.ndarray
+    cat: np.ndarray
+    ts: np.ndarray
+    dur: np.ndarray
+    it: np.ndarray
+    gid: np.ndarray
+    seq: np.ndarray
+    peer: np.ndarray
+    nbytes: np.ndarray
+    chunk: np.ndarray
+    mb: np.ndarray
+    problems: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.ts)
+
+    @property
+    def end(self) -> np.ndarray:
+        """Span end times (ns, own clock)."""
+        return self.ts + self.dur
+
+    def name_id(self, name: str) -> int:
+        """Index of `name` in the string table, -1 if this rank never used it."""
+        try:
+            return self.names.index(name)
+        except ValueError:
+            return -1
+
+
+class RankWriter:
+    """Append spans to one rank's trace file; buffers records and writes them as blocks."""
+
+    def __init__(self, path: str | Path, header: dict, buffer_records: int = 4096):
+        for key in ("rank", "world", "coord", "topo"):
+            if key not in header:
+                raise ValueError(f"trace header needs {key!r} (got keys {sorted(header)})")
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f: BinaryIO | None = open(self.path, "wb")  # noqa: SIM115 (lives until close())
+        self._names: dict[str, int] = {}
+        self._groups: dict[tuple[str, tuple[int, ...]], int] = {}
+        self._new_names: list[str] = []
+        self._new_groups: list[list] = []
+        self._rows: list[tuple] = []
+        self._buffer = buffer_records
+        self.records = 0
+        self.footer: dict[str, Any] = {}
+        self._f.write(MAGIC)
+        self._block(b"HEAD", json.dumps(header, default=_jsonable).encode())
+
+    def _block(self, tag: bytes, payload: bytes) -> None:
+        self._f.write(_BLOCK.pack(tag, len(payload), zlib.crc32(payload)))
+        self._f.write(payload)
+
+    def _name(self, name: str) -> int:
+        i = self._names.get(name)
+        if i is None:
+            i = self._names[name] = len(self._names)
+            self._new_names.append(name)
+        return i
+
+    def _gid(self, group: str | None, ranks: Any) -> int:
+        if group is None:
+            return -1
+        key = (str(group), tuple(int(r) for r in ranks) if ranks is not None else ())
+        i = self._groups.get(key)
+        if i is None:
+            i = self._groups[key] = len(self._groups)
+            self._new_groups.append([key[0], list(key[1])])
+        return i
+
+    def write(self, name: str, cat: str | int, ts: int, dur: int, it: int, group: str | None = None,
+              group_ranks: Any = None, seq: int = -1, peer: int | None = -1, nbytes: int = 0,
+              chunk: int | None = -1, mb: int | None = -1) -> None:
+        """Buffer one span (times in ns on this rank's clock); flushed every `buffer_records` spans."""
+        c = cat if isinstance(cat, int) else CAT_INDEX.get(cat, CAT_INDEX["other"])
+        self._rows.append((ts, dur, -1 if seq is None else seq, nbytes or 0, self._name(name), it,
+                           self._gid(group, group_ranks), -1 if peer is None else peer,
+                           -1 if mb is None else mb, -1 if chunk is None else chunk, c, 0))
+        if len(self._rows) >= self._buffer:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write buffered tables and spans to the file (one block each) and flush the OS buffer."""
+        if self._f is None:
+            return
+        if self._new_names:
+            self._block(b"STRS", json.dumps(self._new_names).encode())
+            self._new_names = []
+        if self._new_groups:
+            self._block(b"GRPS", json.dumps(self._new_groups).encode())
+            self._new_groups = []
+        if self._rows:
+            self._block(b"SPAN", np.array(self._rows, dtype=RECORD).tobytes())
+            self.records += len(self._rows)
+            self._rows = []
+        self._f.flush()
+
+    def close(self, footer: dict | None = None) -> None:
+        """Flush, write the footer (records written plus `footer`/`self.footer` entries) and close."""
+        if self._f is None:
+            return
+        self.flush()
+        info = {"records": self.records, **self.footer, **(footer or {})}
+        self._block(b"FOOT", json.dumps(info, default=_jsonable).encode())
+        self._f.close()
+        self._f = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _jsonable(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, (tuple, set)):
+        return list(o)
+    return str(o)
+
+
+def read_rank(path: str | Path) -> RankTrace:
+    """Read one rank file; a truncated or partly corrupt file yields what is intact plus `problems`."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise TraceFormatError(f"{p.name}: cannot read ({e.strerror})") from None
+    if data[:len(MAGIC)] != MAGIC:
+        raise TraceFormatError(f"{p.name}: not a MegaScan trace (bad magic); expected a file written by RankWriter")
+    header: dict | None = None
+    footer: dict | None = None
+    names: list[str] = []
+    groups: list[tuple[str, tuple[int, ...]]] = []
+    spans: list[np.ndarray] = []
+    problems: list[str] = []
+    nrec = 0
+    pos, size = len(MAGIC), len(data)
+    while pos < size:
+        if pos + _BLOCK.size > size:
+            problems.append(f"{p.name} truncated after {nrec} records (partial block header at byte {pos})")
+            break
+        tag, length, crc = _BLOCK.unpack_from(data, pos)
+        body = pos + _BLOCK.size
+        payload = data[body:body + length]
+        if tag not in (b"HEAD", b"STRS", b"GRPS", b"SPAN", b"FOOT"):
+            problems.append(f"{p.name} corrupt at byte {pos} after {nrec} records (unknown block); rest ignored")
+            break
+        if len(payload) < length:
+            if tag == b"SPAN":
+                # Records are fixed-size: keep every complete one of the partial block.
+                k = len(payload) // RECORD.itemsize
+                if k:
+                    spans.append(np.frombuffer(payload, dtype=RECORD, count=k))
+                    nrec += k
+            problems.append(f"{p.name} truncated after {nrec} records")
+            break
+        pos = body + length
+        if zlib.crc32(payload) != crc:
+            problems.append(f"{p.name}: checksum mismatch in {tag.decode()} block at byte {body - _BLOCK.size}; "
+                            "block skipped")
+            if tag in (b"STRS", b"GRPS"):
+                break  # later spans would index a table we no longer have
+            continue
+        if tag == b"SPAN":
+            if length % RECORD.itemsize:
+                problems.append(f"{p.name}: span block at byte {body} has a partial record; block skipped")
+                continue
+            spans.append(np.frombuffer(payload, dtype=RECORD))
+            nrec += length // RECORD.itemsize
+        elif tag == b"STRS":
+            names.extend(json.loads(payload))
+        elif tag == b"GRPS":
+            groups.extend((str(g), tuple(int(r) for r in rs)) for g, rs in json.loads(payload))
+        elif tag == b"HEAD":
+            header = json.loads(payload)
+        else:
+            footer = json.loads(payload)
+    if header is None:
+        raise TraceFormatError(f"{p.name}: header missing or corrupt; the file cannot be attributed to a rank")
+    if footer is None and not problems:
+        problems.append(f"{p.name} has no footer (the writer did not close; {nrec} records read)")
+    if footer is not None:
+        header = {**header, "footer": footer}
+        if footer.get("dropped"):
+            problems.append(f"{p.name}: the tracer dropped {footer['dropped']} spans (queue full)")
+    rec = np.concatenate(spans) if len(spans) > 1 else (spans[0] if spans else np.zeros(0, RECORD))
+    cols = {c: np.ascontiguousarray(rec[c]) for c in COLUMNS}
+    bad = (cols["name"] < 0) | (cols["name"] >= len(names)) | (cols["gid"] < -1) | (cols["gid"] >= len(groups))
+    if bad.any():
+        problems.append(f"{p.name}: {int(bad.sum())} records refer to unknown names/groups; dropped")
+        cols = {c: v[~bad] for c, v in cols.items()}
+    try:
+        rank, world = int(header["rank"]), int(header["world"])
+        coord = tuple(int(x) for x in header["coord"])
+        topo = tuple(int(x) for x in header["topo"])
+    except (KeyError, TypeError, ValueError):
+        raise TraceFormatError(f"{p.name}: header lacks rank/world/coord/topo") from None
+    return RankTrace(rank=rank, world=world, coord=coord, topo=topo, header=header, names=names, groups=groups,
+                     problems=problems, **cols)
+
+
+def read_dir(path: str | Path) -> tuple[list[RankTrace], list[str]]:
+    """Read every `rank*.mst` in a directory: traces sorted by rank, plus problems naming bad or missing files.
+
+    The problems list includes each trace's own problems (truncation, drops) so one list tells the whole story."""
+    d = Path(path)
+    if not d.is_dir():
+        raise FileNotFoundError(f"trace directory {d} does not exist")
+    traces: list[RankTrace] = []
+    problems: list[str] = []
+    seen: dict[int, str] = {}
+    for f in sorted(d.iterdir()):
+        if not FILE_PATTERN.search(f.name):
+            continue
+        try:
+            t = read_rank(f)
+        except TraceFormatError as e:
+            problems.append(str(e))
+            continue
+        if t.rank in seen:
+            problems.append(f"{f.name} claims rank {t.rank}, already read from {seen[t.rank]}; ignored")
+            continue
+        seen[t.rank] = f.name
+        problems.extend(t.problems)
+        traces.append(t)
+    traces.sort(key=lambda t: t.rank)
+    world = max((t.world for t in traces), default=0)
+    missing = [r for r in range(world) if r not in seen]
+    if missing:
+        shown = ", ".join(rank_file(d, r).name for r in missing[:20])
+        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        problems.append(f"missing rank files: {shown}{more}")
+    if not traces and not problems:
+        problems.append(f"no rank*.mst files in {d}")
+    return traces, problems

@@ -1,0 +1,103 @@
+"""MegaScan trace file format: round trip, truncation, corruption, directory reading."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatronapp.scan.format import CATS, RECORD, RankWriter, TraceFormatError, rank_file, read_dir, read_rank
+
+
+def _header(rank: int, world: int = 2) -> dict:
+    return {"rank": rank, "world": world, "coord": [rank, 0, 0], "topo": [1, 1, world], "host": "h"}
+
+
+def _write(path, rank=0, n=10, world=2, buffer_records=4096, close=True):
+    w = RankWriter(path, _header(rank, world), buffer_records=buffer_records)
+    for i in range(n):
+        if i % 2:
+            w.write("all_reduce", "comm", ts=1000 * i, dur=7, it=i // 4, group="dp", group_ranks=(0, 1),
+                    seq=i, nbytes=4096)
+        else:
+            w.write(f"layers.{i % 3}", "layer", ts=1000 * i, dur=5 + i, it=i // 4, chunk=0, mb=i % 3)
+    if close:
+        w.close(footer={"dropped": 0})
+    return w
+
+
+def test_round_trip_columns_and_tables(tmp_path):
+    path = rank_file(tmp_path, 0)
+    _write(path, n=10, buffer_records=3)  # several blocks, tables growing between them
+    t = read_rank(path)
+    assert (t.rank, t.world, t.coord, t.topo) == (0, 2, (0, 0, 0), (1, 1, 2))
+    assert len(t) == 10 and t.problems == []
+    assert t.header["host"] == "h" and t.header["footer"]["records"] == 10
+    assert t.ts.dtype == np.int64 and t.name.dtype == np.int32 and t.cat.dtype == np.int8
+    assert t.chunk.dtype == np.int16 and t.gid.dtype == np.int32 and t.seq.dtype == np.int64
+    assert list(t.ts) == [1000 * i for i in range(10)]
+    names = [t.names[k] for k in t.name]
+    assert names[1] == "all_reduce" and names[2] == "layers.2"
+    assert [CATS[c] for c in t.cat[:2]] == ["layer", "comm"]
+    assert t.groups == [("dp", (0, 1))]
+    comm = t.gid >= 0
+    assert list(t.seq[comm]) == [1, 3, 5, 7, 9] and set(t.nbytes[comm]) == {4096}
+    assert set(t.seq[~comm]) == {-1} and set(t.peer) == {-1}
+    assert list(t.mb[~comm]) == [0, 2, 1, 0, 2] and list(t.dur[:3]) == [5, 7, 7]
+
+
+@pytest.mark.parametrize("cut", [1, 7, RECORD.itemsize + 3, 200])
+def test_truncated_file_reads_complete_records(tmp_path, cut):
+    path = rank_file(tmp_path, 1)
+    _write(path, rank=1, n=20, buffer_records=8)
+    full = read_rank(path)
+    data = path.read_bytes()
+    path.write_bytes(data[:-cut])
+    t = read_rank(path)
+    assert t.problems and "rank00001.mst" in t.problems[0]
+    assert 0 < len(t) <= 20
+    # What was read is an exact prefix of the full trace.
+    assert np.array_equal(t.ts, full.ts[:len(t)]) and np.array_equal(t.name, full.name[:len(t)])
+    if cut < 200:
+        assert len(t) >= 16  # only the final block (and footer) are affected
+
+
+def test_unclosed_writer_is_readable(tmp_path):
+    path = rank_file(tmp_path, 0)
+    w = _write(path, n=9, buffer_records=4, close=False)
+    t = read_rank(path)
+    assert len(t) == 8 and "no footer" in t.problems[0]
+    w.close()
+
+
+def test_checksum_failure_skips_block(tmp_path):
+    path = rank_file(tmp_path, 0)
+    _write(path, n=12, buffer_records=4)
+    data = bytearray(path.read_bytes())
+    # Flip a byte in the middle of the file (inside a span block payload, past the header and tables).
+    i = data.index(b"SPAN") + 20
+    data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+    t = read_rank(path)
+    assert any("checksum" in p for p in t.problems)
+    assert len(t) == 8
+
+
+def test_bad_files_and_missing_ranks_named(tmp_path):
+    _write(rank_file(tmp_path, 0), rank=0, world=4)
+    (tmp_path / "rank00001.mst").write_bytes(b"garbage that is not a trace")
+    _write(rank_file(tmp_path, 3), rank=3, world=4)
+    data = rank_file(tmp_path, 3).read_bytes()
+    rank_file(tmp_path, 3).write_bytes(data[:-30])
+    (tmp_path / "notes.txt").write_text("ignored")
+    traces, problems = read_dir(tmp_path)
+    assert [t.rank for t in traces] == [0, 3]
+    text = "\n".join(problems)
+    assert "rank00001.mst: not a MegaScan trace" in text
+    assert "rank00002.mst" in text and "missing" in text
+    assert "rank00003.mst truncated" in text
+    with pytest.raises(TraceFormatError, match="rank00001.mst"):
+        read_rank(tmp_path / "rank00001.mst")
+
+
+def test_header_requires_identity(tmp_path):
+    with pytest.raises(ValueError, match="coord"):
+        RankWriter(tmp_path / "x.mst", {"rank": 0, "world": 1, "topo": [1, 1, 1]})
