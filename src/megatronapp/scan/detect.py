@@ -1,0 +1,578 @@
+"""Root-cause detection: which rank or link slows the job down, told apart from the ranks that only wait for it.
+
+Three views of the same trace, each robust to noise (median/MAD statistics, with a relative AND an absolute
+minimum effect before anything is called a fault):
+
+1. Self time. Per rank and iteration, the time the rank spent on its own: exclusive compute (compute spans minus
+   the comm spans nested in them), data loading and untraced gaps; everything else is waiting. Peers doing the
+   same work (all ranks of one pipeline stage: DP replicas and TP peers) should have the same self time. A rank
+   above its peers in most iterations is a slow-compute rank (excess in compute) or a late arriver (excess in
+   data / untraced time); in a few iterations only, a transient pause. A victim's extra time is waiting, never
+   self time, so victims are not blamed. Durations on one clock need no clock alignment.
+2. Links. P2P transfer time per (src, dst) pair and the pure collective time of each group (the time from the
+   last arrival to the end, i.e. the shortest member duration) against peers doing the same transfer.
+3. Waits. At each matched collective the last arrival makes the others wait; at each recv the sender does. A
+   wait is charged to the late rank only when its lateness is not explained by waits it suffered itself earlier
+   in the iteration (then it is a victim passing a delay on). The result, "others waited X ms for this rank",
+   is the evidence attached to findings and the ranking of who everyone waits for.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from megatronapp.scan.format import CAT_INDEX, RankTrace
+
+KINDS = ("slow-compute", "slow-link", "transient-pause", "late-arrival")
+MS = 1e6
+_COMPUTE, _COMM, _DATA, _OPT, _STEP = (CAT_INDEX[c] for c in ("compute", "comm", "data", "optimizer", "step"))
+
+
+@dataclass
+class Thresholds:
+    """When a difference counts as a fault: all of relative, absolute and robust-z minimums must hold."""
+
+    rel: float = 0.05  # self time above peers' median, per iteration
+    abs_ms: float = 0.5
+    z: float = 4.0
+    persistent: float = 0.6  # fraction of iterations for a persistent fault
+    transient_rel: float = 0.15  # a one-off must stand out more than a persistent shift
+    transient_abs_ms: float = 2.0
+    link_rel: float = 0.06  # median transfer time above peers' median
+    link_abs_ms: float = 0.01
+    scale_floor: float = 0.01  # MAD is floored at 1% of the median: identical peers are not infinitely sure
+
+
+@dataclass
+class Finding:
+    """One suspected root cause."""
+
+    kind: str
+    ranks: tuple[int, ...]  # (rank,) or the two ends of a link, or a whole collective group
+    coords: list[dict]  # [{"rank", "dp", "pp", "tp"}] for each rank
+    slowdown: str  # human form: "1.30x compute", "+45.0 ms in 2 of 5 iterations"
+    factor: float  # measured ratio to peers (1.0 = like peers)
+    excess_ms: float  # extra ms per affected iteration / transfer
+    confidence: float
+    evidence: dict = field(default_factory=dict)
+
+    @property
+    def link(self) -> tuple[int, int] | None:
+        return (self.ranks[0], self.ranks[1]) if self.kind == "slow-link" and len(self.ranks) == 2 else None
+
+    def describe(self) -> str:
+        where = ", ".join(f"rank {c['rank']} (DP{c['dp']} PP{c['pp']} TP{c['tp']})" for c in self.coords[:4])
+        if len(self.coords) > 4:
+            where += f" ... ({len(self.coords)} ranks)"
+        return f"{self.kind:<15} {where}: {self.slowdown}, confidence {self.confidence:.2f}"
+
+
+@dataclass
+class Report:
+    """Ranked findings plus the context needed to read them."""
+
+    findings: list[Finding]
+    world: int
+    iterations: int
+    step_ms: float  # median iteration time
+    waited_for: list[dict]  # top ranks others waited for (victims filtered), ms
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps({"world": self.world, "iterations": self.iterations, "step_ms": self.step_ms,
+                           "findings": [{**asdict(f), "link": f.link} for f in self.findings],
+                           "waited_for": self.waited_for, "notes": self.notes}, indent=1)
+
+    def to_text(self) -> str:
+        lines = [(f"MegaScan detect: {self.world} ranks, {self.iterations} iterations, "
+                 f"median iteration {self.step_ms:.1f} ms")]
+        if not self.findings:
+            lines.append("no root cause found: every rank and link is within noise of its peers")
+        for i, f in enumerate(self.findings, 1):
+            lines.append(f"{i:>2}. {f.describe()}")
+            ev = f.evidence
+            if "iterations" in ev:
+                lines.append(f"      iterations {ev['iterations']}; ops {ev.get('ops', {})}")
+            if ev.get("others_waited_ms"):
+                lines.append(f"      others waited {ev['others_waited_ms']:.1f} ms for it")
+            if "transfers" in ev:
+                lines.append(f"      {ev['transfers']} transfers, median {ev['median_ms']:.3f} ms vs "
+                             f"peers {ev['peer_median_ms']:.3f} ms")
+        if self.waited_for:
+            top = ", ".join(f"rank {w['rank']} {w['ms']:.1f} ms" for w in self.waited_for[:5])
+            lines.append(f"who everyone waits for (direct waits caused, victims excluded): {top}")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the joined span table
+@dataclass
+class Table:
+    """All ranks' spans in one set of columns, sorted by (rank, ts), with global name and group ids."""
+
+    world: int
+    coords: np.ndarray  # [rank] -> (dp, pp, tp)
+    names: list[str]
+    groups: list[tuple[str, tuple[int, ...]]]
+    rank: np.ndarray
+    name: np.ndarray
+    cat: np.ndarray
+    ts: np.ndarray
+    dur: np.ndarray
+    it: np.ndarray
+    gkey: np.ndarray
+    seq: np.ndarray
+    peer: np.ndarray
+    nbytes: np.ndarray
+    mb: np.ndarray
+
+    @property
+    def end(self) -> np.ndarray:
+        return self.ts + self.dur
+
+
+def join(traces: list[RankTrace]) -> Table:
+    """Concatenate rank traces into one table with global string and group ids."""
+    world = max([t.world for t in traces] + [t.rank + 1 for t in traces] + [0])
+    coords = np.full((world, 3), -1, np.int64)
+    names: dict[str, int] = {}
+    groups: dict[tuple, int] = {}
+    cols: dict[str, list] = {k: [] for k in ("rank", "name", "cat", "ts", "dur", "it", "gkey", "seq", "peer",
+                                              "nbytes", "mb")}
+    for t in traces:
+        coords[t.rank] = t.coord
+        nmap = np.array([names.setdefault(n, len(names)) for n in t.names] + [-1], np.int64)
+        gmap = np.array([groups.setdefault((g, tuple(r)), len(groups)) for g, r in t.groups] + [-1], np.int64)
+        cols["rank"].append(np.full(len(t), t.rank, np.int64))
+        cols["name"].append(nmap[t.name])
+        cols["gkey"].append(gmap[t.gid])
+        for k in ("cat", "ts", "dur", "it", "seq", "peer", "nbytes", "mb"):
+            cols[k].append(np.asarray(getattr(t, k)).astype(np.int64))
+    c = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in cols.items()}
+    order = np.lexsort((c["ts"], c["rank"]))
+    return Table(world, coords, list(names), list(groups), **{k: v[order] for k, v in c.items()})
+
+
+# ----------------------------------------------------------------------------- 1. self time
+@dataclass
+class Phases:
+    """Per (rank, iteration) time in ms: compute (exclusive), data, gap (untraced), comm, self, window."""
+
+    iters: np.ndarray
+    compute: np.ndarray
+    data: np.ndarray
+    gap: np.ndarray
+    comm: np.ndarray
+    window: np.ndarray
+    excl: np.ndarray  # per table row: duration minus nested comm (ns)
+
+    @property
+    def self_time(self) -> np.ndarray:
+        return self.compute + self.data + self.gap
+
+
+def phases(tb: Table) -> Phases:
+    """Split each rank's iterations into own work, untraced gaps and communication."""
+    step = tb.cat == _STEP
+    iters = np.unique(tb.it[step] if step.any() else tb.it[tb.it >= 0])
+    n_it, W = len(iters), tb.world
+    shape = (W, max(n_it, 1))
+    ok = np.isin(tb.it, iters)
+    iti = np.searchsorted(iters, tb.it).clip(0, max(n_it - 1, 0))
+    flat = tb.rank * shape[1] + iti
+
+    def per_cell(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
+        m = mask & ok
+        return np.bincount(flat[m], values[m], W * shape[1]).reshape(shape)
+
+    # Exclusive compute: a comm span nested in the latest work span that started before it is subtracted.
+    work = np.isin(tb.cat, (_COMPUTE, _OPT, _DATA))
+    comm = tb.cat == _COMM
+    idx = np.where(work, np.arange(len(tb.ts)), -1)
+    last_work = np.maximum.accumulate(idx) if len(idx) else idx
+    end = tb.end
+    inside = comm & (last_work >= 0)
+    lw = last_work[inside]
+    nested = (tb.rank[lw] == tb.rank[inside]) & (end[inside] <= end[lw])
+    sub = np.bincount(lw[nested], tb.dur[inside][nested], len(tb.ts))
+    excl = np.maximum(tb.dur - sub, 0)
+    compute = per_cell(work & (tb.cat != _DATA), excl)
+    data = per_cell(tb.cat == _DATA, excl)
+    # Comm time as the union of comm intervals (async spans overlap), rest of the window is untraced gap.
+    win_end = np.full(shape, np.nan)
+    win_end_flat = win_end.ravel()
+    sm = step & ok
+    win_end_flat[flat[sm]] = end[sm]
+    win_start = np.full(shape, np.nan)
+    win_start.ravel()[flat[sm]] = tb.ts[sm]
+    # An iteration's window starts where the previous one ended: stalls between iterations count too.
+    prev_end = np.concatenate([win_start[:, :1], win_end[:, :-1]], axis=1)
+    start = np.where(np.isnan(prev_end), win_start, prev_end)
+    window = win_end - start
+    cover = _union_per_cell(tb, ~step & ok, flat, W * shape[1]).reshape(shape)
+    commu = _union_per_cell(tb, comm & ok, flat, W * shape[1]).reshape(shape)
+    gap = np.maximum(window - cover, 0)
+    return Phases(iters, compute / MS, data / MS, gap / MS, commu / MS, window / MS, excl)
+
+
+def _union_per_cell(tb: Table, mask: np.ndarray, flat: np.ndarray, n: int) -> np.ndarray:
+    """Length of the union of the masked spans, summed per (rank, iteration) cell."""
+    if not mask.any():
+        return np.zeros(n)
+    rank, ts, end, cell = tb.rank[mask], tb.ts[mask], tb.end[mask], flat[mask]
+    # Put each rank on its own stretch of one line so a single running max never crosses ranks.
+    base = np.zeros(tb.world, np.int64)
+    lo = np.full(tb.world, np.iinfo(np.int64).max)
+    np.minimum.at(lo, rank, ts)
+    hi = np.zeros(tb.world, np.int64)
+    np.maximum.at(hi, rank, end)
+    span = int(np.max(np.where(hi > 0, hi - np.where(lo == np.iinfo(np.int64).max, 0, lo), 0))) + 1
+    base = rank * span - lo[rank]
+    s, e = ts + base, end + base
+    o = np.argsort(s, kind="stable")
+    s, e, cell = s[o], e[o], cell[o]
+    run = np.maximum.accumulate(e)
+    prev = np.concatenate([[np.iinfo(np.int64).min], run[:-1]])
+    contrib = np.maximum(e - np.maximum(s, prev), 0)
+    return np.bincount(cell, contrib.astype(np.float64), n)
+
+
+def robust_excess(x: np.ndarray, groups: np.ndarray, floor: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row of x (ranks x iterations): (reference, excess, robust z) against rows of the same group.
+
+    Reference is the group median (leave-one-out for groups under 5 members, so one slow rank of two or three
+    cannot hide itself); scale is 1.4826 MAD floored at `floor` of the reference."""
+    ref = np.full_like(x, np.nan)
+    scale = np.full_like(x, np.nan)
+    for g in np.unique(groups[groups >= 0]):
+        rows = np.flatnonzero(groups == g)
+        if len(rows) < 2:
+            continue
+        v = x[rows]
+        if len(rows) < 5:
+            med = np.stack([np.nanmedian(np.delete(v, i, axis=0), axis=0) for i in range(len(rows))])
+        else:
+            med = np.broadcast_to(np.nanmedian(v, axis=0), v.shape)
+        mad = np.nanmedian(np.abs(v - np.nanmedian(v, axis=0)), axis=0) * 1.4826
+        ref[rows] = med
+        scale[rows] = np.maximum(np.broadcast_to(mad, v.shape), floor * np.abs(med))
+    exc = x - ref
+    with np.errstate(invalid="ignore", divide="ignore"):
+        z = exc / scale
+    return ref, exc, z
+
+
+def _coord(tb: Table, r: int) -> dict:
+    dp, pp, tp = (int(v) for v in tb.coords[r])
+    return {"rank": int(r), "dp": dp, "pp": pp, "tp": tp}
+
+
+def _confidence(z: float, frac: float, zmin: float) -> float:
+    """Grows with how far past the z threshold and how consistently; 0.5 at the threshold."""
+    return round(float(min(1.0, frac) * min(1.0, 0.5 + (z - zmin) / (4 * zmin))), 3)
+
+
+def rank_findings(tb: Table, ph: Phases, th: Thresholds) -> list[Finding]:
+    """Slow-compute, transient-pause and late-arrival findings from self time against stage peers."""
+    stage = tb.coords[:, 1]
+    present = np.zeros(tb.world, bool)
+    present[np.unique(tb.rank)] = True
+    groups = np.where(present, stage, -1)
+    st = ph.self_time
+    ref, exc, z = robust_excess(st, groups, th.scale_floor)
+    n_it = st.shape[1]
+    with np.errstate(invalid="ignore"):
+        rel = exc / ref
+        base = (z >= th.z) & (rel >= th.rel) & (exc >= th.abs_ms)
+        big = base & (rel >= th.transient_rel) & (exc >= th.transient_abs_ms)
+    out = []
+    for r in np.flatnonzero(base.any(axis=1)):
+        hit = np.flatnonzero(base[r])
+        frac = len(hit) / n_it
+        peers = np.flatnonzero((groups == groups[r]) & (np.arange(tb.world) != r))
+        parts = {}
+        for name, arr in (("compute", ph.compute), ("data", ph.data), ("gap", ph.gap)):
+            parts[name] = float(np.nanmean(arr[r, hit] - np.nanmedian(arr[peers][:, hit], axis=0)))
+        its = [int(ph.iters[i]) for i in hit]
+        zr = float(np.nanmedian(z[r, hit]))
+        ev = {"iterations": its, "excess_ms_by_part": {k: round(v, 3) for k, v in parts.items()},
+              "peers": len(peers), "z": round(zr, 1), "ops": op_excess(tb, ph, [int(r)])[int(r)]}
+        excess = float(np.nanmedian(exc[r, hit]))
+        if frac >= th.persistent and n_it >= 1:
+            if parts["compute"] >= parts["data"] + parts["gap"]:
+                peer_c = np.nanmedian(ph.compute[peers], axis=0)
+                factor = float(np.nanmedian(ph.compute[r, hit] / peer_c[hit]))
+                out.append(Finding("slow-compute", (int(r),), [_coord(tb, r)], f"{factor:.2f}x compute "
+                                   f"(+{excess:.1f} ms per iteration)", round(factor, 3), round(excess, 3),
+                                   _confidence(zr, frac, th.z), ev))
+            else:
+                factor = float(np.nanmedian(st[r, hit] / ref[r, hit]))
+                out.append(Finding("late-arrival", (int(r),), [_coord(tb, r)], f"+{excess:.1f} ms per iteration "
+                                   "before reaching the collectives (data / untraced time)", round(factor, 3),
+                                   round(excess, 3), _confidence(zr, frac, th.z), ev))
+        else:
+            hb = np.flatnonzero(big[r])
+            if not len(hb):
+                continue  # a small, rare excess: noise
+            excess = float(np.nanmedian(exc[r, hb]))
+            ev["iterations"] = [int(ph.iters[i]) for i in hb]
+            factor = float(np.nanmedian(st[r, hb] / ref[r, hb]))
+            out.append(Finding("transient-pause", (int(r),), [_coord(tb, r)],
+                               f"+{excess:.1f} ms in {len(hb)} of {n_it} iterations", round(factor, 3),
+                               round(excess, 3), _confidence(float(np.nanmedian(z[r, hb])), 1.0, th.z), ev))
+    return out
+
+
+def op_excess(tb: Table, ph: Phases, ranks: list[int]) -> dict[int, dict[str, float]]:
+    """For the given ranks: ratio of each op's mean exclusive time to the same op on stage peers (evidence)."""
+    out: dict[int, dict[str, float]] = {}
+    work = np.isin(tb.cat, (_COMPUTE, _OPT, _DATA))
+    for r in ranks:
+        peers = np.flatnonzero(tb.coords[:, 1] == tb.coords[r, 1])
+        m = work & np.isin(tb.rank, peers)
+        res = {}
+        for nid in np.unique(tb.name[m & (tb.rank == r)]):
+            mm = m & (tb.name == nid)
+            mine = ph.excl[mm & (tb.rank == r)].mean()
+            per_peer = np.bincount(tb.rank[mm], ph.excl[mm], tb.world)[peers] / np.maximum(
+                np.bincount(tb.rank[mm], minlength=tb.world)[peers], 1)
+            res[tb.names[nid]] = round(float(mine / max(np.median(per_peer), 1.0)), 3)
+        out[int(r)] = res
+    return out
+
+
+# ----------------------------------------------------------------------------- 2. links and 3. waits
+def group_median(keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(unique keys, median of vals per key, count per key), vectorised by one sort."""
+    if not len(keys):
+        return keys, vals.astype(float), keys
+    o = np.lexsort((vals, keys))
+    k, v = keys[o], vals[o].astype(float)
+    uk, start, cnt = np.unique(k, return_index=True, return_counts=True)
+    med = (v[start + (cnt - 1) // 2] + v[start + cnt // 2]) / 2
+    return uk, med, cnt
+
+
+def _lookup(uk: np.ndarray, values: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    return values[np.searchsorted(uk, keys)]
+
+
+@dataclass
+class Waits:
+    """Wait analysis: per (rank, iteration) ms waited and ms others waited for the rank (direct, victims out)."""
+
+    waited: np.ndarray
+    caused: np.ndarray
+    caused_count: np.ndarray  # per rank, instances where it was the root late arrival
+
+
+def _seg_cumwait(tb: Table, w: np.ndarray) -> np.ndarray:
+    """Wait a rank had accumulated in the current iteration before each row."""
+    cs = np.cumsum(w)
+    new = np.ones(len(w), bool)
+    new[1:] = (tb.rank[1:] != tb.rank[:-1]) | (tb.it[1:] != tb.it[:-1])
+    seg_start = np.maximum.accumulate(np.where(new, np.arange(len(w)), 0))
+    return cs - w - (cs[seg_start] - w[seg_start])
+
+
+def links_and_waits(tb: Table, ph: Phases, th: Thresholds, offsets: dict[int, int] | None
+                    ) -> tuple[list[Finding], Waits]:
+    """Slow P2P links and slow collective groups, and who made whom wait."""
+    W, n_it = tb.world, len(ph.iters)
+    off = np.zeros(W, np.int64)
+    for r, o in (offsets or {}).items():
+        if 0 <= int(r) < W:
+            off[int(r)] = int(o)
+    iti = np.searchsorted(ph.iters, tb.it).clip(0, max(n_it - 1, 0))
+    in_it = np.isin(tb.it, ph.iters)
+    wait = np.zeros(len(tb.ts))
+    findings: list[Finding] = []
+    deferred = []  # blame needs every wait first (a rank's earlier waits decide if it is a victim)
+    comm = tb.cat == _COMM
+    nid = {n: i for i, n in enumerate(tb.names)}
+    pp = tb.coords[:, 1]
+
+    # --- P2P: match send (a -> b, seq k) with recv on b from a, seq k.
+    send = np.flatnonzero(comm & (tb.peer >= 0) & (tb.name == nid.get("send", -2)) & (tb.seq >= 0))
+    recv = np.flatnonzero(comm & (tb.peer >= 0) & (tb.name == nid.get("recv", -2)) & (tb.seq >= 0))
+    if len(send) and len(recv):
+        S = int(max(tb.seq[send].max(), tb.seq[recv].max())) + 1
+        ks = (tb.rank[send] * W + tb.peer[send]) * S + tb.seq[send]
+        kr = (tb.peer[recv] * W + tb.rank[recv]) * S + tb.seq[recv]
+        o = np.argsort(ks)
+        pos = np.searchsorted(ks[o], kr).clip(0, len(ks) - 1)
+        hit = ks[o][pos] == kr
+        si, ri = send[o][pos][hit], recv[hit]
+        pair = tb.rank[si] * W + tb.rank[ri]
+        if offsets is None:
+            # No global clock: the two ends of a transfer finish together, which fixes each pair's offset.
+            up, dmed, _ = group_median(pair, (tb.end[ri] - tb.end[si]).astype(float))
+            s_at = tb.ts[si] + _lookup(up, dmed, pair).astype(np.int64)
+            r_at = tb.ts[ri]
+        else:
+            s_at, r_at = tb.ts[si] - off[tb.rank[si]], tb.ts[ri] - off[tb.rank[ri]]
+        r_end = r_at + tb.dur[ri]
+        w = np.maximum(s_at - r_at, 0).astype(float)
+        xfer = (r_end - np.maximum(s_at, r_at)).astype(float)
+        wait[ri] = w
+        cls = (pp[tb.rank[si]] * (tb.coords[:, 1].max() + 1) + pp[tb.rank[ri]]) * (1 << 20) + \
+            np.unique(tb.nbytes[si], return_inverse=True)[1]
+        inst = cls * S + tb.seq[si]
+        ui, imed, _ = group_median(inst, xfer)
+        ratio = xfer / np.maximum(_lookup(ui, imed, inst), 1.0)
+        findings += _link_findings(tb, th, pair, cls, ratio, xfer, lambda p: (int(p // W), int(p % W)), "P2P")
+        # Blame: the sender, for wait beyond what this transfer usually costs, unless it was itself held up.
+        def p2p_blame(cw_all, si=si, inst=inst, w=w):
+            uw, wmed, _ = group_median(inst, w)
+            excess = w - _lookup(uw, wmed, inst)
+            cw = cw_all[si]
+            uc, cmed, _ = group_median(inst, cw)
+            m = (excess > 0) & ~(cw - _lookup(uc, cmed, inst) >= 0.5 * excess)
+            return si[m], excess[m]
+        deferred.append(p2p_blame)
+
+    # --- collectives: same (group, seq) on every member.
+    coll = np.flatnonzero(comm & (tb.peer < 0) & (tb.gkey >= 0) & (tb.seq >= 0))
+    if len(coll):
+        S = int(tb.seq[coll].max()) + 1
+        inst = tb.gkey[coll] * S + tb.seq[coll]
+        ui, cnt = np.unique(inst, return_counts=True)
+        size = np.array([len(tb.groups[g][1]) for g in range(len(tb.groups))])
+        full = _lookup(ui, cnt, inst) == size[tb.gkey[coll]]
+        coll, inst = coll[full], inst[full]
+    if len(coll):
+        # Arrival: aligned start, or (no clock) minus the duration, as members leave a collective together.
+        arr = (tb.ts[coll] - off[tb.rank[coll]]) if offsets is not None else -tb.dur[coll]
+        arr = arr.astype(float)
+        ui, inv = np.unique(inst, return_inverse=True)
+        amax = np.full(len(ui), -np.inf)
+        np.maximum.at(amax, inv, arr)
+        w = amax[inv] - arr
+        wait[coll] = w
+        _, amed, _ = group_median(inst, arr)
+        n_inst = len(ui)
+
+        def coll_blame(cw_all, coll=coll, inst=inst, inv=inv, w=w, amax=amax, amed=amed, n=n_inst):
+            cw = cw_all[coll]
+            _, cmed, _ = group_median(inst, cw)
+            late = amax[inv] - amed[inv]
+            wsum = np.bincount(inv, w, n)
+            root = (w == 0) & (late > 0) & ~(cw - cmed[inv] >= 0.5 * late)
+            rows = np.flatnonzero(root)
+            keep = rows[np.unique(inv[rows], return_index=True)[1]]  # one culprit per instance (ties: first)
+            return coll[keep], wsum[inv[keep]]
+        deferred.append(coll_blame)
+        # Pure collective time: the last arriver's duration (it waited for nobody).
+        ctime = np.full(len(ui), np.inf)
+        np.minimum.at(ctime, inv, tb.dur[coll].astype(float))
+        first = np.unique(inv, return_index=True)[1]
+        g_of = tb.gkey[coll][first]
+        kinds: dict[tuple[str, int], int] = {}
+        gname = np.array([kinds.setdefault((tb.groups[g][0], len(tb.groups[g][1])), len(kinds)) for g in g_of])
+        cls = gname * (1 << 20) + np.unique(tb.name[coll][first] * (1 << 40) + tb.nbytes[coll][first],
+                                            return_inverse=True)[1]
+        ci = cls * S + tb.seq[coll][first]
+        uc, cm, _ = group_median(ci, ctime)
+        ratio = ctime / np.maximum(_lookup(uc, cm, ci), 1.0)
+        findings += _link_findings(tb, th, g_of, cls, ratio, ctime, lambda g: tb.groups[int(g)][1],
+                                   "collective")
+
+    cw_all = _seg_cumwait(tb, wait)
+    blame_rows = [f(cw_all) for f in deferred]  # (culprit row index, ns)
+    waited = np.zeros((W, max(n_it, 1)))
+    np.add.at(waited, (tb.rank[in_it], iti[in_it]), wait[in_it] / MS)
+    caused = np.zeros((W, max(n_it, 1)))
+    count = np.zeros(W, np.int64)
+    for rows, ns in blame_rows:
+        ok = in_it[rows]
+        np.add.at(caused, (tb.rank[rows][ok], iti[rows][ok]), ns[ok] / MS)
+        np.add.at(count, tb.rank[rows][ok], 1)
+    return findings, Waits(waited, caused, count)
+
+
+def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray, ratio: np.ndarray,
+                   t: np.ndarray, ranks_of, what: str) -> list[Finding]:
+    """Links (or groups) whose median transfer time stands out among units of the same class."""
+    uu, rmed, n = group_median(unit, ratio)
+    _, tmed, _ = group_median(unit, t)
+    ucls = cls[np.unique(unit, return_index=True)[1]]
+    out = []
+    for c in np.unique(ucls):
+        rows = np.flatnonzero(ucls == c)
+        if len(rows) < 2:
+            continue  # a link with no peer doing the same transfer cannot be judged
+        ref, exc, z = robust_excess(rmed[rows, None], np.zeros(len(rows), np.int64), th.scale_floor)
+        for i, k in enumerate(rows):
+            peer_t = tmed[k] / rmed[k] * ref[i, 0]
+            if not (exc[i, 0] >= th.link_rel and z[i, 0] >= th.z and tmed[k] - peer_t >= th.link_abs_ms * MS):
+                continue
+            rks = tuple(int(x) for x in ranks_of(uu[k]))
+            factor = float(rmed[k] / ref[i, 0])
+            ev = {"what": what, "transfers": int(n[k]), "median_ms": round(tmed[k] / MS, 4),
+                  "peer_median_ms": round(peer_t / MS, 4), "z": round(float(z[i, 0]), 1)}
+            label = f"{rks[0]}-{rks[1]}" if len(rks) == 2 else f"group {list(rks)}"
+            out.append(Finding("slow-link", rks, [_coord(tb, r) for r in rks],
+                               f"{factor:.2f}x transfer time on {what} {label}", round(factor, 3),
+                               round((tmed[k] - peer_t) / MS, 4), _confidence(float(z[i, 0]), 1.0, th.z), ev))
+    return out
+
+
+def _merge_directions(found: list[Finding]) -> list[Finding]:
+    """One finding per link: a slow cable is slow both ways; keep the stronger direction, note both."""
+    best: dict[tuple[int, ...], Finding] = {}
+    for f in found:
+        key = tuple(sorted(f.ranks))
+        other = best.get(key)
+        if other is None:
+            best[key] = f
+            continue
+        keep, drop = (f, other) if f.confidence > other.confidence else (other, f)
+        keep.evidence["directions"] = [list(keep.ranks), list(drop.ranks)]
+        best[key] = keep
+    return list(best.values())
+
+
+# ----------------------------------------------------------------------------- entry point
+@dataclass
+class Analysis:
+    """Everything detect computed: views (heat-map, summary) reuse it."""
+
+    table: Table
+    phases: Phases
+    waits: Waits
+    report: Report
+
+
+def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
+            thresholds: Thresholds | None = None) -> Analysis:
+    """Run all detectors; return the report together with the per-rank phase and wait matrices."""
+    if not traces:
+        raise ValueError("no rank traces to analyse (empty trace directory?)")
+    th = thresholds or Thresholds()
+    tb = join(traces)
+    ph = phases(tb)
+    findings = rank_findings(tb, ph, th)
+    link_f, waits = links_and_waits(tb, ph, th, offsets)
+    findings += _merge_directions(link_f)
+    caused_total = waits.caused.sum(axis=1)
+    for f in findings:
+        f.evidence["others_waited_ms"] = round(float(caused_total[list(f.ranks)].sum()), 3)
+    findings.sort(key=lambda f: (-f.confidence, -f.evidence["others_waited_ms"], f.ranks))
+    top = np.argsort(-caused_total)[:10]
+    waited_for = [{"rank": int(r), "ms": round(float(caused_total[r]), 3), "instances": int(waits.caused_count[r])}
+                  for r in top if caused_total[r] > 0]
+    notes = []
+    lonely = [int(s) for s in np.unique(tb.coords[:, 1]) if (tb.coords[:, 1] == s).sum() < 2]
+    if lonely:
+        notes.append(f"stages {lonely} have a single rank (dp*tp == 1): their compute has no peer to compare with")
+    step_ms = float(np.nanmedian(ph.window)) if np.isfinite(ph.window).any() else 0.0
+    report = Report(findings, tb.world, len(ph.iters), round(step_ms, 3), waited_for, notes)
+    return Analysis(tb, ph, waits, report)
+
+
+def detect(traces: list[RankTrace], offsets: dict[int, int] | None = None,
+           thresholds: Thresholds | None = None) -> Report:
+    """Ranked root-cause findings for a set of rank traces (offsets: ns to subtract per rank, optional)."""
+    return analyse(traces, offsets, thresholds).report

@@ -1,0 +1,328 @@
+"""Synthetic MegaScan traces of a 3D-parallel job at any scale, with injected faults of known ground truth.
+
+The job is simulated, not sampled: every rank of a (tp, pp, dp) grid runs 1F1B over `microbatches`, each
+forward/backward ends in a TP all-reduce, stages exchange activations and gradients by P2P, and each iteration
+ends with the DP gradient all-reduce and the optimizer. A rank starts an op when its own inputs are ready, so a
+delay propagates the way it does on hardware: a slow rank makes its TP peers wait in the all-reduce, the next
+stage wait in recv, and every DP replica wait at the gradient all-reduce.
+
+Vectorised over the (dp, tp) plane: one numpy step per (stage, task) of the static 1F1B order, so 12,288 ranks
+cost the same number of Python steps as 8. Each rank's clock has its own offset (files are written in local
+time, like real ones); the ground truth goes to `ground_truth.json`, never into the rank files.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from megatronapp.scan.format import CAT_INDEX, RankWriter, rank_file
+
+FAULT_KINDS = ("slow-compute", "slow-link", "pause", "late-arrival")
+MS = 1_000_000  # ns
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault: `ranks` is (rank,) or the link (a, b)."""
+
+    kind: str
+    ranks: tuple[int, ...]
+    factor: float = 1.0  # slow-compute / slow-link multiplier
+    ms: float = 0.0  # pause length / late-arrival delay
+    every: int = 1  # pause period in iterations
+
+    def label(self) -> str:
+        if self.kind == "slow-link":
+            return f"slow-link {self.ranks[0]}-{self.ranks[1]} x{self.factor:g}"
+        if self.kind == "slow-compute":
+            return f"slow-compute {self.ranks[0]} x{self.factor:g}"
+        if self.kind == "pause":
+            return f"pause {self.ranks[0]} {self.ms:g} ms every {self.every}"
+        return f"late-arrival {self.ranks[0]} +{self.ms:g} ms"
+
+
+def parse_fault(spec: str) -> Fault:
+    """Parse `slow-compute=R:F`, `slow-link=A-B[:F]`, `pause=R:MS[:EVERY]` or `late-arrival=R:MS`."""
+    kind, sep, arg = spec.partition("=")
+    if not sep or kind not in FAULT_KINDS:
+        raise ValueError(f"--fault {spec!r}: expected KIND=ARGS with KIND one of {', '.join(FAULT_KINDS)}")
+    parts = arg.split(":")
+    try:
+        if kind == "slow-link":
+            a, b = (int(x) for x in parts[0].split("-"))
+            return Fault(kind, (a, b), factor=float(parts[1]) if len(parts) > 1 else 3.0)
+        rank = int(parts[0])
+        if kind == "slow-compute":
+            return Fault(kind, (rank,), factor=float(parts[1]) if len(parts) > 1 else 1.3)
+        if kind == "pause":
+            return Fault(kind, (rank,), ms=float(parts[1]), every=int(parts[2]) if len(parts) > 2 else 2)
+        return Fault(kind, (rank,), ms=float(parts[1]))
+    except (ValueError, IndexError):
+        forms = {"slow-link": "A-B[:FACTOR]", "slow-compute": "RANK:FACTOR", "pause": "RANK:MS[:EVERY]",
+                 "late-arrival": "RANK:MS"}
+        raise ValueError(f"--fault {spec!r}: {kind} takes {forms[kind]}") from None
+
+
+@dataclass
+class Costs:
+    """Nominal op costs in ms and noise levels (lognormal sigmas)."""
+
+    forward: float = 4.0
+    backward: float = 8.0
+    tp_all_reduce: float = 0.4
+    p2p: float = 0.3
+    dp_all_reduce: float = 6.0
+    optimizer: float = 3.0
+    data: float = 1.0
+    compute_noise: float = 0.03
+    comm_noise: float = 0.04
+    rank_spread: float = 0.01  # persistent per-rank speed differences of healthy hardware
+    act_bytes: int = 8 << 20
+    grad_bytes: int = 256 << 20
+
+
+def one_f_one_b(pp: int, m: int) -> list[list[tuple[str, int]]]:
+    """Per-stage task order of 1F1B: warm-up forwards, steady F/B pairs, cool-down backwards."""
+    orders = []
+    for s in range(pp):
+        warm = min(pp - s - 1, m)
+        order = [("F", j) for j in range(warm)]
+        f, b = warm, 0
+        while b < m:
+            if f < m:
+                order.append(("F", f))
+                f += 1
+            order.append(("B", b))
+            b += 1
+        orders.append(order)
+    return orders
+
+
+def task_order(pp: int, m: int) -> list[tuple[int, str, int]]:
+    """A global order of (stage, kind, microbatch) that respects every stage's order and the P2P dependencies."""
+    orders = one_f_one_b(pp, m)
+    done: set[tuple[int, str, int]] = set()
+    out: list[tuple[int, str, int]] = []
+    ptr = [0] * pp
+    while len(out) < 2 * m * pp:
+        progressed = False
+        for s in range(pp):
+            while ptr[s] < len(orders[s]):
+                kind, j = orders[s][ptr[s]]
+                dep = (s - 1, "F", j) if kind == "F" and s > 0 else (s + 1, "B", j) if kind == "B" and s < pp - 1 \
+                    else None
+                if dep is not None and dep not in done:
+                    break
+                done.add((s, kind, j))
+                out.append((s, kind, j))
+                ptr[s] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("1F1B order has a cycle")  # cannot happen for a valid schedule
+    return out
+
+
+class _Spans:
+    """Columns of every emitted span, gathered in chunks and concatenated once."""
+
+    GROUPS = ("", "tp", "pp", "dp")
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple] = []
+
+    def emit(self, ranks, name, cat, ts, dur, it, group=0, seq=-1, peer=None, nbytes=0, mb=-1) -> None:
+        r = np.asarray(ranks).ravel()
+        n = r.size
+        p = np.full(n, -1, np.int64) if peer is None else np.asarray(peer).ravel()
+        # Copies: the caller keeps updating its time arrays in place after emitting.
+        ts = np.array(np.broadcast_to(ts, np.shape(ranks)), dtype=np.float64).ravel()
+        dur = np.array(np.broadcast_to(dur, np.shape(ranks)), dtype=np.float64).ravel()
+        self.chunks.append((r, name, cat, ts, dur, it, group, seq, p.copy(), nbytes, mb, n))
+
+    def columns(self, names: list[str]) -> dict[str, np.ndarray]:
+        nid = {n: i for i, n in enumerate(names)}
+        cols = {k: [] for k in ("rank", "name", "cat", "ts", "dur", "it", "group", "seq", "peer", "nbytes", "mb")}
+        for r, name, cat, ts, dur, it, group, seq, p, nbytes, mb, n in self.chunks:
+            cols["rank"].append(r)
+            cols["ts"].append(ts)
+            cols["dur"].append(dur)
+            cols["peer"].append(p)
+            for k, v in (("name", nid[name]), ("cat", CAT_INDEX[cat]), ("it", it), ("group", group),
+                         ("seq", seq), ("nbytes", nbytes), ("mb", mb)):
+                cols[k].append(np.full(n, v, np.int64))
+        return {k: np.concatenate(v) for k, v in cols.items()}
+
+
+NAMES = ["data", "forward", "backward", "all_reduce", "send", "recv", "optimizer", "step"]
+
+
+@dataclass
+class SimResult:
+    """What `simulate` wrote: the grid, the faults (ground truth) and the clock offsets it used."""
+
+    out_dir: str
+    world: int
+    tp: int
+    pp: int
+    dp: int
+    iterations: int
+    microbatches: int
+    faults: list[Fault] = field(default_factory=list)
+    offsets_ns: list[int] = field(default_factory=list)
+    spans: int = 0
+
+
+def simulate_spans(world: int, tp: int, pp: int, dp: int, iterations: int, microbatches: int,
+                   faults: list[Fault], seed: int, costs: Costs) -> dict[str, np.ndarray]:
+    """Run the simulation; return one concatenated span table in true (global) time, ns."""
+    rng = np.random.default_rng(seed)
+    R = np.arange(world).reshape(pp, dp, tp)  # rank = tp + tp*(dp + dp*pp), Megatron order
+    speed = np.exp(rng.normal(0.0, costs.rank_spread, (pp, dp, tp)))
+    pause = np.zeros((pp, dp, tp))
+    pause_every = np.ones((pp, dp, tp), np.int64)
+    late = np.zeros((pp, dp, tp))
+    p2p_fac = np.ones((pp, pp, dp, tp))  # [src stage, dst stage] per column
+    tp_fac = np.ones((pp, dp))
+    dp_fac = np.ones((pp, tp))
+
+    def where(r: int) -> tuple[int, int, int]:
+        if not 0 <= r < world:
+            raise ValueError(f"fault names rank {r}, outside a world of {world}")
+        return r // (tp * dp), (r // tp) % dp, r % tp
+
+    for f in faults:
+        if f.kind == "slow-compute":
+            speed[where(f.ranks[0])] *= f.factor
+        elif f.kind == "pause":
+            pause[where(f.ranks[0])] = f.ms * MS
+            pause_every[where(f.ranks[0])] = max(1, f.every)
+        elif f.kind == "late-arrival":
+            late[where(f.ranks[0])] = f.ms * MS
+        else:
+            (sa, da, ta), (sb, db, tb) = where(f.ranks[0]), where(f.ranks[1])
+            if (da, ta) == (db, tb) and abs(sa - sb) == 1:
+                p2p_fac[sa, sb, da, ta] *= f.factor
+                p2p_fac[sb, sa, da, ta] *= f.factor
+            elif (sa, da) == (sb, db):
+                tp_fac[sa, da] *= f.factor  # a ring all-reduce runs at the pace of its slowest link
+            elif (sa, ta) == (sb, tb):
+                dp_fac[sa, ta] *= f.factor
+            else:
+                raise ValueError(f"slow-link {f.ranks[0]}-{f.ranks[1]}: the two ranks share no TP, DP or "
+                                 "adjacent-stage PP link; pick neighbours in one parallel group")
+
+    def noise(sigma: float, shape) -> np.ndarray:
+        return np.exp(rng.normal(0.0, sigma, shape))
+
+    out = _Spans()
+    T = np.zeros((pp, dp, tp))
+    tp_seq = [0] * pp
+    dp_seq = [0] * pp
+    p2p_seq: dict[tuple[int, int], int] = {}
+    order = task_order(pp, microbatches)
+    base = {"F": costs.forward * MS, "B": costs.backward * MS}
+    for it in range(iterations):
+        T += late  # untraced host-side stall before the iteration (slow dataloader worker, contention)
+        start = T.copy()
+        d = costs.data * MS * noise(costs.compute_noise, T.shape)
+        out.emit(R, "data", "data", T, d, it)
+        T += d
+        paused = np.where((it + 1) % pause_every == 0, pause, 0.0)
+        sent: dict[tuple[int, str, int], np.ndarray] = {}
+        for s, kind, j in order:
+            src = s - 1 if kind == "F" else s + 1
+            if 0 <= src < pp:  # receive the activation (F) or the gradient (B)
+                key = (src, s)
+                k = p2p_seq.get(key, 0)
+                p2p_seq[key] = k + 1
+                post, ready = T[s], sent.pop((src, kind, j))
+                done = np.maximum(post, ready) + costs.p2p * MS * p2p_fac[src, s] * noise(costs.comm_noise,
+                                                                                         (dp, tp))
+                nb = costs.act_bytes
+                out.emit(R[s], "recv", "comm", post, done - post, it, 2, k, R[src], nb, j)
+                out.emit(R[src], "send", "comm", ready, done - ready, it, 2, k, R[s], nb, j)
+                T[s] = done
+            t0 = T[s].copy()
+            c = base[kind] * speed[s] * noise(costs.compute_noise, (dp, tp))
+            if kind == "F" and j == 0:
+                c = c + paused[s]  # a GC / preemption pause lands inside the first forward
+            arrive = T[s] + c
+            if tp > 1:
+                end = arrive.max(axis=1) + costs.tp_all_reduce * MS * tp_fac[s] * noise(costs.comm_noise, dp)
+                leave = end[:, None] + rng.uniform(0, 0.02 * MS, (dp, tp))
+                out.emit(R[s], "all_reduce", "comm", arrive, leave - arrive, it, 1, tp_seq[s], None, 4 << 20, j)
+                tp_seq[s] += 1
+                arrive = leave
+            T[s] = arrive
+            out.emit(R[s], "forward" if kind == "F" else "backward", "compute", t0, T[s] - t0, it, mb=j)
+            dst = s + 1 if kind == "F" else s - 1
+            if 0 <= dst < pp:
+                sent[(s, kind, j)] = T[s].copy()  # isend: the stage goes on, the receiver picks it up
+        if dp > 1:
+            end = T.max(axis=1) + costs.dp_all_reduce * MS * dp_fac * noise(costs.comm_noise, (pp, tp))
+            leave = end[:, None, :] + rng.uniform(0, 0.05 * MS, T.shape)
+            for s in range(pp):
+                out.emit(R[s], "all_reduce", "comm", T[s], leave[s] - T[s], it, 3, dp_seq[s], None,
+                         costs.grad_bytes)
+                dp_seq[s] += 1
+            T = leave
+        o = costs.optimizer * MS * speed * noise(costs.compute_noise, T.shape)
+        out.emit(R, "optimizer", "optimizer", T, o, it)
+        T = T + o
+        out.emit(R, "step", "step", start, T - start, it)
+    return out.columns(NAMES)
+
+
+def simulate(out_dir: str | Path, ranks: int, tp: int, pp: int, dp: int | None = None, iterations: int = 5,
+             faults: list[Fault] | list[str] = (), seed: int = 0, microbatches: int | None = None,
+             costs: Costs | None = None) -> SimResult:
+    """Write `rank*.mst` files of a simulated job plus `ground_truth.json`; return what was simulated."""
+    if tp < 1 or pp < 1 or ranks < 1:
+        raise ValueError(f"ranks, tp and pp must be >= 1 (got ranks={ranks}, tp={tp}, pp={pp})")
+    if dp is None:
+        if ranks % (tp * pp):
+            raise ValueError(f"--ranks {ranks} is not a multiple of tp*pp = {tp * pp}")
+        dp = ranks // (tp * pp)
+    if tp * pp * dp != ranks:
+        raise ValueError(f"--ranks {ranks} != tp*pp*dp = {tp}*{pp}*{dp}")
+    m = microbatches if microbatches is not None else max(pp, 2)
+    flist = [parse_fault(f) if isinstance(f, str) else f for f in faults]
+    costs = costs or Costs()
+    cols = simulate_spans(ranks, tp, pp, dp, iterations, m, flist, seed, costs)
+    rng = np.random.default_rng(seed + 1)
+    # Hosts of 8 ranks share a clock; hosts booted at different times; small per-process jitter on top.
+    host_base = rng.uniform(1e3, 1e6, (ranks + 7) // 8) * MS
+    offsets = (host_base[np.arange(ranks) // 8] + rng.uniform(-0.05, 0.05, ranks) * MS).astype(np.int64)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("rank*.mst"):
+        old.unlink()
+    order = np.lexsort((cols["ts"], cols["rank"]))
+    cols = {k: v[order] for k, v in cols.items()}
+    bounds = np.searchsorted(cols["rank"], np.arange(ranks + 1))
+    ts_local = cols["ts"].astype(np.int64) + offsets[cols["rank"]]
+    dur = np.maximum(cols["dur"], 0).astype(np.int64)
+    for r in range(ranks):
+        s, d, t = r // (tp * dp), (r // tp) % dp, r % tp
+        group_ranks = (None, [x + tp * (d + dp * s) for x in range(tp)],
+                       [r % (tp * dp) + tp * dp * p for p in range(pp)],
+                       [t + tp * (q + dp * s) for q in range(dp)])
+        header = {"rank": r, "world": ranks, "coord": [d, s, t], "topo": [tp, pp, dp], "host": f"node{r // 8}",
+                  "pid": 10_000 + r, "clock": "monotonic_ns", "simulated": True}
+        w = RankWriter(rank_file(out, r), header, buffer_records=1 << 16)
+        a, b = bounds[r], bounds[r + 1]
+        rows = zip(cols["name"][a:b].tolist(), cols["cat"][a:b].tolist(), ts_local[a:b].tolist(),
+                   dur[a:b].tolist(), cols["it"][a:b].tolist(), cols["group"][a:b].tolist(),
+                   cols["seq"][a:b].tolist(), cols["peer"][a:b].tolist(), cols["nbytes"][a:b].tolist(),
+                   cols["mb"][a:b].tolist())
+        for name, cat, ts, du, it, g, seq, peer, nb, mb in rows:
+            w.write(NAMES[name], cat, ts, du, it, _Spans.GROUPS[g] or None, group_ranks[g], seq, peer, nb,
+                    0 if cat == 0 else -1, mb)
+        w.close()
+    res = SimResult(str(out), ranks, tp, pp, dp, iterations, m, flist, offsets.tolist(), len(dur))
+    truth = {**asdict(res), "faults": [{**asdict(f), "label": f.label()} for f in flist]}
+    (out / "ground_truth.json").write_text(json.dumps(truth))
+    return res
