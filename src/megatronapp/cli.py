@@ -1,0 +1,192 @@
+"""The `megatronapp` command: demo, train, and the modules' sub-commands (scan, dpp, scope)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import sys
+from typing import Any
+
+from megatronapp.config import ConfigError, RunConfig, load_yaml, preset, validate
+
+# flag -> (section, field); flags left unset keep the YAML/default value.
+_TRAIN_FLAGS: dict[str, tuple[str, str]] = {
+    "tp": ("parallel", "tp"), "pp": ("parallel", "pp"), "dp": ("parallel", "dp"), "vpp": ("parallel", "vpp"),
+    "schedule": ("parallel", "schedule"), "microbatches": ("parallel", "microbatches"),
+    "sequence_parallel": ("parallel", "sequence_parallel"), "dpp_policy": ("parallel", "dpp_policy"),
+    "dpp_max_inflight": ("parallel", "dpp_max_inflight"), "backend": ("parallel", "backend"),
+    "steps": ("train", "steps"), "global_batch": ("train", "global_batch_size"), "seq_len": ("train", "seq_len"),
+    "lr": ("train", "lr"), "min_lr": ("train", "min_lr"), "warmup": ("train", "warmup_steps"),
+    "optimizer": ("train", "optimizer"), "weight_decay": ("train", "weight_decay"),
+    "grad_clip": ("train", "grad_clip"), "seed": ("train", "seed"), "dtype": ("train", "dtype"),
+    "recompute": ("train", "recompute"), "save_interval": ("train", "save_interval"), "out": ("train", "out"),
+    "resume": ("train", "resume"), "data": ("train", "data"), "tokenizer": ("train", "tokenizer"),
+    "hf": ("train", "hf_checkpoint"), "peak_tflops": ("train", "peak_tflops"), "log_interval": ("train", "log_interval"),
+    "family": ("model", "family"), "layers": ("model", "num_layers"), "hidden": ("model", "hidden_size"),
+    "heads": ("model", "num_heads"), "kv_heads": ("model", "num_kv_heads"), "ffn_hidden": ("model", "ffn_hidden_size"),
+    "vocab": ("model", "vocab_size"), "max_seq_len": ("model", "max_seq_len"),
+    "parallel_block": ("model", "parallel_block"), "sliding_window": ("model", "sliding_window"),
+    "trace": ("trace", "enabled"), "trace_dir": ("trace", "dir"), "trace_interval": ("trace", "interval"),
+    "trace_iterations": ("trace", "iterations"), "trace_granularity": ("trace", "granularity"),
+}
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """Flags of `megatronapp train` (each overrides the YAML config)."""
+    g = p.add_argument_group("run")
+    g.add_argument("--config", help="YAML file with sections model/parallel/train/trace")
+    g.add_argument("--nproc", type=int, help="local ranks to spawn (must equal dp*pp*tp; default: that product)")
+    g.add_argument("--out", help="run directory: metrics.jsonl, summary.json, checkpoints/, trace/")
+    g.add_argument("--resume", help="checkpoint to resume: a step directory, .../checkpoints/latest or a run dir")
+    g.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live bar")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="preset: gpt2-tiny (default), llama-tiny, gpt2-small, llama-1b")
+    g.add_argument("--family", choices=["gpt2", "llama"])
+    g.add_argument("--layers", type=int)
+    g.add_argument("--hidden", type=int)
+    g.add_argument("--heads", type=int)
+    g.add_argument("--kv-heads", type=int, help="grouped-query attention: key/value heads")
+    g.add_argument("--ffn-hidden", type=int)
+    g.add_argument("--vocab", type=int)
+    g.add_argument("--max-seq-len", type=int)
+    g.add_argument("--parallel-block", action="store_true", default=None, help="attention and MLP from one norm")
+    g.add_argument("--sliding-window", type=int, help="attend to at most this many previous tokens")
+    g.add_argument("--hf", help="initialise from a local Hugging Face directory (GPT-2 or Llama safetensors)")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tp", type=int, help="tensor-parallel size")
+    g.add_argument("--pp", type=int, help="pipeline-parallel size")
+    g.add_argument("--dp", type=int, help="data-parallel size")
+    g.add_argument("--vpp", type=int, help="virtual pipeline chunks per stage")
+    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "dpp"])
+    g.add_argument("--microbatches", type=int, help="microbatches per DP replica per step")
+    g.add_argument("--sequence-parallel", action="store_true", default=None)
+    g.add_argument("--dpp-policy", choices=["dfs", "bfs", "adaptive"])
+    g.add_argument("--dpp-max-inflight", type=int, help="cap on activations held for backward (memory)")
+    g.add_argument("--backend", choices=["auto", "gloo", "nccl"])
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int)
+    g.add_argument("--global-batch", type=int, help="samples per optimizer step over all DP replicas")
+    g.add_argument("--seq-len", type=int)
+    g.add_argument("--lr", type=float)
+    g.add_argument("--min-lr", type=float)
+    g.add_argument("--warmup", type=int, help="warm-up steps")
+    g.add_argument("--optimizer", choices=["adamw", "lamb"])
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--grad-clip", type=float, help="global gradient-norm clip (0 disables)")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--dtype", choices=["fp32", "bf16"])
+    g.add_argument("--recompute", choices=["none", "selective", "full"])
+    g.add_argument("--save-interval", type=int, help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--log-interval", type=int)
+    g.add_argument("--data", help="a .txt/.jsonl file or directory (default: the embedded corpus)")
+    g.add_argument("--tokenizer", help="'byte' (default) or a path to tokenizer.json")
+    g.add_argument("--peak-tflops", type=float, help="per-rank peak for MFU (default: measured at start)")
+    g = p.add_argument_group("modules")
+    g.add_argument("--trace", action="store_true", default=None, help="MegaScan: trace every rank")
+    g.add_argument("--trace-dir")
+    g.add_argument("--trace-interval", type=int, help="trace --trace-iterations iterations every N")
+    g.add_argument("--trace-iterations", type=int)
+    g.add_argument("--trace-granularity", choices=["coarse", "full"])
+    g.add_argument("--inject", action="append", default=[],
+                   help="fault drill, repeatable: slow-compute=RANK:FACTOR, slow-link=A-B:MS, pause=RANK:MS:EVERY, "
+                        "hang=RANK:STEP")
+    g.add_argument("--scope-port", type=int, help="MegaScope: serve the live page while training")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """Defaults, then --config YAML, then --model preset, then individual flags."""
+    cfg = load_yaml(args.config) if getattr(args, "config", None) else RunConfig()
+    if getattr(args, "model", None):
+        cfg.model = preset(args.model)
+    sections: dict[str, dict[str, Any]] = {}
+    for flag, (section, field) in _TRAIN_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            sections.setdefault(section, {})[field] = value
+    for section, values in sections.items():
+        current = dataclasses.asdict(getattr(cfg, section))
+        if section == "model":
+            # Derived fields must be recomputed when the shape changes (e.g. ffn size from hidden size).
+            for derived in ("ffn_hidden_size", "num_kv_heads", "bias", "tie_embeddings"):
+                if derived not in values and ("hidden_size" in values or "family" in values
+                                              or "num_heads" in values):
+                    current[derived] = None
+        current.update(values)
+        setattr(cfg, section, type(getattr(cfg, section))(**current))
+    if getattr(args, "no_progress", False):
+        cfg.train.progress = False
+    if getattr(args, "inject", None):
+        cfg.inject = list(cfg.inject) + list(args.inject)
+    if getattr(args, "scope_port", None) is not None:
+        cfg.scope_port = args.scope_port
+    return cfg
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from megatronapp.train.trainer import train
+
+    cfg = config_from_args(args)
+    if args.nproc is not None:
+        validate(cfg, args.nproc)
+    if cfg.inject:
+        from megatronapp import faults
+
+        for spec in cfg.inject:
+            faults.parse(spec)
+    summary = train(cfg)
+    print(f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps; run files in {summary['out']}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from megatronapp.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatronapp",
+        description="3D-parallel LLM training on torch.distributed, with MegaScan tracing, MegaDPP dynamic "
+                    "pipelines and MegaScope live model views.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("demo", help="train the embedded default on 4 CPU ranks, then a MegaScan fault drill",
+                       description="Train the embedded default model on 4 local ranks (tp=2, pp=2), then run a "
+                                   "traced job with an injected slow rank and show MegaScan naming it.")
+    p.add_argument("--out", default="runs/demo", help="where the demo's runs go")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--quick", action="store_true", help="fewer steps (for tests)")
+    p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("train", help="train a model with tensor, pipeline and data parallelism",
+                       description="Train on local ranks (spawned) or as one rank of a torchrun job.")
+    add_train_args(p)
+    p.set_defaults(func=cmd_train)
+    for module in ("scan", "dpp", "scope"):
+        try:
+            mod = importlib.import_module(f"megatronapp.{module}.cli")
+        except ModuleNotFoundError as e:
+            if e.name != f"megatronapp.{module}.cli":
+                raise
+            continue
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"megatronapp: configuration error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("megatronapp: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Global gradient-norm clipping that is correct across TP, PP and DP.
+
+After DP reduction every replica holds the same gradients, so the norm is taken over one model replica:
+TP-sharded parameters contribute their shard, parameters replicated across TP are counted on TP rank 0 only,
+the tied-embedding copy on the last pipeline stage is skipped, and the sum of squares is all-reduced over the
+TP and PP groups.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatronapp.parallel import comm
+from megatronapp.parallel.topology import Topology
+
+
+def _counted_params(chunks: list[nn.Module], topo: Topology):
+    pp = topo.pp
+    for c, chunk in enumerate(chunks):
+        shared = chunk.shared_embedding_weight() if hasattr(chunk, "shared_embedding_weight") else None
+        first_virtual = c * pp + topo.coord.pp == 0
+        for p in chunk.parameters():
+            if p.grad is None:
+                continue
+            if shared is not None and p is shared and not first_virtual:
+                continue  # the last stage's copy of a tied embedding: counted on the first stage
+            if not getattr(p, "tensor_parallel", False) and topo.coord.tp != 0:
+                continue
+            yield p
+
+
+def global_grad_norm(chunks: list[nn.Module], topo: Topology) -> float:
+    """L2 norm of the whole model's gradient, identical on every rank."""
+    sq = torch.zeros(1, dtype=torch.float64)
+    for p in _counted_params(chunks, topo):
+        sq += p.grad.detach().double().pow(2).sum().cpu()
+    comm.all_reduce(sq, topo.tp_group)
+    comm.all_reduce(sq, topo.pp_group)
+    return float(sq.sqrt())
+
+
+def clip_grad_norm(chunks: list[nn.Module], topo: Topology, max_norm: float) -> float:
+    """Scale all gradients so the global norm is at most `max_norm` (0 disables); return the norm before."""
+    norm = global_grad_norm(chunks, topo)
+    if max_norm > 0:
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for chunk in chunks:
+                for p in chunk.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+    return norm

@@ -1,0 +1,272 @@
+"""The training loop of one rank: build the stage, run pipeline steps, reduce, clip, step, log, checkpoint.
+
+`train(cfg)` launches `world_size` local ranks (or, under torchrun, runs as the current rank) and returns the
+run summary. Optional modules attach only when their flag is set: the MegaScan tracer (`--trace`), fault
+injection (`--inject`), and a MegaScope training hook (`--scope-port`); with all off, no module code runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatronapp import tracing
+from megatronapp.config import RunConfig, micro_batch_size, validate
+from megatronapp.data.dataset import build_batch_source, split_microbatches
+from megatronapp.parallel import comm
+from megatronapp.parallel import topology as topology_mod
+from megatronapp.parallel.data_parallel import GradReducer
+from megatronapp.parallel.grad_norm import clip_grad_norm
+from megatronapp.pipeline.executor import PipelineExecutor
+from megatronapp.pipeline.partition import stage_chunks
+from megatronapp.train import checkpoint as ckpt
+from megatronapp.train.metrics import MetricsLog, Progress, measure_peak_flops, mfu, peak_memory_bytes
+from megatronapp.train.optim import build_optimizer, lr_at, set_lr
+
+
+def make_policy(cfg: RunConfig):
+    """The pipeline policy for cfg.parallel.schedule (dynamic ones come from the MegaDPP module)."""
+    p = cfg.parallel
+    if p.schedule == "dpp":
+        from megatronapp.dpp.policies import make_policy as dpp_policy  # optional module, asked for by flag
+
+        return dpp_policy("dpp", p.dpp_policy)
+    from megatronapp.pipeline.schedules import StaticPolicy
+
+    return StaticPolicy(p.schedule)
+
+
+def build_chunks(cfg: RunConfig, topo: topology_mod.Topology, device: torch.device) -> list[torch.nn.Module]:
+    """This rank's model chunks, identical to the matching slices of the single-process model."""
+    from megatronapp.model.transformer import TransformerChunk
+
+    p, m = cfg.parallel, cfg.model
+    stage = topo.coord.pp
+    ranges = stage_chunks(m.num_layers, p.pp, p.vpp, stage)
+    chunks = []
+    for c, (start, end) in enumerate(ranges):
+        v = c * p.pp + stage
+        chunk = TransformerChunk(m, start, end, pre_process=v == 0, post_process=v == p.pp * p.vpp - 1,
+                                 tp_group=topo.tp_group, sequence_parallel=p.sequence_parallel,
+                                 recompute=cfg.train.recompute, seed=cfg.train.seed)
+        if cfg.train.hf_checkpoint:
+            from megatronapp.model.hf import load_hf_weights
+
+            load_hf_weights(chunk, cfg.train.hf_checkpoint)
+        chunks.append(chunk.to(device))
+    return chunks
+
+
+class Trainer:
+    """State of one rank's training run."""
+
+    def __init__(self, cfg: RunConfig, rank: int = 0):
+        self.cfg = cfg
+        p, t = cfg.parallel, cfg.train
+        self.device = torch.device("cuda", torch.cuda.current_device()) if (
+            dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
+        torch.manual_seed(t.seed)
+        self.topo = topology_mod.build(p.tp, p.pp, p.dp, rank)
+        self.rank = self.topo.rank
+        self.out = Path(t.out)
+        self.chunks = build_chunks(cfg, self.topo, self.device)
+        self.params = [q for c in self.chunks for q in c.parameters()]
+        self.optimizer = build_optimizer(self.params, t, tp_group=self.topo.tp_group)
+        self.data, self.tokenizer = build_batch_source(cfg, self.topo.coord.dp)
+        self.mbs = micro_batch_size(cfg)
+        seq = t.seq_len // p.tp if p.sequence_parallel else t.seq_len
+        self.reducer = GradReducer(self.chunks, self.topo.dp_group, p.grad_bucket_mb)
+        self.policy = make_policy(cfg)
+        self.executor = PipelineExecutor(self.chunks, self.topo, self.policy, microbatches=p.microbatches,
+                                         act_shape=(self.mbs, seq, cfg.model.hidden_size), device=self.device,
+                                         max_inflight=p.dpp_max_inflight, grad_sync=self.reducer)
+        self.step = 0
+        self.observers: list[Any] = []
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.dtype == "bf16"
+                         else nullcontext())
+        if t.resume:
+            self.load(ckpt.resolve(t.resume))
+
+    # -- optional modules -----------------------------------------------------------------------------------
+    def attach_modules(self) -> None:
+        cfg = self.cfg
+        if cfg.trace.enabled:
+            from megatronapp.scan.tracer import attach  # optional module, imported only when asked for
+
+            self.observers.append(attach(cfg, self.topo, cfg.trace.dir or str(self.out / "trace")))
+        if cfg.inject:
+            from megatronapp import faults
+
+            self.observers.append(faults.install(cfg.inject, self.topo))
+        if cfg.scope_port is not None and self.rank == 0:
+            from megatronapp.scope.training import TrainingScope  # optional module
+
+            self.observers.append(TrainingScope(cfg.scope_port))
+
+    def detach_modules(self) -> None:
+        for ob in reversed(self.observers):
+            for name in ("close", "remove"):
+                if hasattr(ob, name):
+                    getattr(ob, name)()
+                    break
+        self.observers.clear()
+
+    # -- one step -------------------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over the global batch; returns loss, grad norm and timings."""
+        cfg, topo = self.cfg, self.topo
+        t0 = time.perf_counter()
+        with tracing.span("data", "data"):
+            ids, labels = self.data.get(self.step)
+            mbs = [(a.to(self.device), b.to(self.device)) for a, b in
+                   split_microbatches(ids, labels, cfg.parallel.microbatches)]
+        for q in self.params:
+            q.grad = None
+        with self.autocast:
+            result = self.executor.step(mbs, loss_scale=1.0 / cfg.parallel.microbatches)
+        self.reducer.finish()
+        self._sync_replicated_grads()
+        grad_norm = clip_grad_norm(self.chunks, topo, cfg.train.grad_clip)
+        lr = lr_at(self.step, cfg.train)
+        set_lr(self.optimizer, lr)
+        with tracing.span("optimizer", "optimizer"):
+            self.optimizer.step()
+        loss = self._global_loss(result.losses)
+        self.step += 1
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time": time.perf_counter() - t0,
+                "wait_s": result.wait_s, "peak_inflight": result.peak_inflight}
+
+    def _sync_replicated_grads(self) -> None:
+        topo = self.topo
+        for c, chunk in enumerate(self.chunks):
+            shared = chunk.shared_embedding_weight()
+            if shared is not None and shared.grad is not None and topo.embedding_group.size > 1:
+                comm.all_reduce(shared.grad, topo.embedding_group)
+            if self.cfg.parallel.sequence_parallel and topo.tp > 1:
+                from megatronapp.model.transformer import sync_sequence_parallel_grads
+
+                sync_sequence_parallel_grads(chunk, topo.tp_group)
+
+    def _global_loss(self, losses: list[float]) -> float:
+        """Mean loss of the global batch, known on every rank (the last stage has it; DP replicas average)."""
+        t = torch.tensor([sum(losses) / len(losses) if losses else 0.0], dtype=torch.float64)
+        comm.all_reduce(t, self.topo.pp_group)
+        comm.all_reduce(t, self.topo.dp_group)
+        return float(t) / self.topo.dp
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    def save(self) -> Path:
+        root = self.out / "checkpoints"
+        state = {"step": self.step, "chunks": [c.state_dict() for c in self.chunks],
+                 "optimizer": self.optimizer.state_dict(), "rng": ckpt.rng_state(),
+                 "coord": dataclasses.asdict(self.topo.coord)}
+        ckpt.save_rank(root, self.step, self.rank, state)
+        comm.barrier(self.topo.groups["world"])
+        d = ckpt.step_dir(root, self.step)
+        if self.rank == 0:
+            d = ckpt.finalize(root, self.step, {"step": self.step, "world_size": self.topo.world_size,
+                                                "config": self.cfg.to_dict()})
+        comm.barrier(self.topo.groups["world"])
+        return d
+
+    def load(self, d: Path) -> None:
+        meta = ckpt.load_meta(d)
+        saved = meta.get("config", {}).get("parallel", {})
+        now = dataclasses.asdict(self.cfg.parallel)
+        for key in ("tp", "pp", "dp", "vpp"):
+            if saved.get(key) != now[key]:
+                raise ckpt.CheckpointError(f"checkpoint {d} was saved with parallel.{key}={saved.get(key)}, "
+                                           f"this run has {now[key]}; resume with the same layout")
+        state = ckpt.load_rank(d, self.rank)
+        for chunk, sd in zip(self.chunks, state["chunks"]):
+            chunk.load_state_dict(sd)
+        self.optimizer.load_state_dict(state["optimizer"])
+        ckpt.set_rng_state(state["rng"])
+        self.step = state["step"]
+
+
+def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str | None = None) -> dict[str, Any]:
+    """Entry point of one rank (spawned locally or started by torchrun)."""
+    cfg = RunConfig.from_dict(cfg_dict)
+    validate(cfg, world)
+    comm.reset()
+    tr = Trainer(cfg, rank)
+    tr.attach_modules()
+    t = cfg.train
+    lead = rank == 0
+    progress = Progress(t.steps, enabled=lead and t.progress)
+    log = MetricsLog(tr.out / "metrics.jsonl") if lead else None
+    peak = t.peak_tflops * 1e12 if t.peak_tflops else measure_peak_flops(
+        tr.device, torch.bfloat16 if t.dtype == "bf16" else torch.float32)
+    flops_tok = cfg.model.flops_per_token(t.seq_len)
+    tokens_per_step = t.global_batch_size * t.seq_len
+    history: list[dict[str, float]] = []
+    start_step = tr.step
+    t_start = time.perf_counter()
+    try:
+        while tr.step < t.steps:
+            with tracing.step(tr.step):
+                rec = tr.train_step()
+            tps = tokens_per_step / rec["step_time"]
+            rec.update(step=tr.step, tokens_per_s=tps, mfu=mfu(tps, flops_tok, peak, world),
+                       mem_bytes=peak_memory_bytes(tr.device))
+            history.append(rec)
+            if lead:
+                log.log(rec)
+                if tr.step % t.log_interval == 0 or tr.step == t.steps:
+                    progress.update(tr.step, rec["loss"], tps, rec["mfu"], rec["mem_bytes"], rec["lr"])
+            for ob in tr.observers:
+                if hasattr(ob, "on_step"):
+                    ob.on_step(tr.step, tr.chunks, rec)
+            if t.save_interval and tr.step % t.save_interval == 0 and tr.step < t.steps:
+                tr.save()
+        ckpt_dir = tr.save()
+    finally:
+        tr.detach_modules()
+        if log is not None:
+            log.close()
+    wall = time.perf_counter() - t_start
+    steps_run = max(1, tr.step - start_step)
+    timed = history[1:] or history  # the first step includes warm-up
+    summary = {
+        "steps": tr.step, "first_loss": history[0]["loss"] if history else math.nan,
+        "final_loss": history[-1]["loss"] if history else math.nan,
+        "mean_step_time_s": sum(h["step_time"] for h in timed) / max(1, len(timed)),
+        "tokens_per_s": tokens_per_step * steps_run / wall,
+        "mfu": sum(h["mfu"] for h in timed) / max(1, len(timed)),
+        "peak_mem_bytes": max((h["mem_bytes"] for h in history), default=0),
+        "checkpoint": str(ckpt_dir), "out": str(tr.out), "world_size": world,
+        "losses": [h["loss"] for h in history],
+    }
+    if lead:
+        progress.close({k: v for k, v in summary.items() if k not in ("losses",)})
+        (tr.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if result_path:
+            Path(result_path).write_text(json.dumps(summary))
+    return summary
+
+
+def train(cfg: RunConfig, threads: int | None = None) -> dict[str, Any]:
+    """Validate, then run the job: as this rank under torchrun, else on cfg.parallel.world_size local ranks."""
+    from megatronapp.launch import init_distributed, pick_backend, spawn
+
+    validate(cfg)
+    Path(cfg.train.out).mkdir(parents=True, exist_ok=True)
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        rank, world = init_distributed(cfg.parallel.backend)
+        return run_rank(rank, world, cfg.to_dict())
+    world = cfg.parallel.world_size
+    result = Path(cfg.train.out) / ".result.json"
+    result.unlink(missing_ok=True)
+    n_threads = threads or max(1, (os.cpu_count() or 1) // world)
+    spawn(run_rank, world, cfg.to_dict(), str(result), backend=pick_backend(cfg.parallel.backend),
+          threads=n_threads)
+    return json.loads(result.read_text())

@@ -1,0 +1,68 @@
+"""Every parallel layout and schedule trains exactly like one process: losses, gradients, updated weights.
+
+Cases of one world size share one launch of real gloo processes (launching is the expensive part).
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatronapp.launch import spawn
+from tests import engine_cases as ec
+
+SCHEDULES_PP = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def _cases_world2() -> list[tuple[str, dict]]:
+    cases = []
+    for fam in ("gpt2", "llama"):
+        cases.append((f"{fam} tp2", ec.base_case(fam, **{"parallel.tp": 2})))
+        cases.append((f"{fam} dp2", ec.base_case(fam, **{"parallel.dp": 2})))
+        for sch in SCHEDULES_PP:
+            cases.append((f"{fam} pp2 {sch}", ec.base_case(fam, **{"parallel.pp": 2, "parallel.schedule": sch})))
+    cases.append(("gpt2 tp2 sequence-parallel", ec.base_case("gpt2", **{"parallel.tp": 2,
+                                                                        "parallel.sequence_parallel": True})))
+    cases.append(("llama pp2 uneven layers, 3 microbatches",
+                  ec.base_case("llama", **{"parallel.pp": 2, "parallel.microbatches": 2, "model.num_layers": 5,
+                                           "train.global_batch_size": 6})))
+    cases.append(("gpt2 pp2 vpp2 interleaved", ec.base_case("gpt2", **{"parallel.pp": 2, "parallel.vpp": 2,
+                                                                       "parallel.schedule": "interleaved-1f1b"})))
+    return cases
+
+
+def _cases_world4() -> list[tuple[str, dict]]:
+    cases = []
+    for fam in ("gpt2", "llama"):
+        for sch in SCHEDULES_PP:
+            cases.append((f"{fam} tp2 pp2 {sch}", ec.base_case(fam, **{"parallel.tp": 2, "parallel.pp": 2,
+                                                                        "parallel.schedule": sch})))
+            cases.append((f"{fam} pp2 dp2 {sch}", ec.base_case(fam, **{"parallel.pp": 2, "parallel.dp": 2,
+                                                                        "parallel.schedule": sch})))
+        cases.append((f"{fam} pp4 vpp2 interleaved", ec.base_case(fam, **{
+            "parallel.pp": 4, "parallel.vpp": 2, "parallel.schedule": "interleaved-1f1b",
+            "parallel.microbatches": 8, "train.global_batch_size": 8})))
+        cases.append((f"{fam} pp4 vpp2 interleaved, 6 microbatches", ec.base_case(fam, **{
+            "parallel.pp": 4, "parallel.vpp": 2, "parallel.schedule": "interleaved-1f1b",
+            "parallel.microbatches": 6, "train.global_batch_size": 6})))
+    return cases
+
+
+def _run(world: int, cases: list[tuple[str, dict]]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(ec.worker, world, [c for _, c in cases], tmp)
+        for i, (label, case) in enumerate(cases):
+            results = [torch.load(Path(tmp) / f"case{i}_rank{r}.pt", weights_only=False) for r in range(world)]
+            ec.compare(results, ec.reference(case), label)
+
+
+@pytest.mark.slow
+def test_two_rank_layouts_match_single_process():
+    _run(2, _cases_world2())
+
+
+@pytest.mark.slow
+def test_four_rank_layouts_match_single_process():
+    _run(4, _cases_world4())
