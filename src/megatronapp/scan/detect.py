@@ -27,6 +27,7 @@ from megatronapp.scan.format import CAT_INDEX, RankTrace
 
 KINDS = ("slow-compute", "slow-link", "transient-pause", "late-arrival")
 MS = 1e6
+_NEST_SLACK_NS = 2_000  # a child may end a hair after its parent (clock reads in a different order)
 _COMPUTE, _COMM, _DATA, _OPT, _STEP = (CAT_INDEX[c] for c in ("compute", "comm", "data", "optimizer", "step"))
 
 
@@ -40,7 +41,8 @@ class Thresholds:
     persistent: float = 0.6  # fraction of iterations for a persistent fault
     transient_rel: float = 0.15  # a one-off must stand out more than a persistent shift
     transient_abs_ms: float = 2.0
-    link_rel: float = 0.06  # median transfer time above peers' median
+    link_rel: float = 0.08  # median transfer time above peers' median
+    link_z: float = 5.0  # many links are compared at once: a stricter z keeps the false-alarm rate down
     link_abs_ms: float = 0.01
     scale_floor: float = 0.01  # MAD is floored at 1% of the median: identical peers are not infinitely sure
 
@@ -195,7 +197,7 @@ def phases(tb: Table) -> Phases:
     end = tb.end
     inside = comm & (last_work >= 0)
     lw = last_work[inside]
-    nested = (tb.rank[lw] == tb.rank[inside]) & (end[inside] <= end[lw])
+    nested = (tb.rank[lw] == tb.rank[inside]) & (end[inside] <= end[lw] + _NEST_SLACK_NS)
     sub = np.bincount(lw[nested], tb.dur[inside][nested], len(tb.ts))
     excl = np.maximum(tb.dur - sub, 0)
     compute = per_cell(work & (tb.cat != _DATA), excl)
@@ -506,7 +508,7 @@ def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray,
         ref, exc, z = robust_excess(rmed[rows, None], np.zeros(len(rows), np.int64), th.scale_floor)
         for i, k in enumerate(rows):
             peer_t = tmed[k] / rmed[k] * ref[i, 0]
-            if not (exc[i, 0] >= th.link_rel and z[i, 0] >= th.z and tmed[k] - peer_t >= th.link_abs_ms * MS):
+            if not (exc[i, 0] >= th.link_rel and z[i, 0] >= th.link_z and tmed[k] - peer_t >= th.link_abs_ms * MS):
                 continue
             rks = tuple(int(x) for x in ranks_of(uu[k]))
             factor = float(rmed[k] / ref[i, 0])
@@ -515,7 +517,7 @@ def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray,
             label = f"{rks[0]}-{rks[1]}" if len(rks) == 2 else f"group {list(rks)}"
             out.append(Finding("slow-link", rks, [_coord(tb, r) for r in rks],
                                f"{factor:.2f}x transfer time on {what} {label}", round(factor, 3),
-                               round((tmed[k] - peer_t) / MS, 4), _confidence(float(z[i, 0]), 1.0, th.z), ev))
+                               round((tmed[k] - peer_t) / MS, 4), _confidence(float(z[i, 0]), 1.0, th.link_z), ev))
     return out
 
 

@@ -303,8 +303,10 @@ def simulate(out_dir: str | Path, ranks: int, tp: int, pp: int, dp: int | None =
     order = np.lexsort((cols["ts"], cols["rank"]))
     cols = {k: v[order] for k, v in cols.items()}
     bounds = np.searchsorted(cols["rank"], np.arange(ranks + 1))
-    ts_local = cols["ts"].astype(np.int64) + offsets[cols["rank"]]
-    dur = np.maximum(cols["dur"], 0).astype(np.int64)
+    # Round ends, not durations: a nested span must not poke 1 ns past its parent.
+    start = np.floor(cols["ts"]).astype(np.int64)
+    dur = np.maximum(np.floor(cols["ts"] + cols["dur"]).astype(np.int64) - start, 0)
+    ts_local = start + offsets[cols["rank"]]
     for r in range(ranks):
         s, d, t = r // (tp * dp), (r // tp) % dp, r % tp
         group_ranks = (None, [x + tp * (d + dp * s) for x in range(tp)],

@@ -1,0 +1,133 @@
+"""`megatronapp scan ...`: aggregate, detect, heatmap, simulate, summary."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from megatronapp.scan.format import read_dir
+
+
+def _load(trace_dir: str, align: bool):
+    """Read a trace directory (problems to stderr) and optionally estimate clock offsets."""
+    traces, problems = read_dir(trace_dir)
+    for p in problems:
+        print(f"scan: {p}", file=sys.stderr)
+    if not traces:
+        raise SystemExit(f"scan: no readable rank traces in {trace_dir}")
+    offsets = None
+    if align:
+        from megatronapp.scan.align import estimate_offsets
+
+        offsets, residual, _ = estimate_offsets(traces)
+        print(f"scan: clocks aligned, median residual {residual / 1e3:.1f} us", file=sys.stderr)
+    return traces, offsets
+
+
+def cmd_aggregate(args: argparse.Namespace) -> int:
+    from megatronapp.scan.aggregate import aggregate
+
+    report = aggregate(args.dir, args.out)
+    print(json.dumps(report, indent=1, default=str) if args.json else f"wrote {args.out}")
+    return 0
+
+
+def cmd_detect(args: argparse.Namespace) -> int:
+    from megatronapp.scan.detect import detect
+
+    traces, offsets = _load(args.dir, args.align)
+    report = detect(traces, offsets)
+    print(report.to_json() if args.json else report.to_text())
+    return 1 if (args.fail_on_finding and report.findings) else 0
+
+
+def cmd_heatmap(args: argparse.Namespace) -> int:
+    from megatronapp.scan import heatmap
+    from megatronapp.scan.detect import analyse
+
+    traces, offsets = _load(args.dir, args.align)
+    try:
+        out = heatmap.write(analyse(traces, offsets), args.out)
+    except ValueError as e:
+        print(f"scan heatmap: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    from megatronapp.scan.detect import analyse
+    from megatronapp.scan.summary import summary_table
+
+    traces, offsets = _load(args.dir, args.align)
+    an = analyse(traces, offsets)
+    print(summary_table(an, limit=None if args.all else args.limit))
+    print()
+    print(an.report.to_text())
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from megatronapp.scan.simulate import simulate
+
+    try:
+        res = simulate(args.out, args.ranks, args.tp, args.pp, args.dp, args.iterations, args.fault or [],
+                       args.seed, args.microbatches)
+    except ValueError as e:
+        print(f"scan simulate: {e}", file=sys.stderr)
+        return 2
+    faults = "; ".join(f.label() for f in res.faults) or "none"
+    print(f"wrote {res.world} rank files ({res.spans} spans) to {res.out_dir}: tp={res.tp} pp={res.pp} "
+          f"dp={res.dp}, {res.iterations} iterations x {res.microbatches} microbatches; faults: {faults}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `scan` command and its sub-commands to the main CLI."""
+    scan = subparsers.add_parser("scan", help="MegaScan: merge traces, find slow ranks and links, simulate",
+                                 description="MegaScan trace tools. A trace directory holds rank*.mst files.")
+    sub = scan.add_subparsers(dest="scan_command", metavar="SUBCOMMAND", required=True)
+
+    p = sub.add_parser("aggregate", help="merge rank files into one Perfetto/Chrome trace with aligned clocks")
+    p.add_argument("dir")
+    p.add_argument("-o", "--out", required=True, help="output .json or .json.gz")
+    p.add_argument("--json", action="store_true", help="print the aggregation report as JSON")
+    p.set_defaults(func=cmd_aggregate)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("dir", help="trace directory (rank*.mst)")
+        p.add_argument("--align", action="store_true",
+                       help="estimate clock offsets first and use aligned start times (default: skew-free "
+                            "duration-based analysis)")
+
+    p = sub.add_parser("detect", help="name the ranks and links that slow the job down (root cause, not victims)")
+    common(p)
+    p.add_argument("--json", action="store_true", help="machine-readable report")
+    p.add_argument("--fail-on-finding", action="store_true", help="exit 1 when anything is found (for CI)")
+    p.set_defaults(func=cmd_detect)
+
+    p = sub.add_parser("heatmap", help="rank-grid heat-map as .png or interactive .html")
+    common(p)
+    p.add_argument("-o", "--out", required=True, help="heat.png or heat.html")
+    p.set_defaults(func=cmd_heatmap)
+
+    p = sub.add_parser("summary", help="per-rank table of compute / comm / wait time and the findings")
+    common(p)
+    p.add_argument("--limit", type=int, default=40, help="rows to show for large jobs (flagged ranks first)")
+    p.add_argument("--all", action="store_true", help="show every rank")
+    p.set_defaults(func=cmd_summary)
+
+    p = sub.add_parser("simulate", help="write synthetic traces of a large 3D-parallel job with injected faults")
+    p.add_argument("--ranks", type=int, required=True)
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--pp", type=int, required=True)
+    p.add_argument("--dp", type=int, default=None, help="default: ranks / (tp*pp)")
+    p.add_argument("--iterations", type=int, default=5)
+    p.add_argument("--microbatches", type=int, default=None, help="default: pp (at least 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fault", action="append", metavar="SPEC",
+                   help="slow-compute=RANK:FACTOR | slow-link=A-B[:FACTOR] | pause=RANK:MS[:EVERY] | "
+                        "late-arrival=RANK:MS (repeatable)")
+    p.add_argument("-o", "--out", required=True, type=Path, help="output trace directory")
+    p.set_defaults(func=cmd_simulate)
