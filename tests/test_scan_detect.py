@@ -1,0 +1,89 @@
+"""Root-cause detection on simulated jobs: each fault kind, several positions, several at once, none at all."""
+import json
+
+import pytest
+
+from megatronapp.scan.detect import detect
+from megatronapp.scan.format import read_dir
+from megatronapp.scan.simulate import simulate
+
+# 32 ranks: tp=2, pp=4, dp=4. rank = tp + 2*(dp + 4*pp).
+
+
+def _run(tmp_path, faults, seed=0, **kw):
+    grid = {"ranks": 32, "tp": 2, "pp": 4, **kw}
+    simulate(tmp_path, grid["ranks"], grid["tp"], grid["pp"], iterations=5, faults=faults, seed=seed)
+    traces, problems = read_dir(tmp_path)
+    assert problems == []
+    return detect(traces)
+
+
+def _named(report):
+    return {(f.kind, tuple(sorted(f.ranks))) for f in report.findings}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_healthy_runs_raise_no_alarm(tmp_path, seed):
+    report = _run(tmp_path, [], seed=seed)
+    assert report.findings == [], report.to_text()
+    assert "no root cause found" in report.to_text()
+
+
+@pytest.mark.parametrize("rank", [0, 13, 31])  # first stage, a middle stage, the last stage
+def test_slow_compute_is_the_culprit_not_its_victims(tmp_path, rank):
+    report = _run(tmp_path, [f"slow-compute={rank}:1.25"])
+    assert _named(report) == {("slow-compute", (rank,))}, report.to_text()
+    f = report.findings[0]
+    assert 1.15 < f.factor < 1.4 and f.confidence > 0.5
+    assert f.evidence["iterations"] and f.evidence["ops"]["backward"] > 1.1
+    # The culprit is also who everyone waits for.
+    assert report.waited_for[0]["rank"] == rank
+
+
+def test_slow_p2p_link_names_both_ends(tmp_path):
+    report = _run(tmp_path, ["slow-link=10-18:1.5"])  # (dp1, pp1, tp0) -> (dp1, pp2, tp0)
+    assert _named(report) == {("slow-link", (10, 18))}, report.to_text()
+    assert report.findings[0].link in ((10, 18), (18, 10))
+
+
+def test_slow_tp_link_names_its_group(tmp_path):
+    report = _run(tmp_path, ["slow-link=20-21:1.5"])
+    assert _named(report) == {("slow-link", (20, 21))}, report.to_text()
+
+
+def test_transient_pause_and_late_arrival(tmp_path):
+    report = _run(tmp_path, ["pause=9:25:2", "late-arrival=22:8"])
+    assert _named(report) == {("transient-pause", (9,)), ("late-arrival", (22,))}, report.to_text()
+    pause = next(f for f in report.findings if f.kind == "transient-pause")
+    assert pause.evidence["iterations"] == [1, 3] and 15 < pause.excess_ms < 35
+
+
+def test_several_faults_at_once(tmp_path):
+    faults = ["slow-compute=3:1.3", "slow-compute=26:1.2", "slow-link=4-12:2.0", "pause=17:30:2"]
+    report = _run(tmp_path, faults, seed=4)
+    assert _named(report) == {("slow-compute", (3,)), ("slow-compute", (26,)), ("slow-link", (4, 12)),
+                              ("transient-pause", (17,))}, report.to_text()
+
+
+def test_clock_offsets_path_agrees(tmp_path):
+    res = simulate(tmp_path, 16, 2, 2, iterations=4, faults=["slow-compute=6:1.3"], seed=5)
+    traces, _ = read_dir(tmp_path)
+    offsets = dict(enumerate(res.offsets_ns))
+    report = detect(traces, offsets)
+    assert _named(report) == {("slow-compute", (6,))}
+    assert report.waited_for[0]["rank"] == 6
+
+
+def test_report_json_round_trip(tmp_path):
+    report = _run(tmp_path, ["slow-compute=5:1.3"])
+    doc = json.loads(report.to_json())
+    assert doc["world"] == 32 and doc["iterations"] == 5
+    (f,) = doc["findings"]
+    assert f["kind"] == "slow-compute" and f["ranks"] == [5]
+    assert f["coords"] == [{"rank": 5, "dp": 2, "pp": 0, "tp": 1}]
+    assert 0 < f["confidence"] <= 1
+
+
+def test_empty_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="no rank traces"):
+        detect([])
