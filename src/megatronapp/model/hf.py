@@ -113,7 +113,7 @@ class _Checkpoint:
                 raise HFCheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from None
             self.file_of = {k: path / f for k, f in weight_map.items()}
         elif single.is_file():
-            self.file_of = {k: single for k in self._handle(single)}
+            self.file_of = dict.fromkeys(self._handle(single).keys(), single)
         elif any(path.glob("*.bin")) or any(path.glob("*.pt")):
             raise HFCheckpointError(f"{path}: only PyTorch pickle weights (*.bin) found; re-save the model with "
                                     f"save_pretrained(..., safe_serialization=True) to get {SINGLE_FILE}")
