@@ -83,26 +83,33 @@ def is_complete(d: Path) -> bool:
     return (d / MARKER).is_file() and (d / "meta.json").is_file()
 
 
+def _newest_complete(root: Path) -> tuple[Path | None, list[str]]:
+    skipped = []
+    for d in sorted(root.glob("step_*"), reverse=True) if root.is_dir() else []:
+        if is_complete(d):
+            return d, skipped
+        skipped.append(d.name)
+    return None, skipped
+
+
 def resolve(path: str | Path) -> Path:
-    """Turn a --resume argument (a step directory, `.../latest`, or a checkpoints/run directory) into a
-    complete step directory; incomplete directories are skipped with a clear error if nothing is left."""
+    """Turn a --resume argument (a step directory, `.../latest`, a checkpoints or run directory) into a
+    complete step directory. A step directory without its marker is refused, naming the newest complete one."""
     p = Path(path)
     if p.name == "latest" and p.is_file():
         p = p.parent / p.read_text().strip()
-    if p.is_dir() and is_complete(p):
-        return p
-    candidates_root = p if p.is_dir() else p.parent
-    if (candidates_root / "checkpoints").is_dir():
-        candidates_root = candidates_root / "checkpoints"
-    steps = sorted(candidates_root.glob("step_*"), reverse=True) if candidates_root.is_dir() else []
-    skipped = []
-    for d in steps:
-        if is_complete(d):
-            if p.is_dir() and p != d and p.name.startswith("step_"):
-                raise CheckpointError(f"checkpoint {p} has no {MARKER} marker (incomplete save); "
-                                      f"the newest complete one is {d}")
-            return d
-        skipped.append(d.name)
+    if p.name.startswith("step_"):
+        if is_complete(p):
+            return p
+        if not p.is_dir():
+            raise CheckpointError(f"checkpoint {p} does not exist")
+        newest, _ = _newest_complete(p.parent)
+        hint = f"; the newest complete one is {newest}" if newest else ""
+        raise CheckpointError(f"checkpoint {p} has no {MARKER} marker (its save did not finish){hint}")
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    newest, skipped = _newest_complete(root)
+    if newest is not None:
+        return newest
     hint = f" (incomplete, skipped: {', '.join(skipped)})" if skipped else ""
     raise CheckpointError(f"no complete checkpoint at {path}{hint}")
 

@@ -167,7 +167,10 @@ class Trainer:
         root = self.out / "checkpoints"
         state = {"step": self.step, "chunks": [c.state_dict() for c in self.chunks],
                  "optimizer": self.optimizer.state_dict(), "rng": ckpt.rng_state(),
-                 "coord": dataclasses.asdict(self.topo.coord)}
+                 "coord": dataclasses.asdict(self.topo.coord),
+                 # which dimension each TP shard splits, so `consolidate` can rebuild full tensors
+                 "partition_dims": [{n: q.partition_dim for n, q in c.named_parameters()
+                                     if getattr(q, "tensor_parallel", False)} for c in self.chunks]}
         ckpt.save_rank(root, self.step, self.rank, state)
         comm.barrier(self.topo.groups["world"])
         d = ckpt.step_dir(root, self.step)

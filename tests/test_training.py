@@ -1,0 +1,126 @@
+"""Training end to end: loss goes down, resume is bit-exact, incomplete checkpoints are never loaded, bf16 and
+recomputation train, a sharded checkpoint consolidates into one model."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatronapp.config import RunConfig
+from megatronapp.launch import spawn
+from megatronapp.train import checkpoint as ckpt
+from megatronapp.train.consolidate import load_model
+from megatronapp.train.trainer import Trainer, run_rank
+from tests.engine_cases import base_case
+
+
+def _cfg(out: Path, **over) -> dict:
+    d = base_case("gpt2", **{"model.num_layers": 4, "model.hidden_size": 64, "train.seq_len": 32,
+                             "train.lr": 3e-3, "train.warmup_steps": 2, "train.grad_clip": 1.0,
+                             "train.peak_tflops": 1.0, **over})
+    d["train"]["out"] = str(out)
+    d["train"]["steps"] = over.get("train.steps", d["train"]["steps"])
+    return d
+
+
+def test_loss_goes_down_on_embedded_corpus(tmp_path):
+    cfg = RunConfig.from_dict(_cfg(tmp_path, **{"train.steps": 40}))
+    tr = Trainer(cfg)
+    losses = [tr.train_step()["loss"] for _ in range(40)]
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first - 1.5, f"loss did not fall enough: {first:.3f} -> {last:.3f}"
+
+
+def _resume_worker(rank: int, world: int, root: str) -> None:
+    root_p = Path(root)
+    layout = {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "train.steps": 6}
+    # a run that saves at step 3 and goes on; a second run resumes from that step-3 checkpoint
+    run_rank(rank, world, _cfg(root_p / "straight", **{**layout, "train.save_interval": 3}))
+    resumed = _cfg(root_p / "resumed", **layout)
+    resumed["train"]["resume"] = str(root_p / "straight" / "checkpoints" / "step_00000003")
+    run_rank(rank, world, resumed)
+    run_rank(rank, world, _cfg(root_p / "bf16", **{**layout, "train.steps": 3, "train.dtype": "bf16",
+                                                    "train.recompute": "full"}))
+    run_rank(rank, world, _cfg(root_p / "selective", **{**layout, "train.steps": 3,
+                                                         "train.recompute": "selective"}))
+
+
+@pytest.mark.slow
+def test_resume_is_bit_exact_and_modes_train(tmp_path):
+    spawn(_resume_worker, 4, str(tmp_path))
+    straight = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    resumed = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[3:]]
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    a = ckpt.resolve(tmp_path / "straight" / "checkpoints" / "latest")
+    b = ckpt.resolve(tmp_path / "resumed" / "checkpoints" / "latest")
+    for rank in range(4):
+        sa, sb = ckpt.load_rank(a, rank), ckpt.load_rank(b, rank)
+        for ca, cb in zip(sa["chunks"], sb["chunks"]):
+            for name in ca:
+                assert torch.equal(ca[name], cb[name]), f"rank {rank} {name} differs after resume"
+        assert sa["step"] == sb["step"] == 6
+    # bf16 compute with fp32 master weights and full recomputation, and selective recomputation, train.
+    fp32 = [r["loss"] for r in straight[:3]]
+    for run in ("bf16", "selective"):
+        got = [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        assert all(abs(x - y) < 0.05 for x, y in zip(got, fp32)), f"{run}: {got} vs fp32 {fp32}"
+    # the tp=2 x pp=2 checkpoint consolidates into one model whose loss matches the run's last loss
+    model = load_model(a)
+    cfg = RunConfig.from_dict(_cfg(tmp_path / "x"))
+    from megatronapp.data.dataset import build_batch_source
+
+    src, _ = build_batch_source(cfg, 0)
+    ids, labels = src.get(6)
+    with torch.no_grad():
+        loss = float(model(ids, labels=labels))
+    assert 0 < loss < straight[0]["loss"]
+
+
+def test_incomplete_checkpoint_is_never_loaded(tmp_path):
+    cfg = RunConfig.from_dict(_cfg(tmp_path / "run", **{"train.steps": 2}))
+    tr = Trainer(cfg)
+    tr.train_step()
+    good = tr.save()
+    tr.train_step()
+    newer = tr.save()
+    # simulate a crash during the newer save: its marker never got written
+    (newer / ckpt.MARKER).unlink()
+    root = tmp_path / "run" / "checkpoints"
+    assert ckpt.resolve(root) == good
+    assert ckpt.resolve(tmp_path / "run") == good
+    with pytest.raises(ckpt.CheckpointError, match="no COMPLETE marker"):
+        ckpt.resolve(newer)
+    shutil.rmtree(good)
+    with pytest.raises(ckpt.CheckpointError, match="incomplete, skipped: step_00000002"):
+        ckpt.resolve(root)
+
+
+def test_corrupt_rank_file_is_named(tmp_path):
+    cfg = RunConfig.from_dict(_cfg(tmp_path / "run", **{"train.steps": 1}))
+    tr = Trainer(cfg)
+    tr.train_step()
+    d = tr.save()
+    path = d / "rank00000.pt"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ckpt.CheckpointError, match="rank00000.pt is corrupt or truncated"):
+        ckpt.load_rank(d, 0)
+
+
+def test_resume_with_another_layout_is_refused(tmp_path):
+    cfg = RunConfig.from_dict(_cfg(tmp_path / "run", **{"train.steps": 1}))
+    tr = Trainer(cfg)
+    tr.train_step()
+    d = tr.save()
+    other = _cfg(tmp_path / "run2", **{"parallel.microbatches": 2})
+    other["train"]["resume"] = str(d)
+    other_cfg = RunConfig.from_dict(other)
+    other_cfg.parallel.vpp = 1
+    meta = json.loads((d / "meta.json").read_text())
+    meta["config"]["parallel"]["tp"] = 2
+    (d / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match="parallel.tp=2"):
+        Trainer(other_cfg)
