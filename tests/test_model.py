@@ -268,3 +268,20 @@ def test_user_errors_are_named():
         build_model(cfg)(torch.zeros(1, 40, dtype=torch.long))
     with pytest.raises(TypeError, match="token ids"):
         build_model(cfg)(torch.randn(1, 4, 32))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_compute_stays_close_to_fp32(family):
+    cfg = FAMILIES[family]()
+    ids, labels = batch()
+    ref = build_model(cfg, seed=9)(ids, labels=labels)
+    model = build_model(cfg, seed=9).to(torch.bfloat16)
+    loss = model(ids, labels=labels)
+    loss.backward()
+    assert loss.dtype == torch.float32  # the loss is reduced in fp32 whatever the compute dtype
+    assert abs(loss.item() - ref.item()) < 2e-2
+    assert all(p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all() for p in model.parameters())
+    with torch.no_grad():
+        cache = KVCache(model, 2, 16)
+        assert model(ids[:, :3], kv_cache=cache).dtype == torch.bfloat16
+        assert cache.keys[0].dtype == torch.bfloat16

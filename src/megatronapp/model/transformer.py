@@ -142,10 +142,8 @@ class TransformerChunk(nn.Module):
         # The output layer has its own weight unless it is tied to an embedding living in this same chunk.
         self.tied_here = bool(cfg.tie_embeddings) and pre_process
         self.output = OutputLayer(cfg, tp_group) if post_process and not self.tied_here else None
-        if cfg.family == "llama":
-            self.register_buffer("inv_freq", inv_frequencies(cfg.head_dim, cfg.rope_theta), persistent=False)
-        else:
-            self.inv_freq = None
+        # Not a buffer: model.to(bfloat16) would round the frequencies; tables are rebuilt in fp32 per forward.
+        self.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta) if cfg.family == "llama" else None
         if sp:
             # Norms see only this rank's sequence slice: their gradients are partial sums over TP.
             for m in self.modules():
@@ -192,13 +190,19 @@ class TransformerChunk(nn.Module):
         if self.pre_process:
             if x.dtype not in (torch.int64, torch.int32):
                 raise TypeError(f"the first chunk takes token ids (int64) [batch, seq], got {x.dtype}")
+            tp = tp_size(self.tp_group)
+            if self.sequence_parallel and x.shape[1] % tp:
+                raise ValueError(f"sequence length {x.shape[1]} is not divisible by tp={tp}, which sequence "
+                                 f"parallelism needs; pick train.seq_len as a multiple of {tp}")
             h = self.embedding(x, start_pos)
             if cap.active:
                 h = cap.point("embed", h, tp_dim=self.hidden_tp_dim, layer=None, kind="embed")
         else:
             h = x
         seq = h.shape[1] * (tp_size(self.tp_group) if self.sequence_parallel else 1)
-        rope = rope_tables(self.inv_freq, start_pos, seq) if self.inv_freq is not None else None
+        rope = None
+        if self.inv_freq is not None:
+            rope = rope_tables(self.inv_freq.to(h.device), start_pos, seq)
         training = torch.is_grad_enabled() and kv_cache is None
         # Full recompute replays a layer's forward in backward: hooks would fire twice (and a random
         # perturbation would differ), so layers run plainly while an observer is attached.
