@@ -39,7 +39,7 @@ class Thresholds:
     abs_ms: float = 0.5
     z: float = 4.0
     persistent: float = 0.6  # fraction of iterations for a persistent fault
-    transient_rel: float = 0.15  # a one-off must stand out more than a persistent shift
+    transient_rel: float = 0.08  # a one-off must stand out more than a persistent shift
     transient_abs_ms: float = 2.0
     link_rel: float = 0.08  # median transfer time above peers' median
     link_z: float = 5.0  # many links are compared at once: a stricter z keeps the false-alarm rate down
