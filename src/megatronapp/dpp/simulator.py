@@ -241,7 +241,7 @@ def simulate(schedule: str | Callable[[], Policy], cfg: SimConfig, timeline: boo
     """Simulate one step of `schedule` (a name from SCHEDULE_NAMES, or a factory of Policy objects, one per
     stage) on `cfg`. Raises RuntimeError if the schedule deadlocks."""
     cfg.validate()
-    name = schedule if isinstance(schedule, str) else getattr(schedule(), "name", "policy")
+    name = schedule if isinstance(schedule, str) else "policy"
     if isinstance(schedule, str) and schedule not in SCHEDULE_NAMES:
         raise ValueError(f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULE_NAMES)}")
     merged = name in ONE_CHUNK and cfg.vpp > 1
@@ -268,6 +268,7 @@ def simulate(schedule: str | Callable[[], Policy], cfg: SimConfig, timeline: boo
             factory = schedule
         stages = [_PolicyStage(factory(), StageView(stage=s, pp=pp, vpp=vpp, microbatches=m,
                                                     max_inflight=cfg.max_inflight)) for s in range(pp)]
+        name = getattr(stages[0].policy, "name", name)
 
     # Microbatches enter the first virtual stage in order, one offered at a time (a data loader yields them in
     # order; every policy here starts them in order anyway), which keeps stage 0's ready set small.
