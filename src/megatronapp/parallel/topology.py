@@ -143,7 +143,10 @@ def build(tp: int, pp: int, dp: int, rank: int | None = None) -> Topology:
                            ("embd", topo.embedding_ranks)):
         ranks = ranks_of(rank)
         pg = None
-        if initialized and len(ranks) > 1:
+        # torch names a locally synchronised group by its ranks *and* the number of groups this process made
+        # before, so every rank must make the same number of groups: a middle stage makes a one-member
+        # tied-embedding group where the end stages make a two-member one.
+        if initialized and (len(ranks) > 1 or (name == "embd" and topo.pp > 2)):
             pg = dist.new_group(list(ranks), use_local_synchronization=True)
         topo.groups[name] = Group(name, ranks, pg)
     topo.groups["world"] = Group("world", tuple(range(topo.world_size)), dist.group.WORLD if initialized else None)
