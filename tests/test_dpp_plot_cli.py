@@ -49,7 +49,7 @@ def test_timeline_from_a_trace_directory(tmp_path):
     assert tl.pp == 2 and "iteration 1" in tl.title  # the last complete iteration by default
     assert len(tl.spans) == 2 * 2 * 3
     assert min(s.start for s in tl.spans) == 0.0
-    first = [s for s in tl.spans if s.stage == 0][0]
+    first = next(s for s in tl.spans if s.stage == 0)
     assert (first.kind, first.microbatch) == ("F", 0) and first.end - first.start == pytest.approx(1e-3)
     tl0, _ = timeline_from_trace(tmp_path, iteration=0)
     assert "iteration 0" in tl0.title
