@@ -1,0 +1,98 @@
+"""Peak FLOP/s and MFU, peak memory, the progress line, and the JSONL metrics log."""
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from megatronapp.train.metrics import (
+    MetricsLog,
+    Progress,
+    measure_peak_flops,
+    mfu,
+    peak_memory_bytes,
+    read_metrics,
+)
+
+
+def test_measure_peak_flops_on_cpu():
+    fp32 = measure_peak_flops("cpu", torch.float32, seconds=0.05)
+    bf16 = measure_peak_flops(torch.device("cpu"), "bf16", seconds=0.05)
+    # Any CPU does between 100 MFLOP/s and 100 TFLOP/s of 512x512 matmul.
+    assert 1e8 < fp32 < 1e14 and 1e8 < bf16 < 1e14
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        measure_peak_flops("cpu", "fp8", seconds=0.01)
+
+
+def test_mfu_arithmetic():
+    # 1000 tok/s * 6e9 FLOP/token = 6 TFLOP/s achieved over 4 ranks of 3 TFLOP/s peak.
+    assert mfu(1000.0, 6e9, 3e12, 4) == pytest.approx(0.5)
+    assert mfu(1000.0, 6e9, 0.0, 4) == 0.0
+
+
+def test_peak_memory_bytes_cpu_is_in_bytes_and_never_falls():
+    before = peak_memory_bytes("cpu")
+    assert before > 10 * 2**20  # a Python process with torch loaded holds well over 10 MiB
+    big = torch.ones(96 * 2**20 // 4)  # 96 MiB, written so the pages are resident
+    after = peak_memory_bytes("cpu")
+    del big
+    assert after >= before and after > 96 * 2**20
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _run(progress: Progress, steps: int) -> None:
+    for s in range(steps):
+        progress.update(s, loss=5.0 - s * 0.1, tokens_per_s=1234.5, mfu=0.123, mem_bytes=3 * 2**20, lr=1e-3)
+    progress.close({"steps": steps, "final_loss": 4.1, "tokens_per_s": 1234.5})
+
+
+def test_progress_plain_lines_every_n_steps():
+    out = io.StringIO()
+    _run(Progress(10, True, stream=out, every=4), 10)
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue()
+    # Step 1 (first), 4, 8, and 10 (last), then the summary.
+    assert [ln.split()[1] for ln in lines[:-1]] == ["1/10", "4/10", "8/10", "10/10"]
+    assert "loss 4.1000" in lines[3] and "MFU 12.3%" in lines[3] and "1,234 tok/s" in lines[3]
+    assert "mem 3.0MiB" in lines[3] and "lr 1.00e-03" in lines[3]
+    assert lines[-1].startswith("done:") and "final_loss=4.1" in lines[-1] and "steps=10" in lines[-1]
+
+
+def test_progress_live_bar_on_a_tty():
+    out = _Tty()
+    _run(Progress(5, True, stream=out), 5)
+    text = out.getvalue()
+    assert text.count("\r") == 5
+    bar, summary = text.rstrip("\n").rsplit("\n", 1)
+    assert "\n" not in bar  # redrawn in place, one line
+    assert "[########################] 5/5" in bar.split("\r")[-1]
+    assert summary.startswith("done:")
+
+
+def test_progress_disabled_prints_nothing():
+    out = _Tty()
+    _run(Progress(5, False, stream=out), 5)
+    assert out.getvalue() == ""
+
+
+def test_metrics_log_appends_flushed_json_lines(tmp_path):
+    path = tmp_path / "run" / "metrics.jsonl"
+    log = MetricsLog(path)
+    log.log({"step": 0, "loss": torch.tensor(2.5), "lr": 1e-3})
+    # Readable before close: each line is flushed as it is written.
+    assert json.loads(path.read_text().splitlines()[0]) == {"step": 0, "loss": 2.5, "lr": 1e-3}
+    log.log({"step": 1, "loss": float("nan"), "extra": {"grad_norm": float("inf")}})
+    log.close()
+    with MetricsLog(path) as again:  # a resumed run appends
+        again.log({"step": 2, "loss": 2.0})
+    with path.open("a") as f:
+        f.write('{"step": 3, "lo')  # a crash mid-line
+    records = read_metrics(path)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert records[1]["loss"] == "nan" and records[1]["extra"] == {"grad_norm": "inf"}
