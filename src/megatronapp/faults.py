@@ -1,0 +1,147 @@
+"""Fault injection for `--inject`: make a rank slow, a link slow, a rank pause like GC, or a rank hang.
+
+Specs (one per `--inject`):
+  slow-compute=RANK:FACTOR   compute spans on RANK take FACTOR times longer (sleep (FACTOR-1)*elapsed at close)
+  slow-link=A-B:DELAY_MS     each send between A and B, and each collective holding both, waits DELAY_MS on A and B
+  pause=RANK:MS:EVERY        RANK pauses MS milliseconds at the start of every EVERY-th iteration
+  hang=RANK:STEP             RANK blocks at the start of iteration STEP until the injector is removed
+Faults act through the engine's seams only: span sinks (`megatronapp.tracing`) and comm interceptors
+(`megatronapp.parallel.comm`). Install the tracer first so an injected sleep falls inside the traced span.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from megatronapp import tracing
+from megatronapp.config import ConfigError
+from megatronapp.parallel import comm
+
+KINDS = {
+    "slow-compute": "slow-compute=RANK:FACTOR (e.g. slow-compute=5:1.3)",
+    "slow-link": "slow-link=A-B:DELAY_MS (e.g. slow-link=0-4:20)",
+    "pause": "pause=RANK:MS:EVERY (e.g. pause=3:200:5)",
+    "hang": "hang=RANK:STEP (e.g. hang=2:10)",
+}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One parsed fault: `ranks` it concerns and its numbers (factor, delay_ms, ms, every, step)."""
+
+    kind: str
+    ranks: tuple[int, ...]
+    factor: float = 1.0
+    delay_ms: float = 0.0
+    ms: float = 0.0
+    every: int = 0
+    step: int = -1
+    spec: str = ""
+
+
+def _num(spec: str, field: str, text: str, kind: type, minimum: float) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ConfigError(f"--inject {spec!r}: {field} must be a{'n integer' if kind is int else ' number'}, "
+                          f"got {text!r}; expected {KINDS[spec.split('=')[0]]}") from None
+    if value < minimum:
+        raise ConfigError(f"--inject {spec!r}: {field}={value} must be >= {minimum}")
+    return value
+
+
+def parse(spec: str) -> Fault:
+    """Parse one `--inject` spec; raise ConfigError naming the spec and the expected form."""
+    kind, eq, rest = spec.strip().partition("=")
+    if kind not in KINDS:
+        raise ConfigError(f"--inject {spec!r}: unknown fault {kind!r}; choose one of: " + "; ".join(KINDS.values()))
+    parts = rest.split(":")
+    want = {"slow-compute": 2, "slow-link": 2, "pause": 3, "hang": 2}[kind]
+    if not eq or len(parts) != want or not all(parts):
+        raise ConfigError(f"--inject {spec!r}: expected {KINDS[kind]}")
+    if kind == "slow-compute":
+        factor = _num(spec, "FACTOR", parts[1], float, 1.0)
+        return Fault(kind, (_num(spec, "RANK", parts[0], int, 0),), factor=factor, spec=spec)
+    if kind == "slow-link":
+        a, dash, b = parts[0].partition("-")
+        if not dash:
+            raise ConfigError(f"--inject {spec!r}: the link is two ranks joined by '-'; expected {KINDS[kind]}")
+        ra, rb = _num(spec, "A", a, int, 0), _num(spec, "B", b, int, 0)
+        if ra == rb:
+            raise ConfigError(f"--inject {spec!r}: a link needs two different ranks")
+        return Fault(kind, (ra, rb), delay_ms=_num(spec, "DELAY_MS", parts[1], float, 0.0), spec=spec)
+    if kind == "pause":
+        return Fault(kind, (_num(spec, "RANK", parts[0], int, 0),), ms=_num(spec, "MS", parts[1], float, 0.0),
+                     every=_num(spec, "EVERY", parts[2], int, 1), spec=spec)
+    return Fault(kind, (_num(spec, "RANK", parts[0], int, 0),), step=_num(spec, "STEP", parts[1], int, 0),
+                 spec=spec)
+
+
+class Injector:
+    """The faults that concern this rank, hooked into span sinks and comm interceptors until `remove()`."""
+
+    def __init__(self, faults: list[Fault], rank: int):
+        self.rank = rank
+        self.faults = faults
+        self._slow = [f.factor for f in faults if f.kind == "slow-compute" and f.ranks[0] == rank]
+        self._links = [f for f in faults if f.kind == "slow-link" and rank in f.ranks]
+        self._pauses = [f for f in faults if f.kind == "pause" and f.ranks[0] == rank]
+        self._hangs = {f.step for f in faults if f.kind == "hang" and f.ranks[0] == rank}
+        self._release = threading.Event()
+        self.hung_at: int | None = None
+        self.installed_sink = bool(self._slow or self._pauses or self._hangs)
+        if self.installed_sink:
+            tracing.install(self)
+        if self._links:
+            comm.add_interceptor(self.intercept)
+
+    # SpanSink: only compute spans are timed, everything else costs one comparison.
+    def open(self, name: str, cat: str, meta: dict[str, Any]) -> Any:
+        return time.perf_counter() if cat == "compute" and self._slow else None
+
+    def close(self, token: Any) -> None:
+        if token is not None:
+            elapsed = time.perf_counter() - token
+            for factor in self._slow:
+                time.sleep((factor - 1.0) * elapsed)
+
+    def step(self, iteration: int, begin: bool) -> None:
+        if not begin:
+            return
+        if iteration in self._hangs and not self._release.is_set():
+            self.hung_at = iteration
+            self._release.wait()  # a hang drill: only remove() (or the process dying) ends it
+        for f in self._pauses:
+            if iteration % f.every == 0:
+                time.sleep(f.ms / 1000.0)
+
+    def intercept(self, op: comm.CommOp) -> None:
+        """Delay sends over a slow link, and collectives whose group holds both of its ends."""
+        for f in self._links:
+            if op.peer is not None:
+                hit = op.name == "send" and op.peer in f.ranks
+            else:
+                hit = f.ranks[0] in op.group_ranks and f.ranks[1] in op.group_ranks
+            if hit:
+                time.sleep(f.delay_ms / 1000.0)
+
+    def remove(self) -> None:
+        """Unhook every fault and release a hung rank."""
+        self._release.set()
+        if self.installed_sink:
+            tracing.uninstall(self)
+        comm.remove_interceptor(self.intercept)
+
+
+def install(specs: list[str], topo: Any) -> Injector:
+    """Parse `specs`, check their ranks against the topology and hook the faults of this rank."""
+    faults = [parse(s) for s in specs]
+    world = topo.world_size
+    for f in faults:
+        bad = [r for r in f.ranks if r >= world]
+        if bad:
+            raise ConfigError(f"--inject {f.spec!r}: rank {bad[0]} does not exist in a world of {world} "
+                              f"(ranks 0..{world - 1})")
+    return Injector(faults, topo.rank)

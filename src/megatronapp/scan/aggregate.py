@@ -1,0 +1,140 @@
+"""Merge per-rank trace files into one Chrome Trace Event Format timeline (Perfetto, chrome://tracing).
+
+One process per rank, named "DP{d}-PP{p}-TP{t} (rank r)" and sorted by pipeline stage, then data-parallel
+replica, then tensor rank, so a pipeline reads top to bottom. Each rank has a "compute" and a "comm" thread.
+Clocks are aligned to rank 0 (align.py) before merging. Flow arrows join each send to its recv, and point
+from the member that arrived last at a collective (the one the others waited for) to every other member.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from megatronapp.scan.align import estimate_offsets, to_reference
+from megatronapp.scan.format import CATS, RankTrace, read_dir
+
+TID_COMPUTE, TID_COMM = 0, 1
+_COMM = CATS.index("comm")
+_EPS_US = 0.0005  # flow endpoints sit just inside their slice so viewers bind them to it
+
+
+def process_label(t: RankTrace) -> str:
+    """The timeline's name for a rank."""
+    dp, pp, tp = t.coord
+    return f"DP{dp}-PP{pp}-TP{tp} (rank {t.rank})"
+
+
+class _EventWriter:
+    """Streams `{"traceEvents": [...]}` so a large merge never holds every event as a Python object."""
+
+    def __init__(self, f: IO[str]):
+        self.f, self.n = f, 0
+        f.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
+
+    def add(self, ev: dict) -> None:
+        self.f.write((",\n" if self.n else "") + json.dumps(ev, separators=(",", ":")))
+        self.n += 1
+
+    def finish(self, other: dict) -> None:
+        self.f.write('\n], "otherData": ' + json.dumps(other, default=str) + "}\n")
+
+
+def _us(ns: float | np.ndarray) -> Any:
+    return np.round(np.asarray(ns, dtype=np.float64) / 1000.0, 3)
+
+
+def aggregate(trace_dir: str | Path, out_path: str | Path, offsets: dict[int, int] | None = None,
+              flows: bool = True) -> dict:
+    """Merge a trace directory into Chrome trace JSON (gzip if `out_path` ends in .gz); return a report.
+
+    `offsets` (ns per rank, relative to rank 0) overrides the estimate from the traces' own anchors."""
+    traces, problems = read_dir(trace_dir)
+    report: dict[str, Any] = {"out": str(out_path), "ranks": [t.rank for t in traces], "problems": problems}
+    align_report: dict | None = None
+    if offsets is None:
+        offsets, residual, align_report = estimate_offsets(traces)
+        report.update(residual_ns=residual, unaligned=align_report["unaligned"])
+    report["offsets_ns"] = {r: int(offsets.get(r, 0)) for r in report["ranks"]}
+    starts = [int(np.min(to_reference(t.rank, t.ts, offsets, align_report))) for t in traces if len(t)]
+    origin = min(starts) if starts else 0
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    opener = gzip.open if out.suffix == ".gz" else open
+    with opener(out, "wt", encoding="utf-8") as f:
+        w = _EventWriter(f)
+        order = sorted(traces, key=lambda t: (t.coord[1], t.coord[0], t.coord[2], t.rank))
+        for idx, t in enumerate(order):
+            w.add({"ph": "M", "name": "process_name", "pid": t.rank, "args": {"name": process_label(t)}})
+            w.add({"ph": "M", "name": "process_sort_index", "pid": t.rank, "args": {"sort_index": idx}})
+            for tid, label in ((TID_COMPUTE, "compute"), (TID_COMM, "comm")):
+                w.add({"ph": "M", "name": "thread_name", "pid": t.rank, "tid": tid, "args": {"name": label}})
+        sends: dict[tuple[int, int, int], tuple[int, float]] = {}
+        recvs: dict[tuple[int, int, int], tuple[int, float]] = {}
+        colls: dict[tuple, list[tuple[int, float, float]]] = {}
+        for t in traces:
+            start = _us(to_reference(t.rank, t.ts, offsets, align_report) - origin)
+            end = _us(to_reference(t.rank, t.ts + t.dur, offsets, align_report) - origin)
+            _emit_rank(w, t, start, end, sends, recvs, colls)
+        nflows = _emit_flows(w, sends, recvs, colls) if flows else 0
+        report.update(events=w.n, flows=nflows)
+        w.finish({"megascan": {k: report[k] for k in ("ranks", "offsets_ns", "problems")}})
+    return report
+
+
+def _emit_rank(w: _EventWriter, t: RankTrace, start: np.ndarray, end: np.ndarray, sends: dict, recvs: dict,
+               colls: dict) -> None:
+    names, groups = t.names, t.groups
+    cols = [c.tolist() for c in (t.name, t.cat, t.it, t.gid, t.seq, t.peer, t.nbytes, t.chunk, t.mb)]
+    ts_l, end_l = start.tolist(), end.tolist()
+    for k, (ni, ci, it, gid, seq, peer, nb, chunk, mb) in enumerate(zip(*cols)):
+        args: dict[str, Any] = {"it": it}
+        if mb >= 0:
+            args["mb"] = mb
+        if chunk >= 0:
+            args["chunk"] = chunk
+        is_comm = ci == _COMM
+        if gid >= 0:
+            gname, granks = groups[gid]
+            args.update(group=gname, seq=seq, bytes=nb)
+            if peer >= 0:
+                args["peer"] = peer
+                if names[ni] == "send":
+                    sends[(t.rank, peer, seq)] = (t.rank, ts_l[k], end_l[k])
+                elif names[ni] == "recv":
+                    recvs[(peer, t.rank, seq)] = (t.rank, ts_l[k], end_l[k])
+            elif seq >= 0:
+                colls.setdefault((gname, granks, seq), []).append((t.rank, ts_l[k], end_l[k]))
+        w.add({"ph": "X", "name": names[ni], "cat": CATS[ci] if 0 <= ci < len(CATS) else "other", "pid": t.rank,
+               "tid": TID_COMM if is_comm else TID_COMPUTE, "ts": ts_l[k], "dur": round(end_l[k] - ts_l[k], 3),
+               "args": args})
+
+
+def _flow(w: _EventWriter, fid: int, src: tuple, dst: tuple, name: str) -> None:
+    """One arrow from the start of slice `src` to the end of slice `dst` ((pid, start_us, end_us) each)."""
+    s_ts = src[1] + min(_EPS_US, (src[2] - src[1]) / 2)
+    f_ts = dst[2] - min(_EPS_US, (dst[2] - dst[1]) / 2)
+    w.add({"ph": "s", "id": fid, "name": name, "cat": "flow", "pid": src[0], "tid": TID_COMM, "ts": s_ts})
+    w.add({"ph": "f", "bp": "e", "id": fid, "name": name, "cat": "flow", "pid": dst[0], "tid": TID_COMM,
+           "ts": f_ts})
+
+
+def _emit_flows(w: _EventWriter, sends: dict, recvs: dict, colls: dict) -> int:
+    fid = 0
+    for key, src in sends.items():
+        dst = recvs.get(key)
+        if dst is not None:
+            fid += 1
+            _flow(w, fid, src, dst, "p2p")
+    for (gname, _, _), members in colls.items():
+        if len(members) < 2:
+            continue
+        last = max(members, key=lambda m: m[1])  # arrived last: the member the others waited for
+        for m in members:
+            if m is not last:
+                fid += 1
+                _flow(w, fid, last, m, gname)
+    return fid

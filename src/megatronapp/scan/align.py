@@ -1,0 +1,223 @@
+"""Clock alignment: each rank's clock offset (and linear drift) relative to rank 0, from the trace itself.
+
+Anchors: the members of a blocking collective leave it at nearly the same instant (nobody leaves before the
+last one arrived), so the END of a matched collective instance is one true instant seen on several clocks. The
+start-up handshake (a few world all-reduces) adds anchors joining every rank to rank 0. Send/recv pairs in both
+directions add NTP-style bounds (a message never arrives before it was sent) for ranks linked only by P2P.
+Per pair of ranks the anchor differences are fitted with a resistant line (medians of thirds: outliers from a
+descheduled process do not move it); the pairs form a graph solved from rank 0 along the most certain paths and
+then smoothed over loops, so ranks sharing no group with rank 0 are still aligned transitively.
+Model: offset_r(t) = a_r + b_r * (t - t0), with t on rank r's own clock; aligned time = t - offset_r(t).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Any
+
+import numpy as np
+
+from megatronapp.scan.format import CAT_INDEX, RankTrace
+
+# Collectives whose members all block until every member arrived (broadcast's root may leave early).
+ANCHOR_OPS = frozenset({"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                        "reduce_scatter_tensor", "barrier", "all_to_all"})
+_MIN_DRIFT_SPAN_NS = 50_000_000  # below this time span a pair's samples cannot tell drift from noise
+_NOISE_FLOOR_NS = 5_000.0
+
+
+def _collective_rows(traces: list[RankTrace]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rank, instance key, end time) of every anchoring collective span and handshake round."""
+    gkeys: dict[tuple, int] = {}
+    ranks, gks, seqs, ends = [], [], [], []
+    comm = CAT_INDEX["comm"]
+    for t in traces:
+        hs = t.header.get("handshake")
+        if hs and hs.get("exit"):
+            gk = gkeys.setdefault(("__handshake__", tuple(hs["group_ranks"])), len(gkeys))
+            n = len(hs["exit"])
+            ranks.append(np.full(n, t.rank)), gks.append(np.full(n, gk)), seqs.append(np.arange(n))
+            ends.append(np.asarray(hs["exit"], dtype=np.int64))
+        if not len(t):
+            continue
+        anchor_name = np.array([n in ANCHOR_OPS for n in t.names] + [False], dtype=bool)
+        # Two groups may hold the same ranks (pp and embd at pp=2) with separate counters: key on the name too.
+        gmap = np.array([gkeys.setdefault(g, len(gkeys)) for g in t.groups] + [-1], dtype=np.int64)
+        m = (t.cat == comm) & (t.gid >= 0) & (t.seq >= 0) & (t.peer < 0) & anchor_name[t.name]
+        if not m.any():
+            continue
+        ranks.append(np.full(int(m.sum()), t.rank)), gks.append(gmap[t.gid[m]]), seqs.append(t.seq[m])
+        ends.append(t.ts[m] + t.dur[m])
+    if not ranks:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    seq = np.concatenate(seqs).astype(np.int64)
+    key = np.concatenate(gks).astype(np.int64) * (int(seq.max()) + 1) + seq
+    return np.concatenate(ranks).astype(np.int64), key, np.concatenate(ends)
+
+
+def _collective_samples(traces: list[RankTrace]) -> tuple[np.ndarray, ...]:
+    """Pair samples (i, j, t_i, end_j - end_i) with i the lowest rank of each collective instance."""
+    rank, key, end = _collective_rows(traces)
+    order = np.lexsort((rank, key))
+    rank, key, end = rank[order], key[order], end[order]
+    first = np.r_[True, key[1:] != key[:-1]] if len(key) else np.zeros(0, bool)
+    inst = np.cumsum(first) - 1
+    start = np.flatnonzero(first)
+    ref_rank, ref_end = rank[start][inst], end[start][inst]
+    keep = ~first & (rank != ref_rank)  # a rank listed twice in one instance is a corrupt row: ignored
+    return ref_rank[keep], rank[keep], ref_end[keep], (end - ref_end)[keep]
+
+
+def _p2p_samples(traces: list[RankTrace]) -> tuple[np.ndarray, ...]:
+    """NTP-style pair samples from send/recv pairs seen in both directions, one per pair and iteration."""
+    sends, recvs = [], []
+    for t in traces:
+        if not len(t):
+            continue
+        ids = {n: i for i, n in enumerate(t.names)}
+        for name, out in (("send", sends), ("recv", recvs)):
+            m = (t.name == ids.get(name, -2)) & (t.peer >= 0) & (t.seq >= 0)
+            if m.any():
+                # (sender, receiver, seq, iteration, time): start of a send, end of a recv.
+                me = np.full(int(m.sum()), t.rank)
+                pair = (me, t.peer[m]) if name == "send" else (t.peer[m], me)
+                tt = t.ts[m] if name == "send" else t.ts[m] + t.dur[m]
+                out.append(np.stack([*pair, t.seq[m], t.it[m], tt]).astype(np.int64))
+    empty = tuple(np.zeros(0, np.int64) for _ in range(4))
+    if not sends or not recvs:
+        return empty
+    s, r = np.concatenate(sends, axis=1), np.concatenate(recvs, axis=1)
+    big = int(max(s[2].max(), r[2].max())) + 1
+    w = int(max(s[:2].max(), r[:2].max())) + 1
+    ks, kr = (s[0] * w + s[1]) * big + s[2], (r[0] * w + r[1]) * big + r[2]
+    common, si, ri = np.intersect1d(ks, kr, assume_unique=False, return_indices=True)
+    if not len(common):
+        return empty
+    src, dst, it = s[0][si], s[1][si], s[3][si]
+    d = r[4][ri] - s[4][si]  # = off_dst - off_src + latency
+    tsend = s[4][si]
+    lo, hi = np.minimum(src, dst), np.maximum(src, dst)
+    pkey = (lo * w + hi) * (int(it.max()) + 2) + it
+    per_dir = []
+    for m in (src == lo, src != lo):  # lower -> higher rank, then the way back
+        k, dd, ts = pkey[m], d[m], tsend[m]
+        o = np.argsort(k, kind="stable")
+        k, dd, ts = k[o], dd[o], ts[o]
+        first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]]) if len(k) else np.zeros(0, np.int64)
+        per_dir.append((k[first], np.minimum.reduceat(dd, first) if len(k) else dd,
+                        np.minimum.reduceat(ts, first) if len(k) else ts))
+    (kf, df, tf), (kb, db, _) = per_dir
+    both, fi, bi = np.intersect1d(kf, kb, assume_unique=True, return_indices=True)
+    pair = both // (int(it.max()) + 2)
+    return pair // w, pair % w, tf[fi], (df[fi] - db[bi]) // 2
+
+
+def _fit_edge(t: np.ndarray, d: np.ndarray, t0: int) -> tuple[float, float, float, bool]:
+    """Resistant line d = a + b (t - t0): slope from medians of the outer thirds; (a, b, mad, has_slope)."""
+    x = (t - t0).astype(np.float64)
+    y = d.astype(np.float64)
+    b, has_slope = 0.0, False
+    if len(x) >= 6 and x.max() - x.min() >= _MIN_DRIFT_SPAN_NS:
+        o = np.argsort(x)
+        k = len(o) // 3
+        xl, xr = np.median(x[o[:k]]), np.median(x[o[-k:]])
+        if xr - xl >= _MIN_DRIFT_SPAN_NS / 2:
+            b = (np.median(y[o[-k:]]) - np.median(y[o[:k]])) / (xr - xl)
+            has_slope = True
+    a = float(np.median(y - b * x))
+    mad = float(np.median(np.abs(y - a - b * x)))
+    return a, b, mad, has_slope
+
+
+def estimate_offsets(traces: list[RankTrace], p2p_weight: float = 0.1) -> tuple[dict[int, int], float, dict]:
+    """Offsets (ns at time t0) of each rank's clock relative to rank 0, the median anchor residual, and a report.
+
+    The report holds `slope` (ns of offset per ns, per rank), `t0`, `unaligned` ranks (no path to rank 0),
+    anchor and edge counts; pass it to `to_reference` to align timestamps including drift."""
+    ranks = sorted(t.rank for t in traces)
+    report: dict[str, Any] = {"slope": {r: 0.0 for r in ranks}, "t0": 0, "unaligned": [], "anchors": 0,
+                              "edges": 0, "p2p_edges": 0}
+    if not ranks:
+        return {}, 0.0, report
+    starts = [int(t.ts.min()) for t in traces if len(t)]
+    t0 = int(np.median(starts)) if starts else 0
+    report["t0"] = t0
+    ci, cj, ct, cd = _collective_samples(traces)
+    pi, pj, pt, pd = _p2p_samples(traces)
+    report["anchors"] = len(ci)
+    edges: list[tuple[int, int, float, float, float, bool]] = []  # i, j, a, b, weight, has_slope
+    for (si, sj, st, sd), scale in (((ci, cj, ct, cd), 1.0), ((pi, pj, pt, pd), p2p_weight)):
+        if not len(si):
+            continue
+        ekey = si * (max(ranks) + 1) + sj
+        order = np.argsort(ekey, kind="stable")
+        ekey, st, sd = ekey[order], st[order], sd[order]
+        bounds = np.flatnonzero(np.r_[True, ekey[1:] != ekey[:-1], True])
+        for lo, hi in itertools.pairwise(bounds):
+            i, j = divmod(int(ekey[lo]), max(ranks) + 1)
+            a, b, mad, has_slope = _fit_edge(st[lo:hi], sd[lo:hi], t0)
+            edges.append((i, j, a, b, scale * (hi - lo) / (mad + _NOISE_FLOOR_NS) ** 2, has_slope))
+        if scale != 1.0:
+            report["p2p_edges"] = int(len(bounds) - 1)
+    report["edges"] = len(edges)
+    a_of, b_of = _solve(ranks, edges)
+    report["unaligned"] = [r for r in ranks if r not in a_of]
+    offsets = {r: round(a_of.get(r, 0.0)) for r in ranks}
+    report["slope"] = {r: float(b_of.get(r, 0.0)) for r in ranks}
+    residual = 0.0
+    if len(ci):
+        model = np.array([[a_of.get(r, 0.0), b_of.get(r, 0.0)] for r in range(max(ranks) + 1)])
+        x = (ct - t0).astype(np.float64)
+        pred = model[cj, 0] + model[cj, 1] * x - model[ci, 0] - model[ci, 1] * x
+        residual = float(np.median(np.abs(cd - pred)))
+    return offsets, residual, report
+
+
+def _solve(ranks: list[int], edges: list[tuple]) -> tuple[dict[int, float], dict[int, float]]:
+    """Offsets from pair measurements: most-certain-path tree from rank 0, then weighted smoothing over loops."""
+    adj: dict[int, list[tuple[int, float, float, float, bool]]] = {r: [] for r in ranks}
+    for i, j, a, b, w, s in edges:
+        adj.setdefault(i, []).append((j, a, b, w, s))
+        adj.setdefault(j, []).append((i, -a, -b, w, s))
+    root = ranks[0]
+    a_of, b_of = {root: 0.0}, {root: 0.0}
+    # Dijkstra on uncertainty; a pair that cannot see drift costs more so drift-aware paths win when present.
+    dist, heap = {root: 0.0}, [(0.0, root)]
+    while heap:
+        c, u = heapq.heappop(heap)
+        if c > dist.get(u, np.inf):
+            continue
+        for v, a, b, w, s in adj.get(u, ()):
+            cost = c + (1.0 / w) * (1.0 if s else 100.0)
+            if cost < dist.get(v, np.inf):
+                dist[v] = cost
+                a_of[v], b_of[v] = a_of[u] + a, b_of[u] + b
+                heapq.heappush(heap, (cost, v))
+    if len(edges) > len(a_of) - 1:  # loops: average their disagreement (Jacobi on the weighted graph)
+        e = np.array([(i, j, a, b, w, s) for i, j, a, b, w, s in edges if i in a_of and j in a_of], float)
+        if len(e):
+            n = int(max(max(a_of), e[:, :2].max())) + 1
+            i, j = e[:, 0].astype(int), e[:, 1].astype(int)
+            av = np.zeros(n)
+            bv = np.zeros(n)
+            for r, a in a_of.items():
+                av[r], bv[r] = a, b_of[r]
+            for vals, col, wts in ((av, 2, e[:, 4]), (bv, 3, e[:, 4] * e[:, 5])):
+                wsum = np.bincount(i, wts, n) + np.bincount(j, wts, n)
+                free = wsum > 0
+                free[root] = False
+                for _ in range(100):
+                    num = np.bincount(j, wts * (vals[i] + e[:, col]), n) + np.bincount(i, wts * (vals[j] - e[:, col]), n)
+                    vals[free] = 0.5 * vals[free] + 0.5 * num[free] / wsum[free]
+            a_of = {r: float(av[r]) for r in a_of}
+            b_of = {r: float(bv[r]) for r in b_of}
+    return a_of, b_of
+
+
+def to_reference(rank: int, ts: np.ndarray, offsets_ns: dict[int, int], report: dict | None = None) -> np.ndarray:
+    """Convert timestamps on `rank`'s clock to rank 0's clock (ns), using drift from `report` when given."""
+    a = offsets_ns.get(rank, 0)
+    if report is None or not report.get("slope", {}).get(rank):
+        return ts - a
+    b, t0 = report["slope"][rank], report["t0"]
+    return ts - a - np.round(b * (ts - t0).astype(np.float64)).astype(np.int64)

@@ -1,0 +1,287 @@
+"""MegaScan for any PyTorch job: trace torch.distributed calls and chosen modules without our engine.
+
+    from megatronapp import scan
+    scan.instrument("trace/")            # after init_process_group, before the training loop
+    for batch in data:
+        with scan.step():                # one iteration
+            ...
+    scan.uninstrument()
+
+The collectives and point-to-point calls of the `torch.distributed` namespace are replaced by wrappers that
+record comm spans with per-group sequence numbers (so instances match across ranks) and then call the original.
+Code that imported a function by name before `instrument()` keeps the unwrapped one.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatronapp import tracing
+from megatronapp.parallel.topology import Group
+from megatronapp.scan.format import rank_file
+from megatronapp.scan.tracer import Tracer, base_header, handshake
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "broadcast", "barrier")
+P2P = ("send", "recv", "isend", "irecv")
+
+
+class _State:
+    def __init__(self, tracer: Tracer):
+        self.tracer = tracer
+        self.originals: dict[str, Any] = {}
+        self.hooks: list[Any] = []
+        self.seq: dict[tuple, itertools.count] = {}
+        self.lock = threading.Lock()
+        self.groups: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self.iteration = 0
+
+    def next_seq(self, key: tuple) -> int:
+        with self.lock:
+            return next(self.seq.setdefault(key, itertools.count()))
+
+    def group(self, pg: Any) -> tuple[str, tuple[int, ...]]:
+        """(name, global ranks) of a process group; the name is the same on every member."""
+        pg = pg if pg is not None else dist.group.WORLD
+        info = self.groups.get(id(pg))
+        if info is None:
+            ranks = tuple(sorted(dist.get_process_group_ranks(pg)))
+            name = "world" if pg is dist.group.WORLD else f"pg{getattr(pg, 'group_name', '') or len(self.groups)}"
+            info = self.groups[id(pg)] = (name, ranks)
+        return info
+
+
+_state: _State | None = None
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    return 0
+
+
+class _TracedWork:
+    """An async work handle whose span ends when it is waited on; everything else is the real handle's."""
+
+    def __init__(self, work: Any, spans: list[Any]):
+        self._work, self._spans = work, spans
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._work.wait(*args, **kwargs)
+        spans, self._spans = self._spans, []
+        for sp in spans:
+            tracing.close_span(sp)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _collective(name: str, orig: Any) -> Any:
+    sig = inspect.signature(orig)
+    tensor_arg = next(iter(sig.parameters))
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        st = _state
+        if st is None or not tracing.enabled():
+            return orig(*args, **kwargs)
+        a = sig.bind(*args, **kwargs).arguments
+        gname, ranks = st.group(a.get("group"))
+        if dist.get_rank() not in ranks:
+            return orig(*args, **kwargs)
+        meta = {"group": gname, "group_ranks": list(ranks), "seq": st.next_seq((gname, ranks)),
+                "bytes": _nbytes(a.get(tensor_arg)) if name != "barrier" else 0, "peer": None}
+        if a.get("async_op"):
+            sp = tracing.open_span(name, "comm", **meta)
+            return _TracedWork(orig(*args, **kwargs), [sp])
+        with tracing.span(name, "comm", **meta):
+            return orig(*args, **kwargs)
+
+    wrapper._megascan_original = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _peer(a: dict, direct: str, in_group: str) -> int | None:
+    if a.get(direct) is not None:
+        return int(a[direct])
+    if a.get(in_group) is not None:
+        return dist.get_global_rank(a.get("group") or dist.group.WORLD, a[in_group])
+    return None
+
+
+def _p2p(name: str, orig: Any) -> Any:
+    sig = inspect.signature(orig)
+    sending = "send" in name
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        st = _state
+        if st is None or not tracing.enabled():
+            return orig(*args, **kwargs)
+        a = sig.bind(*args, **kwargs).arguments
+        gname, ranks = st.group(a.get("group"))
+        peer = _peer(a, "dst", "group_dst") if sending else _peer(a, "src", "group_src")
+        me = dist.get_rank()
+        meta = {"group": gname, "group_ranks": list(ranks), "bytes": _nbytes(a.get("tensor")), "peer": peer,
+                "seq": -1, "tag": a.get("tag", 0)}
+        if peer is not None:
+            meta["seq"] = st.next_seq((gname, "p2p", me, peer) if sending else (gname, "p2p", peer, me))
+        op = "send" if sending else "recv"
+        if name in ("isend", "irecv"):
+            sp = tracing.open_span(op, "comm", **meta)
+            return _TracedWork(orig(*args, **kwargs), [sp])
+        sp = tracing.open_span(op, "comm", **meta)
+        try:
+            out = orig(*args, **kwargs)
+        finally:
+            if sp is not None and peer is None and isinstance(out, int) and out >= 0:
+                # recv from any source: the sender is known only now; sinks hold this span's meta dict.
+                sp.meta.update(peer=out, seq=st.next_seq((gname, "p2p", out, me)))
+            tracing.close_span(sp)
+        return out
+
+    wrapper._megascan_original = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _batch(orig: Any) -> Any:
+    def wrapper(p2p_op_list: list) -> Any:
+        st = _state
+        if st is None or not tracing.enabled():
+            return orig(p2p_op_list)
+        me, spans = dist.get_rank(), []
+        for p in p2p_op_list:
+            sending = p.op is st.originals["isend"]
+            gname, ranks = st.group(p.group)
+            key = (gname, "p2p", me, p.peer) if sending else (gname, "p2p", p.peer, me)
+            spans.append(tracing.open_span("send" if sending else "recv", "comm", group=gname,
+                                           group_ranks=list(ranks), seq=st.next_seq(key), bytes=_nbytes(p.tensor),
+                                           peer=p.peer, tag=p.tag))
+        works = orig(p2p_op_list)
+        if len(works) == len(spans):
+            return [_TracedWork(w, [s]) for w, s in zip(works, spans)]
+        # Coalesced backends return fewer handles: the first one waited on ends every span.
+        return [_TracedWork(w, spans if i == 0 else []) for i, w in enumerate(works)]
+
+    wrapper._megascan_original = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _unwrap(fn: Any) -> Any:
+    return getattr(fn, "_megascan_original", fn)
+
+
+def _module_hooks(st: _State, modules: Any, granularity: str) -> None:
+    if modules is None:
+        return
+    named = modules.items() if isinstance(modules, dict) else (
+        [("forward", modules)] if isinstance(modules, torch.nn.Module) else
+        [("forward" if len(modules) == 1 else f"forward.{i}", m) for i, m in enumerate(modules)])
+    for name, mod in named:
+        targets = [(name, "compute", mod)]
+        if granularity == "full":  # per-layer spans: direct children, list members one by one
+            for cname, child in mod.named_children():
+                if isinstance(child, torch.nn.ModuleList):
+                    targets += [(f"{cname}.{i}", "layer", sub) for i, sub in enumerate(child)]
+                else:
+                    targets.append((cname, "layer", child))
+        for sname, cat, m in targets:
+            stack: list[Any] = []
+
+            def pre(_m: Any, _inp: Any, sname: str = sname, cat: str = cat, stack: list = stack) -> None:
+                stack.append(tracing.open_span(sname, cat))
+
+            def post(_m: Any, _inp: Any, _out: Any, stack: list = stack) -> None:
+                if stack:
+                    tracing.close_span(stack.pop())
+
+            st.hooks += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+
+
+def instrument(trace_dir: str | Path, granularity: str = "coarse", modules: Any = None, *, interval: int = 1,
+               iterations: int = 1, handshake_rounds: int = 5) -> Tracer:
+    """Start tracing this process's torch.distributed calls (and `modules`' forwards) into `trace_dir`."""
+    global _state
+    if _state is not None:
+        raise RuntimeError("megatronapp.scan.instrument() is already active; call scan.uninstrument() first")
+    if not dist.is_initialized():
+        raise RuntimeError("megatronapp.scan.instrument() needs torch.distributed.init_process_group() first")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    header = base_header(rank, world, (rank, 0, 0), (1, 1, world))
+    header["instrumented"] = True
+    if world > 1:
+        header["handshake"] = handshake(Group("world", tuple(range(world)), dist.group.WORLD), handshake_rounds,
+                                        cuda=dist.get_backend() == "nccl")
+    tracer = Tracer(rank_file(trace_dir, rank), header, interval=interval, iterations=iterations,
+                    granularity=granularity, cuda=dist.get_backend() == "nccl")
+    st = _State(tracer)
+    for name in (*COLLECTIVES, *P2P, "batch_isend_irecv", "P2POp"):
+        st.originals[name] = getattr(dist, name)
+    for name in COLLECTIVES:
+        setattr(dist, name, _collective(name, st.originals[name]))
+    for name in P2P:
+        setattr(dist, name, _p2p(name, st.originals[name]))
+    dist.batch_isend_irecv = _batch(st.originals["batch_isend_irecv"])
+    dist.P2POp = _traced_p2pop(st.originals["P2POp"])
+    _module_hooks(st, modules, granularity)
+    _state = st
+    tracing.install(tracer)
+    return tracer
+
+
+def _traced_p2pop(base: type) -> type:
+    # torch checks `op in [isend, irecv]` against its own functions: hand it the originals behind our wrappers.
+    class P2POp(base):  # type: ignore[misc, valid-type]
+        def __new__(cls, op: Any, *args: Any, **kwargs: Any) -> Any:
+            return base.__new__(cls, _unwrap(op), *args, **kwargs)
+
+        def __init__(self, op: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(_unwrap(op), *args, **kwargs)
+
+    return P2POp
+
+
+@contextlib.contextmanager
+def step() -> Iterator[int]:
+    """Mark one iteration of the instrumented job; yields its number (0, 1, ...)."""
+    st = _state
+    if st is None:
+        raise RuntimeError("megatronapp.scan.step() needs megatronapp.scan.instrument(...) first")
+    it = st.iteration
+    st.iteration += 1
+    with tracing.step(it):
+        yield it
+
+
+def uninstrument() -> None:
+    """Restore torch.distributed, remove module hooks, flush and close the trace file."""
+    global _state
+    st, _state = _state, None
+    if st is None:
+        return
+    for name, fn in st.originals.items():
+        setattr(dist, name, fn)
+    for h in st.hooks:
+        h.remove()
+    st.tracer.close()
+
+
+class _CallableModule(types.ModuleType):
+    """`megatronapp.scan.instrument` names both this module and its function: calling either works."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tracer:
+        return instrument(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,230 @@
+"""The MegaScan tracer: a `SpanSink` that records spans of traced iterations to this rank's trace file.
+
+Hot path cost: outside a trace window `open` is one attribute test; inside it is a clock read (or a CUDA
+event record) and a tuple. Closed spans go into a bounded deque; a background thread turns them into records
+and appends them to the file, so the training thread never waits for disk and never synchronizes a device.
+When the deque is full new spans are dropped and counted (the footer says how many) rather than growing memory.
+No barrier anywhere: clock alignment uses a start-up handshake plus the collectives the job does anyway.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from megatronapp import tracing
+from megatronapp.config import ConfigError
+from megatronapp.scan.format import RankWriter, rank_file
+
+_FINISH = object()  # `close()` without a token ends the tracer (SpanSink.close(token) ends one span)
+_SKIP_ON_COARSE = frozenset({"layer"})
+_HOST_TIMED_ON_CUDA = frozenset({"data"})  # CPU-side work: a host clock is the truth, not the stream
+
+
+class Tracer:
+    """Records spans of iterations `i` with `i % interval < iterations`, once each, to one rank file."""
+
+    def __init__(self, path: str | Path, header: dict, *, interval: int = 1, iterations: int = 1,
+                 granularity: str = "coarse", cuda: bool = False, queue_limit: int = 1 << 16,
+                 clock: Callable[[], int] = time.monotonic_ns, flush_s: float = 0.5):
+        if interval < 1 or iterations < 1:
+            raise ConfigError(f"trace.interval={interval} and trace.iterations={iterations} must both be >= 1")
+        if granularity not in ("coarse", "full"):
+            raise ConfigError(f"trace.granularity={granularity!r}: choose coarse or full")
+        self.interval, self.iterations = interval, iterations
+        self._skip = _SKIP_ON_COARSE if granularity == "coarse" else frozenset()
+        self._clock = clock
+        self._cuda = cuda
+        self._limit = queue_limit
+        self._q: collections.deque = collections.deque()
+        self.dropped = 0
+        self.active = False
+        self._it = -1
+        self._step_t0: Any = None
+        self._seen: set[int] = set()
+        self.repeated: list[int] = []
+        self._anchor: tuple[Any, int] | None = None
+        header = {**header, "clock": "cuda_event" if cuda else "monotonic_ns",
+                  "trace": {"interval": interval, "iterations": iterations, "granularity": granularity}}
+        self._writer = RankWriter(path, header)
+        self._pending: list = []  # CUDA spans whose end event has not completed yet
+        self._wake = threading.Event()
+        self._stop = False
+        self._flush_s = flush_s
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain_loop, name="megascan-writer", daemon=True)
+        self._thread.start()
+
+    # ---- SpanSink ---------------------------------------------------------------------------------------
+    def open(self, name: str, cat: str, meta: dict[str, Any]) -> Any:
+        """Start a span (None when outside a trace window or filtered by granularity)."""
+        if not self.active or cat in self._skip:
+            return None
+        if self._cuda and cat not in _HOST_TIMED_ON_CUDA:
+            return (name, cat, meta, self._it, self._event())
+        return (name, cat, meta, self._it, self._clock())
+
+    def close(self, token: Any = _FINISH) -> None:
+        """End span `token`; called with no argument, flush everything, close the file and uninstall."""
+        if token is None:
+            return
+        if token is _FINISH:
+            self._shutdown()
+            return
+        end = self._event() if self._cuda and token[1] not in _HOST_TIMED_ON_CUDA else self._clock()
+        if len(self._q) >= self._limit:
+            self.dropped += 1
+            return
+        self._q.append((token, end))
+
+    def step(self, iteration: int, begin: bool) -> None:
+        """Open or close a trace window at an iteration boundary; a repeated iteration is not traced twice."""
+        if begin:
+            in_window = iteration % self.interval < self.iterations
+            if in_window and iteration in self._seen:
+                self.repeated.append(iteration)
+                in_window = False
+            self.active = in_window
+            if in_window:
+                self._seen.add(iteration)
+                self._it = iteration
+                if self._cuda and self._anchor is None:
+                    self._set_anchor()
+                self._step_t0 = self.open("step", "step", {})
+            return
+        if self.active and iteration == self._it:
+            self.close(self._step_t0)
+            self.active = False
+            self._wake.set()  # write the finished iteration now: a crash later keeps it on disk
+
+    # ---- timing -----------------------------------------------------------------------------------------
+    def _event(self) -> Any:
+        import torch
+
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _set_anchor(self) -> None:
+        # Once per run: an event whose host time is known ties stream times to the host monotonic clock.
+        import torch
+
+        torch.cuda.synchronize()
+        host = self._clock()
+        ev = self._event()
+        ev.synchronize()
+        self._anchor = (ev, host)
+
+    def _resolve(self, token: tuple, end: Any) -> tuple[int, int] | None:
+        """(ts, dur) in ns for a closed span; None if its CUDA end event has not completed."""
+        start = token[4]
+        if isinstance(start, int):
+            return start, end - start
+        if not end.query():
+            return None
+        anchor, host = self._anchor
+        ts = host + int(anchor.elapsed_time(start) * 1e6)
+        return ts, int(start.elapsed_time(end) * 1e6)
+
+    # ---- background writer ------------------------------------------------------------------------------
+    def _drain_loop(self) -> None:
+        try:
+            while True:
+                self._wake.wait(self._flush_s)
+                self._wake.clear()
+                stopping = self._stop
+                self._drain(final=stopping)
+                self._writer.flush()
+                if stopping:
+                    return
+        except Exception as e:  # noqa: BLE001 (keep the job alive; close() reports it)
+            self._error = e
+
+    def _drain(self, final: bool) -> None:
+        q, write = self._q, self._write
+        pending, self._pending = self._pending, []
+        while q:
+            pending.append(q.popleft())
+        for i, (token, end) in enumerate(pending):
+            if final and not isinstance(end, int):
+                end.synchronize()  # only at shutdown: wait for the stream to finish the last spans
+            te = self._resolve(token, end)
+            if te is None:
+                self._pending = pending[i:]  # stream order: later spans are not done either
+                return
+            write(token, te)
+
+    def _write(self, token: tuple, te: tuple[int, int]) -> None:
+        name, cat, meta, it, _ = token
+        mb = meta.get("microbatch", meta.get("mb", -1))
+        self._writer.write(name, cat, te[0], te[1], it, group=meta.get("group"),
+                           group_ranks=meta.get("group_ranks"), seq=meta.get("seq", -1),
+                           peer=meta.get("peer", -1), nbytes=meta.get("bytes", 0) or 0,
+                           chunk=meta.get("chunk", -1), mb=mb)
+
+    def _shutdown(self) -> None:
+        if self._stop:
+            return
+        tracing.uninstall(self)
+        self.active = False
+        self._stop = True
+        self._wake.set()
+        self._thread.join()
+        self._writer.close(footer={"dropped": self.dropped, "iterations": sorted(self._seen),
+                                   "repeated_iterations": self.repeated,
+                                   "writer_error": repr(self._error) if self._error else None})
+        if self._error is not None:
+            raise RuntimeError(f"MegaScan writer for {self._writer.path} failed: {self._error!r}")
+
+
+def handshake(group: Any, rounds: int = 5, cuda: bool = False,
+              clock: Callable[[], int] = time.monotonic_ns) -> dict:
+    """Run `rounds` tiny all-reduces over `group`, recording local send and exit times (clock alignment)."""
+    import torch
+
+    from megatronapp.parallel import comm
+
+    send, exit_ = [], []
+    t = torch.zeros(1, device="cuda" if cuda else "cpu")
+    for _ in range(rounds):
+        if cuda:
+            torch.cuda.synchronize()
+        send.append(clock())
+        comm.all_reduce(t, group)
+        if cuda:
+            torch.cuda.synchronize()
+        exit_.append(clock())
+    return {"group_ranks": list(group.ranks), "send": send, "exit": exit_}
+
+
+def base_header(rank: int, world: int, coord: tuple[int, int, int], topo: tuple[int, int, int],
+                clock: Callable[[], int] = time.monotonic_ns) -> dict:
+    """Identity and clock reference of one rank (wall/monotonic pair for a coarse cross-host guess)."""
+    return {"rank": rank, "world": world, "coord": list(coord), "topo": list(topo), "host": socket.gethostname(),
+            "pid": os.getpid(), "wall_ns": time.time_ns(), "mono_ns": clock()}
+
+
+def attach(cfg: Any, topo: Any, trace_dir: str | Path, *, clock: Callable[[], int] = time.monotonic_ns,
+           handshake_rounds: int = 5) -> Tracer:
+    """Create this rank's tracer from `cfg.trace`, run the clock handshake and install it as a span sink."""
+    import torch.distributed as dist
+
+    from megatronapp.launch import pick_backend
+
+    tc = cfg.trace
+    cuda = pick_backend(cfg.parallel.backend) == "nccl"
+    c = topo.coord
+    header = base_header(topo.rank, topo.world_size, (c.dp, c.pp, c.tp), (topo.tp, topo.pp, topo.dp), clock)
+    world = topo.groups.get("world")
+    if world is not None and world.size > 1 and dist.is_initialized():
+        # Before install: the handshake's own all-reduces are not spans of the job.
+        header["handshake"] = handshake(world, handshake_rounds, cuda, clock)
+    tracer = Tracer(rank_file(trace_dir, topo.rank), header, interval=tc.interval, iterations=tc.iterations,
+                    granularity=tc.granularity, cuda=cuda, clock=clock)
+    tracing.install(tracer)
+    return tracer

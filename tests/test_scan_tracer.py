@@ -1,0 +1,227 @@
+"""MegaScan tracer and instrument(): real gloo processes write trace files that we read back and check.
+
+`traced_job()` (4 ranks, tp=2 x dp=2, skewed and drifting clocks) is shared with the aggregate and align tests.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatronapp import tracing
+from megatronapp.config import ConfigError, RunConfig
+from megatronapp.launch import spawn
+from megatronapp.scan.format import CATS, read_dir, read_rank
+from megatronapp.scan.tracer import Tracer
+
+# Injected clock errors of the traced job: rank r reads true + SKEW[r] + DRIFT[r] * (true - T0).
+SKEW_NS = {0: 0, 1: 50_000_000, 2: -50_000_000, 3: 30_000_000}
+DRIFT = {0: 0.0, 1: 1e-3, 2: -1.5e-3, 3: 5e-4}
+STEPS = 8  # iterations run; traced: i % 3 < 2 -> 0, 1, 3, 4, 6, 7
+TRACED = [0, 1, 3, 4, 6, 7]
+
+
+def _job(rank: int, world: int, out: str, t0: int) -> None:
+    from megatronapp.parallel import comm
+    from megatronapp.parallel.topology import build
+    from megatronapp.scan.tracer import attach
+
+    def clock() -> int:
+        true = time.monotonic_ns()
+        return true + SKEW_NS[rank] + int(DRIFT[rank] * (true - t0))
+
+    topo = build(tp=2, pp=1, dp=2)
+    cfg = RunConfig()
+    cfg.trace.enabled, cfg.trace.interval, cfg.trace.iterations, cfg.trace.granularity = True, 3, 2, "full"
+    tracer = attach(cfg, topo, out, clock=clock)
+    rng = np.random.default_rng(rank)
+    x = torch.randn(64, 64)
+    peer = topo.rank_at(1 - topo.coord.dp, 0, topo.coord.tp)  # the other DP replica
+    for it in [*range(STEPS), 3]:  # iteration 3 again: must not be traced twice
+        with tracing.step(it):
+            with tracing.span("data", "data"):
+                time.sleep(rng.uniform(0.001, 0.01))  # ranks arrive at collectives at different times
+            for mb in range(2):
+                with tracing.span("forward", "compute", chunk=0, microbatch=mb):
+                    for layer in range(2):
+                        with tracing.span(f"layers.{layer}", "layer"):
+                            x = torch.tanh(x @ x) * 0.5
+                    comm.all_reduce(x, topo.tp_group)
+                buf = torch.empty_like(x)
+                if topo.coord.dp == 0:  # P2P both ways between the replicas
+                    comm.send(x, peer, topo.dp_group)
+                    comm.recv(buf, peer, topo.dp_group)
+                else:
+                    comm.recv(buf, peer, topo.dp_group)
+                    comm.send(x, peer, topo.dp_group)
+                with tracing.span("backward", "compute", chunk=0, microbatch=mb):
+                    time.sleep(rng.uniform(0.002, 0.02))
+            h = comm.all_reduce_async(x, topo.dp_group)
+            h.wait()
+            with tracing.span("optimizer", "optimizer"):
+                comm.all_reduce(torch.ones(1), topo.groups["world"])
+        # Outside any step: not in a window, not recorded.
+        with tracing.span("forward", "compute"):
+            pass
+    tracer.close()
+    assert not tracing.enabled()
+
+
+@functools.lru_cache(maxsize=1)
+def traced_job() -> tuple[Path, int]:
+    """Run the 4-rank traced job once per test session; return (trace dir, T0 of the injected drift)."""
+    out = Path(tempfile.mkdtemp(prefix="megascan-")) / "trace"
+    t0 = time.monotonic_ns()
+    spawn(_job, 4, str(out), t0)
+    return out, t0
+
+
+def test_traced_job_structure():
+    out, _ = traced_job()
+    traces, problems = read_dir(out)
+    assert problems == [] and [t.rank for t in traces] == [0, 1, 2, 3]
+    for t in traces:
+        name = np.array(t.names)[t.name]
+        cat = np.array(CATS)[t.cat]
+        assert t.header["footer"]["dropped"] == 0
+        assert t.header["footer"]["repeated_iterations"] == [3]
+        assert len(t.header["handshake"]["exit"]) == 5
+        # Windows: exactly the traced iterations, each with one step span; no duplicates.
+        assert sorted(set(t.it.tolist())) == TRACED
+        steps = t.it[cat == "step"]
+        assert sorted(steps.tolist()) == TRACED
+        for it in TRACED:
+            sel = t.it == it
+            assert (name[sel] == "forward").sum() == 2 and (name[sel] == "layers.1").sum() == 2
+            # Nesting: every span of the iteration lies inside its step span.
+            s = np.flatnonzero(sel & (cat == "step"))[0]
+            assert (t.ts[sel] >= t.ts[s]).all() and (t.end[sel] <= t.end[s]).all()
+            fwd = np.flatnonzero(sel & (name == "forward"))
+            for f in fwd:  # layers and the TP all-reduce nest inside their forward
+                inner = sel & (t.ts >= t.ts[f]) & (t.end <= t.end[f])
+                assert set(name[inner]) >= {"layers.0", "layers.1", "all_reduce", "forward"}
+        assert (t.mb[name == "forward"] >= 0).all() and (t.chunk[name == "forward"] == 0).all()
+        # Sequence numbers: per group, consecutive in trace order (gaps only where windows skip iterations).
+        for gid, (gname, ranks) in enumerate(t.groups):
+            m = (t.gid == gid) & (t.peer < 0)
+            if m.any():
+                assert (np.diff(t.seq[m]) > 0).all(), gname
+                assert t.rank in ranks
+    # Collective instances match across members: same (group, seq) on every member of the group.
+    by_key: dict[tuple, set] = {}
+    for t in traces:
+        for gid, seq, peer in zip(t.gid.tolist(), t.seq.tolist(), t.peer.tolist()):
+            if gid >= 0 and peer < 0:
+                by_key.setdefault((*t.groups[gid], seq), set()).add(t.rank)
+    assert by_key and all(members == set(key[1]) for key, members in by_key.items())
+    # P2P: send on a (peer b, seq k) has a recv on b (peer a, seq k).
+    sends = {(t.rank, p, s) for t in traces for n, p, s in zip(t.name, t.peer, t.seq) if t.names[n] == "send"}
+    recvs = {(p, t.rank, s) for t in traces for n, p, s in zip(t.name, t.peer, t.seq) if t.names[n] == "recv"}
+    assert sends and sends == recvs
+
+
+def test_coarse_granularity_and_window_cost(tmp_path):
+    header = {"rank": 0, "world": 1, "coord": [0, 0, 0], "topo": [1, 1, 1]}
+    tr = Tracer(tmp_path / "rank00000.mst", header, interval=4, iterations=1, granularity="coarse")
+    tracing.install(tr)
+    try:
+        for it in range(8):
+            with tracing.step(it):
+                with tracing.span("forward", "compute", chunk=0, microbatch=0), tracing.span("layers.0", "layer"):
+                    pass
+                assert tr.active == (it % 4 == 0)
+    finally:
+        tr.close()
+    t = read_rank(tmp_path / "rank00000.mst")
+    assert t.problems == [] and sorted(set(t.it.tolist())) == [0, 4]
+    assert "layers.0" not in t.names and sorted(t.names) == ["forward", "step"]
+    assert t.header["trace"] == {"interval": 4, "iterations": 1, "granularity": "coarse"}
+
+
+def test_bounded_queue_drops_and_counts(tmp_path):
+    header = {"rank": 0, "world": 1, "coord": [0, 0, 0], "topo": [1, 1, 1]}
+    tr = Tracer(tmp_path / "rank00000.mst", header, queue_limit=10, flush_s=60.0)
+    tracing.install(tr)
+    with tracing.step(0):
+        for _ in range(50):  # the writer sleeps (flush_s=60): the queue fills after 10 spans
+            with tracing.span("forward", "compute"):
+                pass
+    tr.close()
+    t = read_rank(tmp_path / "rank00000.mst")
+    assert tr.dropped > 0 and t.header["footer"]["dropped"] == tr.dropped
+    assert len(t) + tr.dropped == 51 and any("dropped" in p for p in t.problems)
+
+
+def test_bad_window_settings_are_config_errors(tmp_path):
+    header = {"rank": 0, "world": 1, "coord": [0, 0, 0], "topo": [1, 1, 1]}
+    with pytest.raises(ConfigError, match="trace.interval"):
+        Tracer(tmp_path / "a.mst", header, interval=0)
+    with pytest.raises(ConfigError, match="granularity"):
+        Tracer(tmp_path / "a.mst", header, granularity="fine")
+
+
+# ---- instrument(): a hand-written 2-rank loop without the engine ----------------------------------------
+def _plain_loop(rank: int, world: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from megatronapp import scan
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    scan.instrument(out, granularity="full", modules={"forward": model})
+    other = 1 - rank
+    for _ in range(3):
+        with scan.step():
+            loss = model(torch.randn(8, 16)).square().mean()
+            loss.backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+            w = dist.all_reduce(torch.ones(4), async_op=True)
+            w.wait()
+            parts = [torch.empty(2) for _ in range(world)]
+            dist.all_gather(parts, torch.full((2,), float(rank)))
+            assert parts[other][0].item() == other
+            dist.broadcast(torch.zeros(3), src=0)
+            buf = torch.empty(5)
+            if rank == 0:
+                dist.send(torch.ones(5), 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf)  # any source
+                dist.send(torch.ones(5), 0)
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(3), other),
+                                           dist.P2POp(dist.irecv, torch.empty(3), other)])
+            for r in reqs:
+                r.wait()
+            hs = [dist.isend(torch.ones(2), other), dist.irecv(torch.empty(2), other)]
+            for h in hs:
+                h.wait()
+            dist.barrier()
+    scan.uninstrument()
+    assert dist.all_reduce.__module__.startswith("torch") and not tracing.enabled()
+    dist.all_reduce(torch.ones(1))  # plain torch again
+
+
+def test_instrument_plain_torch_loop(tmp_path):
+    spawn(_plain_loop, 2, str(tmp_path))
+    traces, problems = read_dir(tmp_path)
+    assert problems == [] and len(traces) == 2
+    per_rank = []
+    for t in traces:
+        name = np.array(t.names)[t.name]
+        assert sorted(set(t.it.tolist())) == [0, 1, 2]
+        counts = {n: int((name == n).sum()) for n in set(name)}
+        assert counts["step"] == 3 and counts["forward"] == 3 and counts["0"] == 3  # full: child modules
+        assert counts["all_reduce"] == 3 * 5 and counts["all_gather"] == 3 and counts["barrier"] == 3
+        assert counts["send"] == counts["recv"] == 3 * 3
+        per_rank.append({(t.groups[g][0], s) for g, s, p in zip(t.gid, t.seq, t.peer) if g >= 0 and p < 0})
+        assert json.loads(json.dumps(t.header))["instrumented"] is True
+    assert per_rank[0] == per_rank[1]  # collective sequence numbers agree across ranks
+    sends = {(t.rank, p, s) for t in traces for n, p, s in zip(t.name, t.peer, t.seq) if t.names[n] == "send"}
+    recvs = {(p, t.rank, s) for t in traces for n, p, s in zip(t.name, t.peer, t.seq) if t.names[n] == "recv"}
+    assert len(sends) == 18 and sends == recvs
