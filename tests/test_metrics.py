@@ -47,8 +47,8 @@ class _Tty(io.StringIO):
 
 
 def _run(progress: Progress, steps: int) -> None:
-    for s in range(steps):
-        progress.update(s, loss=5.0 - s * 0.1, tokens_per_s=1234.5, mfu=0.123, mem_bytes=3 * 2**20, lr=1e-3)
+    for s in range(1, steps + 1):
+        progress.update(s, loss=5.1 - s * 0.1, tokens_per_s=1234.5, mfu=0.123, mem_bytes=3 * 2**20, lr=1e-3)
     progress.close({"steps": steps, "final_loss": 4.1, "tokens_per_s": 1234.5})
 
 
@@ -96,3 +96,15 @@ def test_metrics_log_appends_flushed_json_lines(tmp_path):
     records = read_metrics(path)
     assert [r["step"] for r in records] == [0, 1, 2]
     assert records[1]["loss"] == "nan" and records[1]["extra"] == {"grad_norm": "inf"}
+
+
+def test_progress_eta_counts_only_steps_run_since_start(monkeypatch):
+    from megatronapp.train import metrics
+
+    clock = iter([100.0, 110.0])  # built at t=100; the first update, at t=110, is step 91 of a resumed run
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock, 110.0))
+    out = io.StringIO()
+    p = Progress(100, True, stream=out, every=1)
+    p.update(91, loss=1.0, tokens_per_s=1.0, mfu=0.0, mem_bytes=0, lr=0.0)
+    # One step in 10 s since the start, 9 steps left: 1:30 remaining (not 10 s / 91 steps * 9).
+    assert "0:10<1:30" in out.getvalue()

@@ -100,12 +100,14 @@ class Progress:
         self.every = every if every is not None else max(1, self.total // 20)
         self.width = width
         self.start = time.perf_counter()
+        self.base: int | None = None  # steps already done when the bar started (a resumed run)
         self.last_line_len = 0
 
-    def _line(self, step: int, loss: float, tokens_per_s: float, mfu: float, mem_bytes: int, lr: float) -> str:
-        done = step + 1
+    def _line(self, done: int, loss: float, tokens_per_s: float, mfu: float, mem_bytes: int, lr: float) -> str:
+        if self.base is None:
+            self.base = done - 1
         elapsed = time.perf_counter() - self.start
-        eta = elapsed / done * (self.total - done) if done else 0.0
+        eta = elapsed / max(1, done - self.base) * max(0, self.total - done)
         stats = (f"loss {loss:.4f} | lr {lr:.2e} | {tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | "
                  f"mem {_fmt_bytes(mem_bytes)} | {_fmt_duration(elapsed)}<{_fmt_duration(eta)}")
         if self.live:
@@ -115,7 +117,7 @@ class Progress:
         return f"step {done}/{self.total} {stats}"
 
     def update(self, step: int, loss: float, tokens_per_s: float, mfu: float, mem_bytes: int, lr: float) -> None:
-        """Show step `step` (0-based) of the run."""
+        """Show the run after `step` completed optimizer steps (1 after the first, total_steps at the end)."""
         if not self.enabled:
             return
         line = self._line(step, float(loss), float(tokens_per_s), float(mfu), int(mem_bytes), float(lr))
@@ -123,7 +125,7 @@ class Progress:
             pad = " " * max(0, self.last_line_len - len(line))  # wipe the tail of a longer previous line
             self.stream.write("\r" + line + pad)
             self.last_line_len = len(line)
-        elif (step + 1) % self.every == 0 or step == 0 or step + 1 >= self.total:
+        elif step % self.every == 0 or step <= 1 or step >= self.total:
             self.stream.write(line + "\n")
         else:
             return
