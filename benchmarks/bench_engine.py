@@ -1,0 +1,256 @@
+"""Step time of our engine against PyTorch-native peers on the same model, batch and microbatches.
+
+Cases (2 ranks each, gloo on CPU; see benchmarks/engine_peers.py for the peers):
+  pp=2 1F1B                 vs torch.distributed.pipelining Schedule1F1B
+  pp=2 vpp=2 interleaved    vs torch.distributed.pipelining ScheduleInterleaved1F1B
+  tp=2                      vs DTensor parallelize_module (ColwiseParallel / RowwiseParallel, loss_parallel)
+  dp=2                      vs DistributedDataParallel
+Both sides live in the same rank processes and alternate step by step (ours first on even repetitions, the
+peer first on odd ones), each step fenced by barriers, so machine noise falls on both alike. The first steps'
+losses of both sides are compared: equal losses on steps 1 and 2 show that forward, backward, clipping and
+the optimizer compute the same thing. Reported: median step time after warm-up and the ratio ours/peer.
+
+Run: python -m benchmarks.bench_engine            (writes benchmarks/results/engine.json, docs/benchmarks.md)
+     python -m benchmarks.bench_engine --quick    (tiny model, 2 steps, writes nothing)
+     python -m benchmarks.bench_engine --profile  (cProfile of both sides on rank 0, writes nothing)
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import gc
+import io
+import json
+import math
+import os
+import platform
+import pstats
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.engine_peers import PEERS
+from megatronapp.config import RunConfig
+from megatronapp.launch import spawn
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "engine.json"
+DOCS = ROOT / "docs" / "benchmarks.md"
+SECTION = "## Engine vs PyTorch peers"
+TARGET = 1.05  # the issue's bar: ours/peer <= 1.05
+
+# (name, peer kind, peer label, parallel settings)
+CASES: list[tuple[str, str, str, dict[str, Any]]] = [
+    ("pp=2 1f1b", "pipeline", "pipelining Schedule1F1B", {"pp": 2, "schedule": "1f1b"}),
+    ("pp=2 vpp=2 interleaved-1f1b", "pipeline", "pipelining ScheduleInterleaved1F1B",
+     {"pp": 2, "vpp": 2, "schedule": "interleaved-1f1b"}),
+    ("tp=2", "tensor", "DTensor parallelize_module", {"tp": 2}),
+    ("dp=2", "data", "DistributedDataParallel", {"dp": 2}),
+]
+PP4_CASE = ("pp=4 1f1b", "pipeline", "pipelining Schedule1F1B", {"pp": 4, "schedule": "1f1b"})
+
+FULL = {"hidden": 256, "layers": 8, "heads": 8, "seq": 128, "global_batch": 16, "microbatches": 4,
+        "warmup": 2, "steps": 8}
+QUICK = {"hidden": 32, "layers": 4, "heads": 4, "seq": 16, "global_batch": 8, "microbatches": 2,
+         "warmup": 1, "steps": 2}
+
+
+def case_config(parallel: dict[str, Any], size: dict[str, int]) -> dict[str, Any]:
+    """The run config of one case: an untied GPT-2 (the peers cannot tie weights across stages or meshes)."""
+    base = {"tp": 1, "pp": 1, "dp": 1, "vpp": 1, "microbatches": size["microbatches"], "schedule": "1f1b"}
+    return {
+        "model": {"family": "gpt2", "vocab_size": 256, "hidden_size": size["hidden"], "num_layers": size["layers"],
+                  "num_heads": size["heads"], "max_seq_len": size["seq"], "tie_embeddings": False},
+        "parallel": {**base, **parallel},
+        "train": {"steps": size["warmup"] + size["steps"], "global_batch_size": size["global_batch"],
+                  "seq_len": size["seq"], "lr": 1e-3, "warmup_steps": 0, "grad_clip": 1.0, "seed": 11,
+                  "progress": False, "peak_tflops": 1.0,
+                  "out": str(Path(tempfile.gettempdir()) / "megatronapp-bench-engine")},
+    }
+
+
+def _timed(fn, profiler: cProfile.Profile | None) -> tuple[float, float]:
+    """(seconds, loss) of one training step, fenced by barriers so it spans the slowest rank."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
+    loss = fn()
+    if profiler is not None:
+        profiler.disable()
+    dist.barrier()
+    return time.perf_counter() - t0, loss
+
+
+def run_case(cfg_dict: dict[str, Any], kind: str, rank: int, warmup: int, steps: int,
+             profile: bool) -> dict[str, Any]:
+    """Build both sides on this rank and alternate their steps; rank 0's record of times and losses."""
+    from megatronapp.parallel import comm
+    from megatronapp.train.trainer import Trainer
+
+    cfg = RunConfig.from_dict(copy.deepcopy(cfg_dict))
+    comm.reset()
+    torch.manual_seed(cfg.train.seed)
+    ours = Trainer(cfg, rank)
+    peer = PEERS[kind](cfg, rank, ours.data)
+    sides = {"ours": lambda: ours.train_step()["loss"], "peer": lambda: peer.step(peer_step[0])}
+    peer_step = [0]
+    prof = {s: cProfile.Profile() for s in sides} if profile and rank == 0 else {}
+    times: dict[str, list[float]] = {"ours": [], "peer": []}
+    losses: dict[str, list[float]] = {"ours": [], "peer": []}
+    for rep in range(warmup + steps):
+        for side in (("ours", "peer") if rep % 2 == 0 else ("peer", "ours")):
+            dt, loss = _timed(sides[side], prof.get(side) if rep >= warmup else None)
+            if rep >= warmup:
+                times[side].append(dt)
+            losses[side].append(loss)
+        peer_step[0] += 1
+    out = {"times": times, "losses": losses}
+    if prof:
+        out["profile"] = {s: _profile_text(p) for s, p in prof.items()}
+    return out
+
+
+def _profile_text(p: cProfile.Profile, top: int = 30) -> str:
+    buf = io.StringIO()
+    pstats.Stats(p, stream=buf).strip_dirs().sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def worker(rank: int, world: int, cases: list[tuple], size: dict[str, int], outdir: str, profile: bool) -> None:
+    """Spawned entry: run every case; rank 0 saves one JSON record per case."""
+    for i, (name, kind, _label, parallel) in enumerate(cases):
+        rec = run_case(case_config(parallel, size), kind, rank, size["warmup"], size["steps"], profile)
+        if rank == 0:
+            (Path(outdir) / f"case{i}.json").write_text(json.dumps(rec))
+        gc.collect()
+
+
+def _world(parallel: dict[str, Any]) -> int:
+    return parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("dp", 1)
+
+
+def summarise(name: str, label: str, parallel: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
+    """Medians, ratio and loss agreement of one case."""
+    med = {s: statistics.median(rec["times"][s]) for s in ("ours", "peer")}
+    loss_diff = max(abs(a - b) for a, b in zip(rec["losses"]["ours"][:2], rec["losses"]["peer"][:2]))
+    return {"case": name, "peer": label, "parallel": parallel, "median_s": med,
+            "ratio": med["ours"] / med["peer"], "times_s": rec["times"], "losses": rec["losses"],
+            "first_losses_max_abs_diff": loss_diff, "losses_match": loss_diff < 1e-4}
+
+
+def run(quick: bool = False, pp4: bool = False, profile: bool = False,
+        steps: int | None = None) -> dict[str, Any]:
+    """Run every case (world 2, plus pp=4 on 4 ranks if asked); the summary with per-case ratios."""
+    size = dict(QUICK if quick else FULL)
+    if steps is not None:
+        size["steps"] = steps
+    groups: dict[int, list[tuple]] = {}
+    for case in CASES + ([PP4_CASE] if pp4 else []):
+        groups.setdefault(_world(case[3]), []).append(case)
+    rows, profiles = [], {}
+    t0 = time.perf_counter()
+    for world, cases in groups.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            spawn(worker, world, cases, size, tmp, profile)
+            for i, (name, _kind, label, parallel) in enumerate(cases):
+                rec = json.loads((Path(tmp) / f"case{i}.json").read_text())
+                rows.append(summarise(name, label, parallel, rec))
+                if "profile" in rec:
+                    profiles[name] = rec["profile"]
+    cfg = RunConfig.from_dict(case_config({}, size))
+    return {
+        "benchmark": "engine step time vs PyTorch-native peers",
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg(), "python": platform.python_version(),
+                    "torch": torch.__version__, "threads_per_rank": 1, "backend": "gloo"},
+        "config": {"size": size, "model": cfg.to_dict()["model"], "train": cfg.to_dict()["train"],
+                   "params": cfg.model.num_params(), "protocol": "both sides in the same rank processes, "
+                   "alternating step by step, barrier-fenced; medians over the measured steps after warm-up"},
+        "target_ratio": TARGET,
+        "cases": rows,
+        **({"profiles": profiles} if profiles else {}),
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """A Markdown table of medians and ratios."""
+    lines = ["| case | peer | ours (s/step) | peer (s/step) | ours/peer | loss steps 1-2 equal |",
+             "|---|---|---:|---:|---:|---|"]
+    for r in result["cases"]:
+        mark = "" if r["ratio"] <= TARGET else " (over 1.05)"
+        eq = "yes" if r["losses_match"] else f"no (diff {r['first_losses_max_abs_diff']:.2e})"
+        lines.append(f"| {r['case']} | {r['peer']} | {r['median_s']['ours']:.4f} | {r['median_s']['peer']:.4f} "
+                     f"| {r['ratio']:.3f}{mark} | {eq} |")
+    return "\n".join(lines)
+
+
+def docs_section(result: dict[str, Any]) -> str:
+    """The Markdown section of docs/benchmarks.md for this benchmark."""
+    s, m = result["config"]["size"], result["machine"]
+    return "\n".join([
+        SECTION, "",
+        ("`python -m benchmarks.bench_engine` trains the same untied GPT-2 "
+        f"(hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads, seq {s['seq']}, global batch "
+        f"{s['global_batch']}, {s['microbatches']} microbatches per replica, AdamW, global-norm clipping 1.0) with "
+        "our engine and with a PyTorch-native peer, side by side in the same 2 rank processes (gloo, CPU, one "
+        "thread per rank), alternating step by step. Times are medians of "
+        f"{s['steps']} steps after {s['warmup']} warm-up steps; target ours/peer <= {TARGET}. Both sides compute "
+        "the same losses on the first two steps (checked), so they do the same work."), "",
+        table(result), "",
+        (f"Recorded {result['timestamp']} on {m['cpus']} CPUs ({m['processor']}), torch {m['torch']}; load average "
+        f"at the end {tuple(round(x, 2) for x in m['load_avg_at_end'])}. Raw times: `benchmarks/results/engine.json`."),
+        "",
+    ])
+
+
+def write_docs(result: dict[str, Any], path: Path = DOCS) -> None:
+    """Replace (or append) this benchmark's section of docs/benchmarks.md, leaving other sections alone."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    section = docs_section(result)
+    start = text.find(SECTION)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        nxt = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + section + ("" if nxt < 0 else "\n" + text[nxt + 1:])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model, 2 measured steps; writes nothing")
+    ap.add_argument("--pp4", action="store_true", help="also pp=4 1F1B on 4 ranks (oversubscribes 2 cores)")
+    ap.add_argument("--profile", action="store_true", help="cProfile both sides on rank 0; writes nothing")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps per side (after warm-up)")
+    args = ap.parse_args(argv)
+    result = run(quick=args.quick, pp4=args.pp4, profile=args.profile, steps=args.steps)
+    for r in result["cases"]:
+        print(f"{r['case']:<30} first losses ours {r['losses']['ours'][:2]} peer {r['losses']['peer'][:2]}")
+    print(table(result))
+    print(f"wall {result['wall_s']} s")
+    for name, prof in result.get("profiles", {}).items():
+        for side, text in prof.items():
+            print(f"\n===== {name}: {side} =====\n{text}")
+    if args.quick or args.profile:
+        return
+    if any(not math.isfinite(r["ratio"]) for r in result["cases"]):
+        raise SystemExit("a case produced no valid timing; nothing written")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    write_docs(result)
+    print(f"wrote {RESULTS.relative_to(ROOT)} and {DOCS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
