@@ -51,7 +51,7 @@ class LAMB(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Pass 1: Adam moments and the raw update of every parameter, plus squared norms.
+        # Adam moments and the raw update of every parameter, with squared norms collected for one reduction.
         entries: list[tuple[torch.Tensor, torch.Tensor, float]] = []
         sq_norms: list[torch.Tensor] = []
         for group in self.param_groups:
@@ -82,9 +82,10 @@ class LAMB(torch.optim.Optimizer):
         if not entries:
             return loss
         norms = torch.stack(sq_norms)  # [n_params, 2]: ||w||^2, ||update||^2
-        shard = torch.tensor([self._is_shard(p) for p, _, _ in entries], device=norms.device)
-        if shard.any():
+        is_shard = [self._is_shard(p) for p, _, _ in entries]
+        if any(is_shard):
             # One collective for all shards: replicated parameters contribute zeros and keep their local norms.
+            shard = torch.tensor(is_shard, device=norms.device)
             summed = comm.all_reduce(norms * shard[:, None], self.tp_group)
             norms = torch.where(shard[:, None], summed, norms)
         norms = norms.sqrt()
