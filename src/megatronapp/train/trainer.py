@@ -113,7 +113,7 @@ class Trainer:
 
     def detach_modules(self) -> None:
         for ob in reversed(self.observers):
-            for name in ("close", "remove"):
+            for name in ("remove", "close"):  # a SpanSink also has close(token): prefer remove()
                 if hasattr(ob, name):
                     getattr(ob, name)()
                     break
