@@ -52,8 +52,8 @@ def train_part(out: Path, steps: int) -> Path:
     print(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} in {summary['steps']} steps, "
           f"{summary['tokens_per_s']:.0f} tokens/s on {summary['world_size']} ranks")
     ckpt = Path(summary["checkpoint"])
-    prompt = "The cat "
-    print(f"sample (greedy) after {prompt!r}: {sample(ckpt, prompt)!r}")
+    for prompt in ("Today is Monday, so tomorrow is", "Tom has 3 pears. Sam gives Tom 4 more."):
+        print(f"sample (greedy): {prompt!r} -> {sample(ckpt, prompt, 40)!r}")
     return ckpt
 
 
