@@ -48,8 +48,10 @@ class _DynamicPolicy:
         self._cap: int | None = None
         self._vpp = 1
         self._next_start = 0  # with a cap, microbatches start on this stage in order
-        self._partial: dict[int, int] = {}  # started microbatch -> forwards done here, while some remain
-        self._held_full = 0  # activations held by microbatches whose forwards are all done here
+        # started, unfinished microbatch -> [forwards done here, activations held here]; insertion order is
+        # microbatch order because starts are in order (an existing key keeps its place when updated)
+        self._active: dict[int, list[int]] = {}
+        self._partial = 0  # active microbatches with forwards still to run here
 
     def reset(self, view: StageView) -> None:
         cap, low = view.max_inflight, min_inflight_cap(view.vpp)
@@ -60,42 +62,36 @@ class _DynamicPolicy:
                 f"(--dpp-max-inflight {low}) or leave it unset")
         self._cap, self._vpp = cap, view.vpp
         self._next_start = 0
-        self._partial = {}
-        self._held_full = 0
+        self._active = {}
+        self._partial = 0
 
     # -- what may run -------------------------------------------------------------------------------------
     def allowed(self, task: Task, view: StageView) -> bool:
         """True when running `task` now keeps the stage within its memory cap and deadlock-free."""
         if task.kind == "B" or self._cap is None:
             return True
-        # In-order starts, and at most pp microbatches part-way through their forwards on this stage (the
-        # window interleaved 1F1B keeps): new starts cannot crowd out the deeper chunks of started ones.
-        if task.chunk == 0 and (task.microbatch != self._next_start or len(self._partial) >= view.pp):
+        # In-order starts (the deadlock argument needs them), and at most pp microbatches part-way through
+        # their forwards here (interleaved 1F1B's window): new starts cannot crowd out deeper chunks.
+        if task.chunk == 0 and (task.microbatch != self._next_start or self._partial >= view.pp):
             return False
         return self._safe_after(task, view)
 
     def _safe_after(self, task: Task, view: StageView) -> bool:
-        """Banker's check after running forward `task`: the started microbatches, taken in microbatch order,
-        can each still get the slots their remaining forwards need, as earlier ones finish and free theirs."""
+        """Banker's check after running forward `task`: taking the started microbatches in microbatch order,
+        each one's remaining forwards here fit in the free slots plus those freed by the earlier ones."""
         vpp, m = self._vpp, task.microbatch
-        if view.inflight + 1 > self._cap:
+        avail = self._cap - view.inflight - 1
+        if avail < 0:
             return False
-        avail = self._cap - view.inflight - 1 + self._held_full
-        if task.chunk == vpp - 1:  # this forward completes m here: all its slots come back eventually
-            avail += vpp
-        for mb, fdone in self._partial.items():  # insertion order is microbatch order (in-order starts)
-            if avail >= vpp:
+        for mb, (fdone, held) in self._active.items():
+            if avail >= vpp - 1:  # every remaining need is at most vpp - 1
                 return True
             if mb == m:
-                fdone += 1
-                if fdone == vpp:
-                    continue
+                fdone, held = fdone + 1, held + 1
             if vpp - fdone > avail:
                 return False
-            avail += fdone
-        if task.chunk == 0 and vpp > 1:  # a new microbatch, last in microbatch order
-            return vpp - 1 <= avail
-        return True
+            avail += held
+        return task.chunk != 0 or vpp - 1 <= avail  # a new microbatch comes last in microbatch order
 
     # -- the pick ---------------------------------------------------------------------------------------
     def _order(self, view: StageView) -> Callable[[Task], tuple]:
@@ -114,18 +110,22 @@ class _DynamicPolicy:
         return best
 
     def on_done(self, task: Task, view: StageView) -> None:
-        vpp, m = self._vpp, task.microbatch
+        m = task.microbatch
         if task.kind == "B":
-            self._held_full -= 1
+            entry = self._active[m]
+            entry[1] -= 1
+            if entry[1] == 0:  # its last backward here: the microbatch is finished on this stage
+                del self._active[m]
             return
         if task.chunk == 0:
             self._next_start = max(self._next_start, m + 1)
-        fdone = self._partial.get(m, 0) + 1
-        if fdone == vpp:
-            self._partial.pop(m, None)
-            self._held_full += vpp
-        else:
-            self._partial[m] = fdone  # an existing key keeps its place: the dict stays in microbatch order
+            self._active[m] = [0, 0]
+            self._partial += 1
+        entry = self._active[m]
+        entry[0] += 1
+        entry[1] += 1
+        if entry[0] == self._vpp:
+            self._partial -= 1
 
     def _pressed(self, view: StageView, limit: int | None = None) -> bool:
         """Activations are piling up: at the level a full pipeline needs (bounded by the cap), or device memory
