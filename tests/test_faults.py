@@ -60,12 +60,15 @@ def _traced(tmp_path, specs: list[str], rank: int = 0, world: int = 1):
 
 
 def test_slow_compute_and_pause_act_on_their_rank_only(tmp_path):
-    tr, inj = _traced(tmp_path, ["slow-compute=0:2.0", "pause=0:40:2", "slow-compute=1:5"])
+    tr, inj = _traced(tmp_path, ["slow-compute=0:2.0", "pause=0:80:2", "slow-compute=1:5"], world=2)
+    inner = []
     try:
         for it in range(4):
             with tracing.step(it):
                 with tracing.span("forward", "compute"):
-                    time.sleep(0.02)
+                    t0 = time.perf_counter()
+                    time.sleep(0.05)
+                    inner.append(time.perf_counter() - t0)
                 with tracing.span("data", "data"):
                     time.sleep(0.02)
     finally:
@@ -73,11 +76,17 @@ def test_slow_compute_and_pause_act_on_their_rank_only(tmp_path):
         tr.close()
     t = read_rank(tmp_path / "rank00000.mst")
     name, cat = np.array(t.names)[t.name], np.array(CATS)[t.cat]
-    fwd, data = t.dur[name == "forward"] / 1e6, t.dur[name == "data"] / 1e6
-    assert np.all(fwd > 2.0 * 20 * 0.95) and np.median(fwd) < 2.0 * 20 * 1.6  # factor 2, not 2 * 5
-    assert np.all(data < 35)  # only compute is slowed
-    step = t.dur[cat == "step"] / 1e6
-    assert step[0] > step[1] + 30 and step[2] > step[3] + 30  # pauses of 40 ms at iterations 0 and 2
+    ratio = t.dur[name == "forward"] / 1e9 / np.array(inner)
+    # Factor 2 (sleeps on a loaded machine only overshoot), and not rank 1's factor 5.
+    assert np.all(ratio > 1.95) and np.median(ratio) < 3.0, ratio
+    assert np.median(t.dur[name == "data"]) / 1e6 < 35  # only compute is slowed
+    # The pause sits inside the step, outside its child spans: the gap is >= 80 ms at iterations 0 and 2 only.
+    gaps = []
+    for it in range(4):
+        sel = t.it == it
+        step = sel & (cat == "step")
+        gaps.append((t.dur[step].sum() - t.dur[sel & ~(cat == "step")].sum()) / 1e6)
+    assert gaps[0] >= 79 and gaps[2] >= 79 and gaps[1] < 40 and gaps[3] < 40, gaps
 
 
 def test_hang_blocks_until_removed(tmp_path):

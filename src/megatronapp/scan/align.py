@@ -5,8 +5,10 @@ last one arrived), so the END of a matched collective instance is one true insta
 start-up handshake (a few world all-reduces) adds anchors joining every rank to rank 0. Send/recv pairs in both
 directions add NTP-style bounds (a message never arrives before it was sent) for ranks linked only by P2P.
 Per pair of ranks the anchor differences are fitted with a resistant line (medians of thirds: outliers from a
-descheduled process do not move it); the pairs form a graph solved from rank 0 along the most certain paths and
-then smoothed over loops, so ranks sharing no group with rank 0 are still aligned transitively.
+descheduled process do not move it), then held inside the causal bounds every collective gives (nobody leaves
+before everyone arrived, and clock reads are only ever late). The pairs form a graph solved from rank 0 along
+the most certain paths and then smoothed over loops, so ranks sharing no group with rank 0 are still aligned
+transitively.
 Model: offset_r(t) = a_r + b_r * (t - t0), with t on rank r's own clock; aligned time = t - offset_r(t).
 """
 from __future__ import annotations
@@ -24,12 +26,13 @@ ANCHOR_OPS = frozenset({"all_reduce", "all_gather", "all_gather_into_tensor", "r
                         "reduce_scatter_tensor", "barrier", "all_to_all"})
 _MIN_DRIFT_SPAN_NS = 50_000_000  # below this time span a pair's samples cannot tell drift from noise
 _NOISE_FLOOR_NS = 5_000.0
+_MAX_DRIFT = 0.01  # 1%: far beyond any real oscillator; bounds the slope search
 
 
-def _collective_rows(traces: list[RankTrace]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rank, instance key, end time) of every anchoring collective span and handshake round."""
+def _collective_rows(traces: list[RankTrace]) -> tuple[np.ndarray, ...]:
+    """(rank, instance key, start, end) of every anchoring collective span and handshake round."""
     gkeys: dict[tuple, int] = {}
-    ranks, gks, seqs, ends = [], [], [], []
+    ranks, gks, seqs, starts, ends, hss = [], [], [], [], [], []
     comm = CAT_INDEX["comm"]
     for t in traces:
         hs = t.header.get("handshake")
@@ -38,6 +41,8 @@ def _collective_rows(traces: list[RankTrace]) -> tuple[np.ndarray, np.ndarray, n
             n = len(hs["exit"])
             ranks.append(np.full(n, t.rank)), gks.append(np.full(n, gk)), seqs.append(np.arange(n))
             ends.append(np.asarray(hs["exit"], dtype=np.int64))
+            starts.append(np.asarray(hs.get("send", hs["exit"]), dtype=np.int64))
+            hss.append(np.ones(n, bool))
         if not len(t):
             continue
         anchor_name = np.array([n in ANCHOR_OPS for n in t.names] + [False], dtype=bool)
@@ -48,24 +53,31 @@ def _collective_rows(traces: list[RankTrace]) -> tuple[np.ndarray, np.ndarray, n
             continue
         ranks.append(np.full(int(m.sum()), t.rank)), gks.append(gmap[t.gid[m]]), seqs.append(t.seq[m])
         ends.append(t.ts[m] + t.dur[m])
+        starts.append(t.ts[m])
+        hss.append(np.zeros(int(m.sum()), bool))
     if not ranks:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return (*(np.zeros(0, np.int64) for _ in range(4)), np.zeros(0, bool))
     seq = np.concatenate(seqs).astype(np.int64)
     key = np.concatenate(gks).astype(np.int64) * (int(seq.max()) + 1) + seq
-    return np.concatenate(ranks).astype(np.int64), key, np.concatenate(ends)
+    return (np.concatenate(ranks).astype(np.int64), key, np.concatenate(starts), np.concatenate(ends),
+            np.concatenate(hss))
 
 
 def _collective_samples(traces: list[RankTrace]) -> tuple[np.ndarray, ...]:
-    """Pair samples (i, j, t_i, end_j - end_i) with i the lowest rank of each collective instance."""
-    rank, key, end = _collective_rows(traces)
+    """Pair samples (i, j, t_i, end_j - end_i, lower, upper, from handshake) with i the lowest rank of each
+    collective instance.
+
+    Nobody leaves before everyone arrived, so off_j - off_i lies in [start_j - end_i, end_j - start_i]."""
+    rank, key, start, end, hs = _collective_rows(traces)
     order = np.lexsort((rank, key))
-    rank, key, end = rank[order], key[order], end[order]
+    rank, key, start, end, hs = rank[order], key[order], start[order], end[order], hs[order]
     first = np.r_[True, key[1:] != key[:-1]] if len(key) else np.zeros(0, bool)
     inst = np.cumsum(first) - 1
-    start = np.flatnonzero(first)
-    ref_rank, ref_end = rank[start][inst], end[start][inst]
+    head = np.flatnonzero(first)
+    ref_rank, ref_end, ref_start = rank[head][inst], end[head][inst], start[head][inst]
     keep = ~first & (rank != ref_rank)  # a rank listed twice in one instance is a corrupt row: ignored
-    return ref_rank[keep], rank[keep], ref_end[keep], (end - ref_end)[keep]
+    return (ref_rank[keep], rank[keep], ref_end[keep], (end - ref_end)[keep], (start - ref_end)[keep],
+            (end - ref_start)[keep], hs[keep])
 
 
 def _p2p_samples(traces: list[RankTrace]) -> tuple[np.ndarray, ...]:
@@ -112,21 +124,55 @@ def _p2p_samples(traces: list[RankTrace]) -> tuple[np.ndarray, ...]:
     return pair // w, pair % w, tf[fi], (df[fi] - db[bi]) // 2
 
 
-def _fit_edge(t: np.ndarray, d: np.ndarray, t0: int) -> tuple[float, float, float, bool]:
-    """Resistant line d = a + b (t - t0): slope from medians of the outer thirds; (a, b, mad, has_slope)."""
+def _fit_edge(t: np.ndarray, d: np.ndarray, t0: int, lower: np.ndarray | None = None,
+              upper: np.ndarray | None = None, startup: np.ndarray | None = None) -> tuple[float, float, float, bool]:
+    """Resistant line d = a + b (t - t0), then kept inside the causal bounds; (a, b, mad, has_slope).
+
+    Slope from the medians of the outer thirds of the run's anchors (start-up handshake rounds, bunched at one
+    instant of heavy start-up load, would only tilt it); then, since clock reads are only ever late,
+    `lower <= a + b x <= upper` holds for the true line: the slope is moved into the range the bounds allow
+    and the level is the middle of the band they leave (the median when there are no bounds)."""
     x = (t - t0).astype(np.float64)
     y = d.astype(np.float64)
     b, has_slope = 0.0, False
-    if len(x) >= 6 and x.max() - x.min() >= _MIN_DRIFT_SPAN_NS:
-        o = np.argsort(x)
+    run = ~startup if startup is not None and (~startup).sum() >= 6 else np.ones(len(x), bool)
+    xr_, yr_ = x[run], y[run]
+    if len(xr_) >= 6 and xr_.max() - xr_.min() >= _MIN_DRIFT_SPAN_NS:
+        o = np.argsort(xr_)
         k = len(o) // 3
-        xl, xr = np.median(x[o[:k]]), np.median(x[o[-k:]])
+        xl, xr = np.median(xr_[o[:k]]), np.median(xr_[o[-k:]])
         if xr - xl >= _MIN_DRIFT_SPAN_NS / 2:
-            b = (np.median(y[o[-k:]]) - np.median(y[o[:k]])) / (xr - xl)
+            b = (np.median(yr_[o[-k:]]) - np.median(yr_[o[:k]])) / (xr - xl)
             has_slope = True
+    if has_slope and lower is not None and upper is not None:
+        b = _clip_slope(x, lower.astype(np.float64), upper.astype(np.float64), b)
     a = float(np.median(y - b * x))
+    if lower is not None and upper is not None and len(x):
+        lo, hi = float(np.max(lower - b * x)), float(np.min(upper - b * x))
+        a = 0.5 * (lo + hi)
     mad = float(np.median(np.abs(y - a - b * x)))
     return a, b, mad, has_slope
+
+
+def _clip_slope(x: np.ndarray, lower: np.ndarray, upper: np.ndarray, b: float) -> float:
+    """Move slope `b` into the range of slopes for which some line passes every bound (if that range exists)."""
+    def width(bb: float) -> float:  # concave in bb: a min of lines minus a max of lines
+        return float(np.min(upper - bb * x) - np.max(lower - bb * x))
+
+    if width(b) >= 0:
+        return b
+    lo, hi = b - _MAX_DRIFT, b + _MAX_DRIFT
+    for _ in range(80):  # ternary search for the widest band
+        m1, m2 = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        lo, hi = (m1, hi) if width(m1) < width(m2) else (lo, m2)
+    best = 0.5 * (lo + hi)
+    if width(best) < 0:
+        return b  # the bounds contradict each other: keep the median slope
+    inside, outside = best, b  # bisect to the feasible slope nearest the median one
+    for _ in range(60):
+        mid = 0.5 * (inside + outside)
+        inside, outside = (mid, outside) if width(mid) >= 0 else (inside, mid)
+    return inside
 
 
 def estimate_offsets(traces: list[RankTrace], p2p_weight: float = 0.1) -> tuple[dict[int, int], float, dict]:
@@ -142,20 +188,24 @@ def estimate_offsets(traces: list[RankTrace], p2p_weight: float = 0.1) -> tuple[
     starts = [int(t.ts.min()) for t in traces if len(t)]
     t0 = int(np.median(starts)) if starts else 0
     report["t0"] = t0
-    ci, cj, ct, cd = _collective_samples(traces)
+    ci, cj, ct, cd, cl, cu, chs = _collective_samples(traces)
     pi, pj, pt, pd = _p2p_samples(traces)
     report["anchors"] = len(ci)
     edges: list[tuple[int, int, float, float, float, bool]] = []  # i, j, a, b, weight, has_slope
-    for (si, sj, st, sd), scale in (((ci, cj, ct, cd), 1.0), ((pi, pj, pt, pd), p2p_weight)):
+    for (si, sj, st, sd, sl, su, sh), scale in (((ci, cj, ct, cd, cl, cu, chs), 1.0),
+                                                ((pi, pj, pt, pd, None, None, None), p2p_weight)):
         if not len(si):
             continue
         ekey = si * (max(ranks) + 1) + sj
         order = np.argsort(ekey, kind="stable")
         ekey, st, sd = ekey[order], st[order], sd[order]
+        if sl is not None:
+            sl, su, sh = sl[order], su[order], sh[order]
         bounds = np.flatnonzero(np.r_[True, ekey[1:] != ekey[:-1], True])
         for lo, hi in itertools.pairwise(bounds):
             i, j = divmod(int(ekey[lo]), max(ranks) + 1)
-            a, b, mad, has_slope = _fit_edge(st[lo:hi], sd[lo:hi], t0)
+            bounds_lh = (sl[lo:hi], su[lo:hi], sh[lo:hi]) if sl is not None else (None, None, None)
+            a, b, mad, has_slope = _fit_edge(st[lo:hi], sd[lo:hi], t0, *bounds_lh)
             edges.append((i, j, a, b, scale * (hi - lo) / (mad + _NOISE_FLOOR_NS) ** 2, has_slope))
         if scale != 1.0:
             report["p2p_edges"] = int(len(bounds) - 1)

@@ -1,0 +1,105 @@
+"""MegaScan overhead: step time of the demo model untraced vs traced (coarse and full), side by side.
+
+The same rank processes run every mode and rotate step by step (off, coarse, full, off, ...), each step fenced
+by a barrier, so machine noise falls on all modes alike. Traced steps record every iteration (interval 1: the
+worst case; the default window traces 3 in 10). "Untraced" means no span sink installed at all, as in a run
+without --trace. Reported: median step time after warm-up per mode and the ratio traced/untraced; the target
+is <= 1.03.
+
+Run: python -m benchmarks.bench_scan_overhead            (writes benchmarks/results/scan_overhead.json)
+     python -m benchmarks.bench_scan_overhead --quick    (a few steps, writes nothing)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from megatronapp.config import RunConfig
+from megatronapp.launch import spawn
+
+RESULTS = Path(__file__).resolve().parent / "results" / "scan_overhead.json"
+MODES = ("off", "coarse", "full")
+TARGET = 1.03
+CASES = {"pp=2 1f1b": {"pp": 2, "schedule": "1f1b", "microbatches": 4}, "dp=2": {"dp": 2, "microbatches": 2}}
+
+
+def _rank(rank: int, world: int, cfg_dict: dict, steps_per_mode: int, warmup: int, out: str) -> None:
+    from megatronapp import tracing
+    from megatronapp.config import validate
+    from megatronapp.parallel import comm
+    from megatronapp.scan.tracer import attach
+    from megatronapp.train.trainer import Trainer
+
+    cfg = RunConfig.from_dict(cfg_dict)
+    validate(cfg, world)
+    comm.reset()
+    tr = Trainer(cfg, rank)
+    tracers = {}
+    for mode in MODES[1:]:
+        cfg.trace.granularity = mode
+        tracers[mode] = attach(cfg, tr.topo, Path(out) / f"trace-{mode}")
+        tracing.uninstall(tracers[mode])  # installed only for its own steps
+    world_group = tr.topo.groups["world"]
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    for i in range((warmup + steps_per_mode) * len(MODES)):
+        mode = MODES[i % len(MODES)]
+        comm.barrier(world_group)
+        if mode != "off":
+            tracing.install(tracers[mode])
+        with tracing.step(tr.step):
+            rec = tr.train_step()
+        if mode != "off":
+            tracing.uninstall(tracers[mode])
+        if i >= warmup * len(MODES):
+            times[mode].append(rec["step_time"])
+    for t in tracers.values():
+        t.close()
+    if rank == 0:
+        (Path(out) / "times.json").write_text(json.dumps(times))
+
+
+def run_case(name: str, parallel: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
+    """Run one case in one process tree; return median step times per mode and the traced/untraced ratios."""
+    cfg = RunConfig()
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    cfg.trace.enabled, cfg.trace.interval, cfg.trace.iterations = True, 1, 1
+    cfg.train.progress = False
+    with tempfile.TemporaryDirectory() as out:
+        cfg.train.out = out
+        spawn(_rank, cfg.parallel.world_size, cfg.to_dict(), steps, warmup, out,
+              threads=max(1, (os.cpu_count() or 1) // cfg.parallel.world_size))
+        times = json.loads((Path(out) / "times.json").read_text())
+        spans = sum(1 for _ in (Path(out) / "trace-full").glob("rank*.mst"))
+    med = {m: statistics.median(times[m]) for m in MODES}
+    return {"case": name, "median_step_s": med, "steps_per_mode": steps, "rank_files": spans,
+            "ratio_coarse": med["coarse"] / med["off"], "ratio_full": med["full"] / med["off"], "raw_s": times}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="3 steps per mode, write nothing")
+    ap.add_argument("--steps", type=int, default=12, help="measured steps per mode")
+    args = ap.parse_args(argv)
+    steps, warmup = (3, 1) if args.quick else (args.steps, 2)
+    results = [run_case(name, par, steps, warmup) for name, par in CASES.items()]
+    print(f"{'case':<14} {'untraced ms':>12} {'coarse ms':>10} {'full ms':>9} {'coarse/off':>11} {'full/off':>9}")
+    for r in results:
+        m = r["median_step_s"]
+        print(f"{r['case']:<14} {m['off'] * 1e3:>12.1f} {m['coarse'] * 1e3:>10.1f} {m['full'] * 1e3:>9.1f} "
+              f"{r['ratio_coarse']:>11.3f} {r['ratio_full']:>9.3f}")
+    if not args.quick:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps({"target_ratio": TARGET, "cases": results, "machine": platform.platform(),
+                                       "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()}, indent=2))
+        print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
