@@ -121,6 +121,6 @@ def compare(results: list[dict[str, Any]], ref: dict[str, Any], label: str,
             want_name = name if name in ref_full else "embedding.word.weight"
             assert want_name in ref_full, f"{label}: parameter {name} has no single-process counterpart"
             torch.testing.assert_close(full[name], ref_full[want_name], atol=atol, rtol=1e-4,
-                                       msg=lambda m, n=name: f"{label}: {key} of {n}: {m}")
+                                       msg=lambda m, n=name, k=key: f"{label}: {k} of {n}: {m}")
         missing = set(ref_full) - set(full)
         assert not missing, f"{label}: parameters missing from the parallel run: {sorted(missing)}"

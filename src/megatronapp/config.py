@@ -141,7 +141,7 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "RunConfig":
+    def from_dict(d: dict[str, Any]) -> RunConfig:
         """Build from nested dicts, rejecting unknown keys by name."""
         sections = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "trace": TraceConfig}
         kwargs: dict[str, Any] = {}
@@ -153,7 +153,8 @@ class RunConfig:
             elif key in ("inject", "scope_port"):
                 kwargs[key] = value
             else:
-                raise ConfigError(f"unknown config section {key!r}; known: {sorted([*sections, 'inject', 'scope_port'])}")
+                known = sorted([*sections, "inject", "scope_port"])
+                raise ConfigError(f"unknown config section {key!r}; known: {known}")
         return RunConfig(**kwargs)
 
 
@@ -226,7 +227,8 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     if p.dpp_max_inflight is not None and p.dpp_max_inflight < 1:
         raise ConfigError(f"parallel.dpp_max_inflight={p.dpp_max_inflight} must be >= 1")
     if p.sequence_parallel and t.seq_len % p.tp:
-        raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} with sequence parallelism")
+        raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} "
+                          "with sequence parallelism")
     if t.global_batch_size % (p.dp * p.microbatches):
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be divisible by "
                           f"dp*microbatches = {p.dp}*{p.microbatches}")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from megatronapp.config import RunConfig, TraceConfig, TrainConfig, ParallelConfig, preset
+from megatronapp.config import ParallelConfig, RunConfig, TraceConfig, TrainConfig, preset
 from megatronapp.parallel.topology import Topology
 
 
@@ -58,8 +58,8 @@ def train_part(out: Path, steps: int) -> Path:
 
 
 def scan_part(out: Path, steps: int) -> int:
-    from megatronapp.scan.aggregate import aggregate
     from megatronapp.scan import heatmap
+    from megatronapp.scan.aggregate import aggregate
     from megatronapp.scan.align import estimate_offsets
     from megatronapp.scan.detect import analyse
     from megatronapp.scan.format import read_dir
@@ -91,7 +91,8 @@ def scan_part(out: Path, steps: int) -> int:
     top = analysis.report.findings[0] if analysis.report.findings else None
     named = top is not None and tuple(top.ranks) == (slow_rank,)
     print(f"\nclock alignment residual: {residual / 1e3:.1f} us")
-    print(f"verdict: {'MegaScan named the injected rank ' + str(slow_rank) if named else 'MEGASCAN MISSED the injected rank'}")
+    verdict = f"MegaScan named the injected rank {slow_rank}" if named else "MEGASCAN MISSED the injected rank"
+    print(f"verdict: {verdict}")
     print(f"timeline (open in https://ui.perfetto.dev or chrome://tracing): {trace_json}")
     print(f"heat-map: {png}  (interactive: {html})")
     return 0 if named else 1

@@ -8,8 +8,9 @@ token they returned, not on a stack.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 
 class SpanSink(Protocol):
@@ -46,7 +47,7 @@ class _Span:
         self.name, self.cat, self.meta = name, cat, meta
         self.tokens: list[Any] = []
 
-    def __enter__(self) -> "_Span":
+    def __enter__(self) -> _Span:
         self.tokens = [s.open(self.name, self.cat, self.meta) for s in _sinks]
         return self
 

@@ -21,7 +21,8 @@ Names (L is the global layer index, the same whatever the tp/pp split):
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ Hook = Callable[[str, torch.Tensor, dict[str, Any]], "torch.Tensor | None"]
 
 
 class HookHandle:
-    def __init__(self, owner: "Capture", key: int):
+    def __init__(self, owner: Capture, key: int):
         self.owner, self.key = owner, key
 
     def remove(self) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -88,7 +88,7 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
     return t
 
 
-def all_reduce_async(t: torch.Tensor, group: Group, op: str = "sum") -> "Handle":
+def all_reduce_async(t: torch.Tensor, group: Group, op: str = "sum") -> Handle:
     """Start an in-place all-reduce; wait on the returned handle."""
     if group.size == 1:
         return Handle(None, None)

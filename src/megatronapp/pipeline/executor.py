@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -50,6 +51,7 @@ class _Inbox:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.arrived: set[tuple[str, int, int]] = set()
+        self.log: list[tuple[str, int, int]] = []  # arrivals in order, read incrementally by the executor
         self.buffers: dict[tuple[str, int, int], torch.Tensor] = {}
         self.error: BaseException | None = None
         self.threads: list[threading.Thread] = []
@@ -67,14 +69,12 @@ class _Inbox:
                 return
             with self.cond:
                 self.arrived.add(key)
+                self.log.append(key)
                 self.cond.notify_all()
 
         th = threading.Thread(target=waiter, name=f"recv-{key}", daemon=True)
         th.start()
         self.threads.append(th)
-
-    def has(self, key: tuple[str, int, int]) -> bool:
-        return key in self.arrived
 
     def wait_for(self, pred: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:
         deadline = time.monotonic() + timeout_s
@@ -148,27 +148,40 @@ class PipelineExecutor:
         order: list[Task] = []
         wait_total = 0.0
 
-        def is_ready(t: Task) -> bool:
-            if t in view.done:
-                return False
-            if t.kind == "F":
-                return self._first(t.chunk) or inbox.has(("F", t.chunk, t.microbatch))
-            return (Task("F", t.chunk, t.microbatch) in view.done
-                    and (self._last(t.chunk) or inbox.has(("B", t.chunk, t.microbatch))))
+        # The ready set is kept incrementally (arrivals are folded in from the inbox's log), so choosing a
+        # task costs O(ready) rather than a scan of every task of the step.
+        ready: set[Task] = {Task("F", c, mb) for c in range(self.vpp) if self._first(c) for mb in range(self.m)}
+        grad_here: set[tuple[int, int]] = set()
+        seen = 0
 
-        all_tasks = [Task(k, c, mb) for k in ("F", "B") for c in range(self.vpp) for mb in range(self.m)]
+        def fold_arrivals() -> None:
+            nonlocal seen
+            with inbox.cond:
+                new_keys = inbox.log[seen:]
+                seen = len(inbox.log)
+            for kind, c, mb in new_keys:
+                if kind == "F":
+                    ready.add(Task("F", c, mb))
+                elif Task("F", c, mb) in view.done:
+                    ready.add(Task("B", c, mb))
+                else:
+                    grad_here.add((c, mb))
+
+        def is_ready(t: Task) -> bool:
+            fold_arrivals()
+            return t in ready
+
         while not view.finished():
             task = None
             if not self.decide_on_tp0 or self.topo.coord.tp == 0:
                 t0 = time.perf_counter()
                 while True:
-                    with inbox.cond:
-                        ready = [t for t in all_tasks if is_ready(t)]
-                    task = self.policy.next_task(ready, view)
+                    fold_arrivals()
+                    task = self.policy.next_task(sorted(ready), view)
                     if task is not None:
                         break
-                    n_before = len(inbox.arrived)
-                    inbox.wait_for(lambda n=n_before: len(inbox.arrived) > n, self.timeout_s,
+                    n_before = seen
+                    inbox.wait_for(lambda n=n_before: len(inbox.log) > n, self.timeout_s,
                                    lambda: self._stuck(view, inbox, "any input"))
                 waited = time.perf_counter() - t0
                 wait_total += waited
@@ -198,6 +211,9 @@ class PipelineExecutor:
                     self.grad_sync.after_final_backward(task.chunk)
                 view.inflight -= 1
             view.done.add(task)
+            ready.discard(task)
+            if task.kind == "F" and (self._last(task.chunk) or (task.chunk, task.microbatch) in grad_here):
+                ready.add(Task("B", task.chunk, task.microbatch))
             order.append(task)
             self.policy.on_done(task, view)
 

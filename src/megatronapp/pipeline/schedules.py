@@ -8,7 +8,7 @@ would deadlock for an uneven microbatch count gets a longer warm-up until it doe
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from megatronapp.pipeline.tasks import StageView, Task
 

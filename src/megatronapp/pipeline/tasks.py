@@ -12,8 +12,9 @@ discrete-event simulator.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Sequence
+from typing import Literal, Protocol
 
 
 @dataclass(frozen=True, order=True)

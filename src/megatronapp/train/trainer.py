@@ -146,7 +146,7 @@ class Trainer:
 
     def _sync_replicated_grads(self) -> None:
         topo = self.topo
-        for c, chunk in enumerate(self.chunks):
+        for chunk in self.chunks:
             shared = chunk.shared_embedding_weight()
             if shared is not None and shared.grad is not None and topo.embedding_group.size > 1:
                 comm.all_reduce(shared.grad, topo.embedding_group)
