@@ -25,8 +25,8 @@ from megatronapp.scope.protocol import Generate
 
 
 def small_cfg(**kw) -> ModelConfig:
-    base = dict(family="llama", vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                max_seq_len=64)
+    base = {"family": "llama", "vocab_size": 256, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+            "num_kv_heads": 2, "max_seq_len": 64}
     base.update(kw)
     return ModelConfig(**base)
 
@@ -38,7 +38,7 @@ def sm() -> ScopeModel:
 
 
 def gen_req(**kw) -> Generate:
-    base = dict(type="generate", prompts=["Hello", "Hi there"], max_new_tokens=5, greedy=True)
+    base = {"type": "generate", "prompts": ["Hello", "Hi there"], "max_new_tokens": 5, "greedy": True}
     base.update(kw)
     return Generate(**base)
 
@@ -174,7 +174,7 @@ def test_bitflip_random_bit_flips_one_bit_per_chosen_element():
     diff = torch.bitwise_xor(x.view(torch.int32), y.view(torch.int32))
     touched = diff != 0
     assert 50 < int(touched.sum()) < 150
-    pops = [bin(int(d) & 0xFFFFFFFF).count("1") for d in diff[touched]]
+    pops = [(int(d) & 0xFFFFFFFF).bit_count() for d in diff[touched]]
     assert set(pops) == {1}
 
 

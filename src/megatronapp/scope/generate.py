@@ -177,7 +177,7 @@ def generate(sm: ScopeModel, req: Generate, emit: Emit, cancel: threading.Event 
                                  for n in names if n in states}
                 if lens_names:
                     lens_out = []
-                    for L, n in enumerate(lens_names):
+                    for n in lens_names:
                         ids, ps = logit_lens(model, states[n])
                         lens_out.append([[[token_text(tok, int(i)), round(float(p), 4)] for i, p in zip(ri, rp)]
                                          for ri, rp in zip(ids, ps)])

@@ -287,8 +287,9 @@ class Perturber:
         missing = [n for n in names if n not in params]
         if missing:
             inside = sorted({n.split(".", 2)[2] for n in params if n.startswith("layers.")})
+            outside = [n for n in params if not n.startswith("layers.")]
             raise ValueError(f"weight target {spec.target!r} not found ({missing[0]}); parameters inside a layer: "
-                             f"{', '.join(inside)}; outside: {', '.join(n for n in params if not n.startswith('layers.'))}")
+                             f"{', '.join(inside)}; outside: {', '.join(outside)}")
         return names
 
     def _apply_weights(self, spec: Perturbation) -> None:

@@ -1,0 +1,67 @@
+"""MegaScope during training: every N steps, show the model thinking about a fixed probe prompt.
+
+The trainer (rank 0) constructs `TrainingScope(port)` and calls `on_step(step, model_chunks, metrics)` after
+every optimizer step and `close()` at the end. On a sampled step, when rank 0 holds the whole model (tp = pp = 1),
+the hook runs a short greedy, KV-cached generation of the probe prompt with capture on, outside autograd and in
+eval mode, and streams it to every connected page exactly like an interactive generation: attention, Q/K/V,
+MLP outputs, logit lens and PCA show how the model's predictions change as it learns. The training forward
+itself carries no hooks, so training numerics are untouched. With tp or pp > 1 rank 0 holds only a part of the
+model and cannot run it alone: the page then shows the metrics (loss, learning rate, gradient norm) only.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatronapp.data.tokenizer import ByteTokenizer
+from megatronapp.scope.generate import ScopeModel, generate
+from megatronapp.scope.protocol import Generate
+
+
+class TrainingScope:
+    """The trainer's MegaScope observer: a read-only page fed every `every` steps."""
+
+    def __init__(self, port: int, every: int = 10, host: str = "127.0.0.1", token: str | None = None,
+                 probe: str = "After Monday comes ", probe_tokens: int = 16, tokenizer: Any = None,
+                 announce: Any = print):
+        from megatronapp.scope.server import ServerThread, create_app
+
+        if every < 1:
+            raise ValueError(f"TrainingScope(every={every}) must be >= 1")
+        self.every, self.probe, self.probe_tokens = every, probe, probe_tokens
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.history: list[dict[str, float]] = []
+        self._sm: ScopeModel | None = None
+        self.app = create_app(None, token=token, read_only=True)
+        self.server = ServerThread(self.app, host, port).start()
+        announce(f"MegaScope (training) at {self.server.url}/" + (f"?token={token}" if token else ""))
+
+    def on_step(self, step: int, model_chunks: list[torch.nn.Module], metrics: dict[str, Any]) -> None:
+        """Publish this step's metrics; on every `every`-th step also a probe generation (whole model only)."""
+        from megatronapp.scope.server import publish
+
+        point = {k: float(metrics[k]) for k in ("loss", "lr", "grad_norm") if isinstance(metrics.get(k), (int, float))}
+        self.history.append({"step": step, **point})
+        publish(self.app, {"type": "train", "step": step, **point})
+        if step % self.every:
+            return
+        chunk = model_chunks[0] if len(model_chunks) == 1 else None
+        if chunk is None or not (chunk.pre_process and chunk.post_process) or chunk.tp_group is not None and \
+                getattr(chunk.tp_group, "size", 1) > 1:
+            return
+        sm = ScopeModel(chunk, chunk.cfg, self.tokenizer, name=f"training step {step}")
+        self.app.state.scope_model = sm
+        req = Generate(type="generate", prompts=[self.probe], max_new_tokens=self.probe_tokens, greedy=True,
+                       capture={"points": ["attn.q", "attn.k", "attn.v", "attn.probs", "mlp.out"], "logit_lens": True,
+                                "pca_layer": chunk.cfg.num_layers - 1})
+        was_training = chunk.training
+        chunk.eval()
+        try:
+            generate(sm, req, lambda m: publish(self.app, m))
+        finally:
+            chunk.train(was_training)
+
+    def close(self) -> None:
+        """Stop the server."""
+        self.server.stop()

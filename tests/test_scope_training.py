@@ -1,0 +1,43 @@
+"""MegaScope's training hook: metrics every step, a probe generation every N steps, streamed to a live page."""
+from __future__ import annotations
+
+import json
+
+import torch
+from websockets.sync.client import connect
+
+from megatronapp.config import ModelConfig
+from megatronapp.model.transformer import build_model
+from megatronapp.scope.training import TrainingScope
+
+
+def test_training_scope_publishes_metrics_and_probe_generations():
+    cfg = ModelConfig(family="gpt2", vocab_size=256, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=64)
+    model = build_model(cfg, seed=0)
+    model.train()
+    lines: list[str] = []
+    scope = TrainingScope(0, every=2, probe="ab", probe_tokens=3, announce=lines.append)
+    try:
+        assert lines[0].startswith("MegaScope (training) at http://127.0.0.1:")
+        with connect(f"ws://127.0.0.1:{scope.server.port}/ws", open_timeout=30) as ws:
+            hello = json.loads(ws.recv(timeout=30))
+            assert hello["type"] == "hello" and hello["read_only"] is True
+            ws.send(json.dumps({"type": "generate", "prompts": ["x"]}))
+            assert json.loads(ws.recv(timeout=30))["code"] == "read_only"
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            scope.on_step(1, [model], {"loss": 2.5, "lr": 1e-3, "grad_norm": 0.7})
+            scope.on_step(2, [model], {"loss": 2.25, "lr": 1e-3})
+            got = []
+            while not got or got[-1]["type"] != "done":
+                got.append(json.loads(ws.recv(timeout=30)))
+            kinds = [m["type"] for m in got]
+            assert kinds[:3] == ["train", "train", "start"] and kinds.count("step") == 4 and "pca" in kinds
+            assert got[0] == {"type": "train", "step": 1, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.7}
+            steps = [m for m in got if m["type"] == "step"]
+            assert "layers.1.attn.probs" in steps[0]["states"] and "lens" in steps[0]
+        assert model.training  # put back in train mode
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+        assert not model.capture.active  # no hooks left on the training model
+        assert [h["step"] for h in scope.history] == [1, 2]
+    finally:
+        scope.close()
