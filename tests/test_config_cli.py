@@ -31,6 +31,8 @@ def _cfg(**kw) -> RunConfig:
     (dict(train__seq_len=4096), None, "train.seq_len=4096 exceeds model.max_seq_len=128"),
     (dict(train__optimizer="sgd"), None, "train.optimizer='sgd'"),
     (dict(parallel__dpp_max_inflight=0), None, "parallel.dpp_max_inflight=0"),
+    (dict(parallel__pp=2, parallel__vpp=2, parallel__schedule="dpp", parallel__dpp_max_inflight=1), None,
+     "parallel.dpp_max_inflight=1 is below the minimum 2"),
     (dict(parallel__tp=2, parallel__sequence_parallel=True, train__seq_len=63), None, "train.seq_len=63"),
 ])
 def test_impossible_configs_name_the_field(kw, world, message):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import sys
 from typing import Any
 
@@ -135,6 +136,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         for spec in cfg.inject:
             faults.parse(spec)
     summary = train(cfg)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # under torchrun every rank returns here; rank 0 speaks for the job
     print(f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps; run files in {summary['out']}")
     return 0
 

@@ -224,8 +224,10 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1")
     if p.dpp_policy not in ("dfs", "bfs", "adaptive"):
         raise ConfigError(f"parallel.dpp_policy={p.dpp_policy!r}: choose dfs, bfs or adaptive")
-    if p.dpp_max_inflight is not None and p.dpp_max_inflight < 1:
-        raise ConfigError(f"parallel.dpp_max_inflight={p.dpp_max_inflight} must be >= 1")
+    if p.dpp_max_inflight is not None and p.dpp_max_inflight < max(1, p.vpp):
+        # a stage must be able to hold one microbatch through all of its chunks (see docs/megadpp.md)
+        raise ConfigError(f"parallel.dpp_max_inflight={p.dpp_max_inflight} is below the minimum "
+                          f"{max(1, p.vpp)} (= vpp, one microbatch through every chunk of a stage)")
     if p.sequence_parallel and t.seq_len % p.tp:
         raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} "
                           "with sequence parallelism")
