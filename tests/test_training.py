@@ -124,3 +124,20 @@ def test_resume_with_another_layout_is_refused(tmp_path):
     (d / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ckpt.CheckpointError, match="parallel.tp=2"):
         Trainer(other_cfg)
+
+
+@pytest.mark.slow
+def test_torchrun_entry_point(tmp_path):
+    """`torchrun -m megatronapp train` runs each rank in place (no local spawn) and rank 0 reports."""
+    import subprocess
+    import sys
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nproc-per-node", "2", "-m", "megatronapp", "train", "--tp", "2", "--steps", "2",
+           "--hidden", "64", "--layers", "2", "--global-batch", "4", "--seq-len", "16", "--no-progress",
+           "--peak-tflops", "1", "--out", str(tmp_path / "run")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.count("final loss") == 1
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["world_size"] == 2
