@@ -28,13 +28,16 @@ from megatronapp.train.optim import build_optimizer, lr_at, set_lr
 
 def _clip_(grads_local: list[torch.Tensor], grads_sharded: list[torch.Tensor], max_norm: float,
            group: dist.ProcessGroup, scale: list[torch.Tensor]) -> float:
-    """Global-norm clipping: `grads_sharded` hold disjoint pieces summed over `group`, `grads_local` count once.
+    """Global-norm clipping as torchtitan does it: fused per-tensor norms (`get_total_norm`), the squares of
+    `grads_sharded` (disjoint pieces) summed over `group`, `grads_local` counted once; returns the norm."""
+    def sq(grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), dtype=torch.float64)
+        return torch.nn.utils.get_total_norm(grads, foreach=True).double() ** 2
 
-    Returns the norm before clipping; `scale` are the gradients to multiply by the clip coefficient."""
-    sq_local = sum((g.double().pow(2).sum() for g in grads_local), torch.zeros((), dtype=torch.float64))
-    sq_shard = sum((g.double().pow(2).sum() for g in grads_sharded), torch.zeros((), dtype=torch.float64))
+    sq_shard = sq(grads_sharded)
     dist.all_reduce(sq_shard, group=group)
-    norm = float((sq_local + sq_shard).sqrt())
+    norm = float((sq(grads_local) + sq_shard).sqrt())
     if max_norm > 0:
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:

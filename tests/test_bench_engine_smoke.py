@@ -14,6 +14,8 @@ def test_quick_run_produces_ratios_and_equal_losses():
         assert len(r["times_s"]["ours"]) == len(r["times_s"]["peer"]) == 1, r["case"]
         assert r["median_s"]["ours"] > 0 and r["median_s"]["peer"] > 0, r["case"]
         assert math.isfinite(r["ratio"]) and r["ratio"] > 0, r["case"]
+        assert math.isfinite(r["paired_ratio"]) and r["paired_ratio"] > 0, r["case"]
+        assert r["cpu_median_s"]["ours"] > 0 and r["cpu_median_s"]["peer"] > 0, r["case"]
         # Two optimizer steps (warm-up + measured) on both sides: equal losses mean the peer does our work.
         assert len(r["losses"]["ours"]) == len(r["losses"]["peer"]) == 2, r["case"]
         assert r["losses_match"], f"{r['case']}: ours {r['losses']['ours']} vs peer {r['losses']['peer']}"
@@ -29,10 +31,10 @@ def test_write_docs_replaces_only_its_section(tmp_path):
     fake = {"timestamp": "T", "config": {"size": dict(bench_engine.QUICK)}, "target_ratio": 1.05,
             "machine": {"cpus": 2, "processor": "x", "torch": "t", "load_avg_at_end": (1.0, 1.0, 1.0)},
             "cases": [{"case": "tp=2", "peer": "p", "median_s": {"ours": 1.0, "peer": 2.0}, "ratio": 0.5,
-                       "losses_match": True, "first_losses_max_abs_diff": 0.0}]}
+                       "paired_ratio": 0.5, "cpu_ratio": 0.9, "losses_match": True, "first_losses_max_abs_diff": 0.0}]}
     bench_engine.write_docs(fake, doc)
     bench_engine.write_docs(fake, doc)  # idempotent: the section is replaced, not appended twice
     text = doc.read_text()
     assert "old table" not in text and text.count(bench_engine.SECTION) == 1
-    assert "keep me\n" in text and "keep me too" in text and "| tp=2 | p | 1.0000 | 2.0000 | 0.500 | yes |" in text
+    assert "keep me\n" in text and "keep me too" in text and "| tp=2 | p | 1.0000 | 2.0000 | 0.500 | 0.500 | 0.900 | yes |" in text
     assert text.index("## Other benchmark") < text.index(bench_engine.SECTION) < text.index("## Later section")
