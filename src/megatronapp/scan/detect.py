@@ -15,98 +15,26 @@ minimum effect before anything is called a fault):
    wait is charged to the late rank only when its lateness is not explained by waits it suffered itself earlier
    in the iteration (then it is a victim passing a delay on). The result, "others waited X ms for this rank",
    is the evidence attached to findings and the ranking of who everyone waits for.
+
+Real runs on busy machines and stages with few ranks add evidence.py: op floors (a slow rank's fastest repeats
+are slower, which holds even with one peer), stalls before posting sends (a link that delays transfers at its
+ends), and the run's own jitter as a floor under every per-iteration finding, so a healthy noisy run is quiet.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from megatronapp.scan.evidence import excursion_noise, floor_findings, posting_stall, stall_link_findings
+from megatronapp.scan.findings import KINDS, Finding, Report, Thresholds
 from megatronapp.scan.format import CAT_INDEX, RankTrace
 
-KINDS = ("slow-compute", "slow-link", "transient-pause", "late-arrival")
+__all__ = ["KINDS", "Analysis", "Finding", "Report", "Thresholds", "analyse", "detect"]
+
 MS = 1e6
 _NEST_SLACK_NS = 2_000  # a child may end a hair after its parent (clock reads in a different order)
 _COMPUTE, _COMM, _DATA, _OPT, _STEP = (CAT_INDEX[c] for c in ("compute", "comm", "data", "optimizer", "step"))
-
-
-@dataclass
-class Thresholds:
-    """When a difference counts as a fault: all of relative, absolute and robust-z minimums must hold."""
-
-    rel: float = 0.05  # self time above peers' median, per iteration
-    abs_ms: float = 0.5
-    z: float = 4.0
-    persistent: float = 0.6  # fraction of iterations for a persistent fault
-    transient_rel: float = 0.08  # a one-off must stand out more than a persistent shift
-    transient_abs_ms: float = 2.0
-    link_rel: float = 0.08  # median transfer time above peers' median
-    link_z: float = 5.0  # many links are compared at once: a stricter z keeps the false-alarm rate down
-    link_abs_ms: float = 0.01
-    scale_floor: float = 0.01  # MAD is floored at 1% of the median: identical peers are not infinitely sure
-
-
-@dataclass
-class Finding:
-    """One suspected root cause."""
-
-    kind: str
-    ranks: tuple[int, ...]  # (rank,) or the two ends of a link, or a whole collective group
-    coords: list[dict]  # [{"rank", "dp", "pp", "tp"}] for each rank
-    slowdown: str  # human form: "1.30x compute", "+45.0 ms in 2 of 5 iterations"
-    factor: float  # measured ratio to peers (1.0 = like peers)
-    excess_ms: float  # extra ms per affected iteration / transfer
-    confidence: float
-    evidence: dict = field(default_factory=dict)
-
-    @property
-    def link(self) -> tuple[int, int] | None:
-        return (self.ranks[0], self.ranks[1]) if self.kind == "slow-link" and len(self.ranks) == 2 else None
-
-    def describe(self) -> str:
-        where = ", ".join(f"rank {c['rank']} (DP{c['dp']} PP{c['pp']} TP{c['tp']})" for c in self.coords[:4])
-        if len(self.coords) > 4:
-            where += f" ... ({len(self.coords)} ranks)"
-        return f"{self.kind:<15} {where}: {self.slowdown}, confidence {self.confidence:.2f}"
-
-
-@dataclass
-class Report:
-    """Ranked findings plus the context needed to read them."""
-
-    findings: list[Finding]
-    world: int
-    iterations: int
-    step_ms: float  # median iteration time
-    waited_for: list[dict]  # top ranks others waited for (victims filtered), ms
-    notes: list[str] = field(default_factory=list)
-
-    def to_json(self) -> str:
-        return json.dumps({"world": self.world, "iterations": self.iterations, "step_ms": self.step_ms,
-                           "findings": [{**asdict(f), "link": f.link} for f in self.findings],
-                           "waited_for": self.waited_for, "notes": self.notes}, indent=1)
-
-    def to_text(self) -> str:
-        lines = [(f"MegaScan detect: {self.world} ranks, {self.iterations} iterations, "
-                 f"median iteration {self.step_ms:.1f} ms")]
-        if not self.findings:
-            lines.append("no root cause found: every rank and link is within noise of its peers")
-        for i, f in enumerate(self.findings, 1):
-            lines.append(f"{i:>2}. {f.describe()}")
-            ev = f.evidence
-            if "iterations" in ev:
-                lines.append(f"      iterations {ev['iterations']}; ops {ev.get('ops', {})}")
-            if ev.get("others_waited_ms"):
-                lines.append(f"      others waited {ev['others_waited_ms']:.1f} ms for it")
-            if "transfers" in ev:
-                lines.append(f"      {ev['transfers']} transfers, median {ev['median_ms']:.3f} ms vs "
-                             f"peers {ev['peer_median_ms']:.3f} ms")
-        if self.waited_for:
-            top = ", ".join(f"rank {w['rank']} {w['ms']:.1f} ms" for w in self.waited_for[:5])
-            lines.append(f"who everyone waits for (direct waits caused, victims excluded): {top}")
-        lines.extend(f"note: {n}" for n in self.notes)
-        return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- the joined span table
@@ -129,6 +57,7 @@ class Table:
     peer: np.ndarray
     nbytes: np.ndarray
     mb: np.ndarray
+    chunk: np.ndarray
 
     @property
     def end(self) -> np.ndarray:
@@ -142,7 +71,7 @@ def join(traces: list[RankTrace]) -> Table:
     names: dict[str, int] = {}
     groups: dict[tuple, int] = {}
     cols: dict[str, list] = {k: [] for k in ("rank", "name", "cat", "ts", "dur", "it", "gkey", "seq", "peer",
-                                              "nbytes", "mb")}
+                                              "nbytes", "mb", "chunk")}
     for t in traces:
         coords[t.rank] = t.coord
         nmap = np.array([names.setdefault(n, len(names)) for n in t.names] + [-1], np.int64)
@@ -150,7 +79,7 @@ def join(traces: list[RankTrace]) -> Table:
         cols["rank"].append(np.full(len(t), t.rank, np.int64))
         cols["name"].append(nmap[t.name])
         cols["gkey"].append(gmap[t.gid])
-        for k in ("cat", "ts", "dur", "it", "seq", "peer", "nbytes", "mb"):
+        for k in ("cat", "ts", "dur", "it", "seq", "peer", "nbytes", "mb", "chunk"):
             cols[k].append(np.asarray(getattr(t, k)).astype(np.int64))
     c = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in cols.items()}
     order = np.lexsort((c["ts"], c["rank"]))
@@ -241,11 +170,14 @@ def _union_per_cell(tb: Table, mask: np.ndarray, flat: np.ndarray, n: int) -> np
     return np.bincount(cell, contrib.astype(np.float64), n)
 
 
-def robust_excess(x: np.ndarray, groups: np.ndarray, floor: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def robust_excess(x: np.ndarray, groups: np.ndarray, floor: float, noise: float | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row of x (ranks x iterations): (reference, excess, robust z) against rows of the same group.
 
     Reference is the group median (leave-one-out for groups under 5 members, so one slow rank of two or three
-    cannot hide itself); scale is 1.4826 MAD floored at `floor` of the reference."""
+    cannot hide itself); scale is 1.4826 MAD floored at `floor` of the reference. With `noise` (the run's own
+    jitter) the scale is also floored at it, and a group of two, which has no MAD worth the name (each member is
+    the other's outlier), is judged on the floors alone; without it a pair is never told apart."""
     ref = np.full_like(x, np.nan)
     scale = np.full_like(x, np.nan)
     for g in np.unique(groups[groups >= 0]):
@@ -258,8 +190,10 @@ def robust_excess(x: np.ndarray, groups: np.ndarray, floor: float) -> tuple[np.n
         else:
             med = np.broadcast_to(np.nanmedian(v, axis=0), v.shape)
         mad = np.nanmedian(np.abs(v - np.nanmedian(v, axis=0)), axis=0) * 1.4826
+        if noise is not None and len(rows) == 2:
+            mad = 0.0
         ref[rows] = med
-        scale[rows] = np.maximum(np.broadcast_to(mad, v.shape), floor * np.abs(med))
+        scale[rows] = np.maximum(np.maximum(np.broadcast_to(mad, v.shape), floor * np.abs(med)), noise or 0.0)
     exc = x - ref
     with np.errstate(invalid="ignore", divide="ignore"):
         z = exc / scale
@@ -277,54 +211,76 @@ def _confidence(z: float, frac: float, zmin: float) -> float:
 
 
 def rank_findings(tb: Table, ph: Phases, th: Thresholds) -> list[Finding]:
-    """Slow-compute, transient-pause and late-arrival findings from self time against stage peers."""
+    """Slow-compute, transient-pause and late-arrival findings from self time against stage peers.
+
+    Two views: all self time (compute + data + untraced), and host time alone (data + untraced), whose jitter
+    is far smaller than compute's on a busy machine, so a pause or a late arrival stands out there first."""
+    out = _rank_view(tb, ph, th, ph.self_time, host=False)
+    seen = {(f.kind, f.ranks) for f in out}
+    return out + [f for f in _rank_view(tb, ph, th, ph.data + ph.gap, host=True) if (f.kind, f.ranks) not in seen]
+
+
+def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool) -> list[Finding]:
     stage = tb.coords[:, 1]
     present = np.zeros(tb.world, bool)
     present[np.unique(tb.rank)] = True
     groups = np.where(present, stage, -1)
-    st = ph.self_time
-    ref, exc, z = robust_excess(st, groups, th.scale_floor)
+    noise = excursion_noise(st, present)
+    ref, exc, z = robust_excess(st, groups, th.scale_floor, noise / 2)
     n_it = st.shape[1]
     with np.errstate(invalid="ignore"):
         rel = exc / ref
-        base = (z >= th.z) & (rel >= th.rel) & (exc >= th.abs_ms)
-        big = base & (rel >= th.transient_rel) & (exc >= th.transient_abs_ms)
+        base = (z >= th.z) & (rel >= th.rel) & (exc >= max(th.abs_ms, th.persistent_noise * noise))
+        big = (z >= th.z) & (rel >= th.transient_rel) & (exc >= max(th.transient_abs_ms, th.transient_noise * noise))
     out = []
-    for r in np.flatnonzero(base.any(axis=1)):
+    for r in np.flatnonzero((base | big).any(axis=1)):
         hit = np.flatnonzero(base[r])
         frac = len(hit) / n_it
         peers = np.flatnonzero((groups == groups[r]) & (np.arange(tb.world) != r))
-        parts = {}
-        for name, arr in (("compute", ph.compute), ("data", ph.data), ("gap", ph.gap)):
-            parts[name] = float(np.nanmean(arr[r, hit] - np.nanmedian(arr[peers][:, hit], axis=0)))
-        its = [int(ph.iters[i]) for i in hit]
-        zr = float(np.nanmedian(z[r, hit]))
-        ev = {"iterations": its, "excess_ms_by_part": {k: round(v, 3) for k, v in parts.items()},
-              "peers": len(peers), "z": round(zr, 1), "ops": op_excess(tb, ph, [int(r)])[int(r)]}
-        excess = float(np.nanmedian(exc[r, hit]))
+        ev = {"peers": len(peers), "noise_ms": round(noise, 3), "view": "host" if host else "self"}
         if frac >= th.persistent and n_it >= 1:
-            if parts["compute"] >= parts["data"] + parts["gap"]:
+            parts = _parts(ph, r, peers, hit)
+            zr = float(np.nanmedian(z[r, hit]))
+            ev.update(iterations=[int(ph.iters[i]) for i in hit], z=round(zr, 1),
+                      excess_ms_by_part={k: round(v, 3) for k, v in parts.items()},
+                      ops=op_excess(tb, ph, [int(r)])[int(r)])
+            excess = float(np.nanmedian(exc[r, hit]))
+            conf = _confidence(zr, frac, th.z) * (0.85 if len(peers) == 1 else 1.0)
+            if not host and parts["compute"] >= parts["data"] + parts["gap"]:
                 peer_c = np.nanmedian(ph.compute[peers], axis=0)
                 factor = float(np.nanmedian(ph.compute[r, hit] / peer_c[hit]))
                 out.append(Finding("slow-compute", (int(r),), [_coord(tb, r)], f"{factor:.2f}x compute "
                                    f"(+{excess:.1f} ms per iteration)", round(factor, 3), round(excess, 3),
-                                   _confidence(zr, frac, th.z), ev))
+                                   round(conf, 3), ev))
             else:
-                factor = float(np.nanmedian(st[r, hit] / ref[r, hit]))
+                factor = float(np.nanmedian(ph.self_time[r, hit] / np.nanmedian(ph.self_time[peers][:, hit], axis=0)))
                 out.append(Finding("late-arrival", (int(r),), [_coord(tb, r)], f"+{excess:.1f} ms per iteration "
                                    "before reaching the collectives (data / untraced time)", round(factor, 3),
-                                   round(excess, 3), _confidence(zr, frac, th.z), ev))
-        else:
-            hb = np.flatnonzero(big[r])
-            if not len(hb):
-                continue  # a small, rare excess: noise
-            excess = float(np.nanmedian(exc[r, hb]))
-            ev["iterations"] = [int(ph.iters[i]) for i in hb]
-            factor = float(np.nanmedian(st[r, hb] / ref[r, hb]))
-            out.append(Finding("transient-pause", (int(r),), [_coord(tb, r)],
-                               f"+{excess:.1f} ms in {len(hb)} of {n_it} iterations", round(factor, 3),
-                               round(excess, 3), _confidence(float(np.nanmedian(z[r, hb])), 1.0, th.z), ev))
+                                   round(excess, 3), round(conf, 3), ev))
+            continue
+        hb = np.flatnonzero(big[r])
+        if len(hb) == 1 and exc[r, hb[0]] < 2 * max(th.transient_abs_ms, th.transient_noise * noise):
+            continue  # a one-off on a busy machine needs twice the margin of a repeated pattern
+        if not len(hb):
+            continue  # a small, rare excess: noise
+        excess = float(np.nanmedian(exc[r, hb]))
+        parts = _parts(ph, r, peers, hb)
+        ev.update(iterations=[int(ph.iters[i]) for i in hb], z=round(float(np.nanmedian(z[r, hb])), 1),
+                  excess_ms_by_part={k: round(v, 3) for k, v in parts.items()},
+                  ops=op_excess(tb, ph, [int(r)])[int(r)])
+        factor = float(np.nanmedian(ph.self_time[r, hb] / np.nanmedian(ph.self_time[peers][:, hb], axis=0)))
+        # A single iteration on a busy machine could be the machine; a repeated one is a pattern.
+        conf = _confidence(float(np.nanmedian(z[r, hb])), 1.0, th.z) * (1.0 if len(hb) > 1 else 0.7)
+        out.append(Finding("transient-pause", (int(r),), [_coord(tb, r)],
+                           f"+{excess:.1f} ms in {len(hb)} of {n_it} iterations", round(factor, 3),
+                           round(excess, 3), round(conf, 3), ev))
     return out
+
+
+def _parts(ph: Phases, r: int, peers: np.ndarray, cols: np.ndarray) -> dict[str, float]:
+    """Mean excess of each self-time part over the peers' median, in the given iterations."""
+    return {name: float(np.nanmean(arr[r, cols] - np.nanmedian(arr[peers][:, cols], axis=0)))
+            for name, arr in (("compute", ph.compute), ("data", ph.data), ("gap", ph.gap))}
 
 
 def op_excess(tb: Table, ph: Phases, ranks: list[int]) -> dict[int, dict[str, float]]:
@@ -499,6 +455,9 @@ def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray,
     """Links (or groups) whose median transfer time stands out among units of the same class."""
     uu, rmed, n = group_median(unit, ratio)
     _, tmed, _ = group_median(unit, t)
+    # Jitter of one transfer (median over units of each unit's MAD): a slow link must stand above it.
+    _, dev, _ = group_median(unit, np.abs(t - _lookup(uu, tmed, unit)))
+    jitter = 1.4826 * float(np.median(dev)) if len(dev) else 0.0
     ucls = cls[np.unique(unit, return_index=True)[1]]
     out = []
     for c in np.unique(ucls):
@@ -508,7 +467,8 @@ def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray,
         ref, exc, z = robust_excess(rmed[rows, None], np.zeros(len(rows), np.int64), th.scale_floor)
         for i, k in enumerate(rows):
             peer_t = tmed[k] / rmed[k] * ref[i, 0]
-            if not (exc[i, 0] >= th.link_rel and z[i, 0] >= th.link_z and tmed[k] - peer_t >= th.link_abs_ms * MS):
+            if not (exc[i, 0] >= th.link_rel and z[i, 0] >= th.link_z
+                    and tmed[k] - peer_t >= max(th.link_abs_ms * MS, th.link_noise * jitter)):
                 continue
             rks = tuple(int(x) for x in ranks_of(uu[k]))
             factor = float(rmed[k] / ref[i, 0])
@@ -536,6 +496,35 @@ def _merge_directions(found: list[Finding]) -> list[Finding]:
     return list(best.values())
 
 
+def _combine(per_iteration: list[Finding], floors: list[Finding]) -> list[Finding]:
+    """One finding per (kind, ranks): the more confident view leads, the other is kept as its evidence."""
+    best: dict[tuple, Finding] = {}
+    for f in per_iteration + floors:
+        key = (f.kind, f.ranks)
+        other = best.get(key)
+        if other is None:
+            best[key] = f
+            continue
+        keep, drop = (f, other) if f.confidence > other.confidence else (other, f)
+        keep.evidence["also"] = {"slowdown": drop.slowdown, "confidence": drop.confidence, **drop.evidence}
+        best[key] = keep
+    return list(best.values())
+
+
+def _explained_by_links(findings: list[Finding], links: list[Finding]) -> list[Finding]:
+    """Drop a link end's late arrival or pause that its stalls before posting over the link account for."""
+    kept = []
+    for f in findings:
+        r = f.ranks[0]
+        link = next((x for x in links if r in x.ranks), None)
+        if link is not None and f.kind in ("late-arrival", "transient-pause") and \
+                f.excess_ms <= 1.5 * link.evidence["stall_ms_per_iteration"][r]:
+            link.evidence.setdefault("explains", []).append(f"{f.kind} of rank {r} (+{f.excess_ms:.1f} ms)")
+            continue
+        kept.append(f)
+    return kept
+
+
 # ----------------------------------------------------------------------------- entry point
 @dataclass
 class Analysis:
@@ -555,9 +544,10 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     th = thresholds or Thresholds()
     tb = join(traces)
     ph = phases(tb)
-    findings = rank_findings(tb, ph, th)
+    findings = _combine(rank_findings(tb, ph, th), floor_findings(tb, ph.excl, ph.iters, th))
     link_f, waits = links_and_waits(tb, ph, th, offsets)
-    findings += _merge_directions(link_f)
+    stall_f = stall_link_findings(tb, posting_stall(tb), ph.iters, th)
+    findings = _explained_by_links(findings, stall_f) + _merge_directions(link_f + stall_f)
     caused_total = waits.caused.sum(axis=1)
     for f in findings:
         f.evidence["others_waited_ms"] = round(float(caused_total[list(f.ranks)].sum()), 3)

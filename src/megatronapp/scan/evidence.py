@@ -1,0 +1,232 @@
+"""Evidence that holds on a busy machine and with few peers: op floors, send stalls, the run's own noise.
+
+Real runs on shared CPUs (or GPUs sharing hosts with noisy neighbours) are dominated by one-sided noise: a
+process that is descheduled only ever takes LONGER. Per-iteration totals then vary several-fold between healthy
+replicas, and with only two ranks per pipeline stage a median/MAD comparison is symmetric (each is "the outlier"
+of the other). Three views do not depend on that:
+
+1. Op floors. The fastest repeats of an op (a low quantile over microbatches and iterations) are what the op
+   costs when nobody interferes; contention inflates the slow tail far more than the floor. A slow rank's floors
+   are above its peers' for every kind of op (forward AND backward), which is asymmetric even with one peer:
+   the higher floors are the slower rank. Noise and victims' scheduling delays lift one kind at a time.
+2. Send stalls. The time between a rank's last own activity and the posting of a send (or collective) is ~0 in
+   healthy code; a link that delays each transfer at its ends shows up as a stall before exactly the sends
+   towards the other end, on BOTH ends. Compared with the same send (same stages, same sequence number) of the
+   other pipeline columns.
+3. Run noise. How far a rank's per-iteration value strays above its own median in a healthy-looking rank (the
+   median over ranks), used as an extra floor under any per-iteration finding: nothing smaller is called a fault.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from megatronapp.scan.findings import Finding, Thresholds
+from megatronapp.scan.format import CAT_INDEX
+
+if TYPE_CHECKING:
+    from megatronapp.scan.detect import Table
+
+MS = 1e6
+_COMPUTE, _COMM, _OPT, _DATA = (CAT_INDEX[c] for c in ("compute", "comm", "optimizer", "data"))
+
+
+def excursion_noise(x: np.ndarray, present: np.ndarray) -> float:
+    """Median over ranks of (max - median) of each rank's per-iteration values: the run's typical upward jitter."""
+    rows = x[present]
+    if rows.shape[1] < 3 or not np.isfinite(rows).any():
+        return 0.0
+    with np.errstate(all="ignore"):
+        up = np.nanmax(rows, axis=1) - np.nanmedian(rows, axis=1)
+    return float(np.nanmedian(up)) if np.isfinite(up).any() else 0.0
+
+
+def _coord(tb: Table, r: int) -> dict:
+    dp, pp, tp = (int(v) for v in tb.coords[r])
+    return {"rank": int(r), "dp": dp, "pp": pp, "tp": tp}
+
+
+# ----------------------------------------------------------------------------- helpers
+def group_quantile(keys: np.ndarray, vals: np.ndarray, q: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(unique keys, lower q-quantile of vals per key, count per key), by one sort."""
+    o = np.lexsort((vals, keys))
+    k, v = keys[o], vals[o]
+    uk, start, cnt = np.unique(k, return_index=True, return_counts=True)
+    return uk, v[start + np.floor(q * (cnt - 1)).astype(np.int64)], cnt
+
+
+def loo_median(keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    """Per element: the median of the OTHER elements with the same key (NaN when it is alone)."""
+    out = np.full(len(vals), np.nan)
+    if not len(vals):
+        return out
+    o = np.lexsort((vals, keys))
+    k, v = keys[o], vals[o].astype(float)
+    uk, start, cnt = np.unique(k, return_index=True, return_counts=True)
+    g = np.searchsorted(uk, k)
+    n, s0 = cnt[g], start[g]
+    p = np.arange(len(k)) - s0  # position in its sorted group
+
+    def rest(j: np.ndarray) -> np.ndarray:  # the j-th of the others, in sorted order
+        return v[np.minimum(s0 + j + (j >= p), len(v) - 1)]
+
+    m = n - 1  # how many others
+    lo, hi = rest(np.maximum((m - 1) // 2, 0)), rest(np.maximum(m // 2, 0))
+    res = np.where(m >= 1, (lo + hi) / 2, np.nan)
+    out[o] = res
+    return out
+
+
+# ----------------------------------------------------------------------------- 1. op floors
+def floor_findings(tb: Table, excl: np.ndarray, iters: np.ndarray, th: Thresholds) -> list[Finding]:
+    """Slow-compute ranks: compute-op floors above those of the ranks doing the same work (>= 1 peer)."""
+    m = (tb.cat == _COMPUTE) & np.isin(tb.it, iters)
+    if not m.any() or len(iters) == 0:
+        return []
+    W, n_it = tb.world, len(iters)
+    stage = tb.coords[:, 1]
+    rank, x = tb.rank[m], excl[m].astype(float) / MS
+    iti = np.searchsorted(iters, tb.it[m])
+    # An op type: same name and chunk on the same stage (microbatches and iterations are its repeats).
+    ukind, kind = np.unique(tb.name[m] * 1_000 + np.maximum(tb.chunk[m], 0), return_inverse=True)
+    K = len(ukind)
+    keys, fl, cnt = group_quantile(rank * K + kind, x, th.floor_q)
+    floor = np.full((W, K), np.nan)
+    count = np.zeros((W, K))
+    enough = cnt >= 3
+    floor.ravel()[keys[enough]] = fl[enough]
+    count.ravel()[keys[enough]] = cnt[enough] / n_it
+    per_it = np.full(W * K * n_it, np.inf)
+    np.minimum.at(per_it, (rank * K + kind) * n_it + iti, x)
+    per_it = np.where(np.isinf(per_it), np.nan, per_it).reshape(W, K, n_it)
+    # Peers' floors: leave-one-out median within the stage (a plain median from 5 ranks on, as elsewhere).
+    ref = np.full((W, K), np.nan)
+    ref_it = np.full((W, K, n_it), np.nan)
+    present = np.isin(np.arange(W), rank)
+    with np.errstate(all="ignore"):
+        for s in np.unique(stage[present]):
+            members = np.flatnonzero((stage == s) & present)
+            if len(members) < 2:
+                continue
+            if len(members) >= 5:
+                ref[members] = np.nanmedian(floor[members], axis=0)
+                ref_it[members] = np.nanmedian(per_it[members], axis=0)
+                continue
+            for i, r in enumerate(members):
+                others = np.delete(members, i)
+                ref[r] = np.nanmedian(floor[others], axis=0)
+                ref_it[r] = np.nanmedian(per_it[others], axis=0)
+        ok = np.isfinite(floor) & np.isfinite(ref)
+        mine = np.where(ok, floor * count, 0).sum(axis=1)
+        theirs = np.where(ok, ref * count, 0).sum(axis=1)
+        ratio = mine / np.maximum(theirs, 1e-9)
+        excess = mine - theirs  # ms per iteration, at floor speed
+        # Consistency: the rank's fastest op of each iteration, against its peers' in that iteration.
+        okc = ok[:, :, None] & np.isfinite(per_it) & np.isfinite(ref_it)
+        it_ratio = (np.where(okc, per_it * count[:, :, None], 0).sum(axis=1)
+                    / np.maximum(np.where(okc, ref_it * count[:, :, None], 0).sum(axis=1), 1e-9))
+        # A slow rank (slower clock, throttling, a slow device) is slow at EVERY kind of op; contention and
+        # the scheduling a victim suffers when its inputs arrive mid-op inflate one kind at a time.
+        weakest = np.nanmin(np.where(ok, floor / ref, np.inf), axis=1)
+    high = it_ratio > 1 + th.floor_rel / 4
+    frac = high.mean(axis=1)
+    hit = (ok.any(axis=1) & (ratio >= 1 + th.floor_rel) & (weakest >= 1 + th.floor_rel / 2) & (excess >= th.abs_ms)
+           & (frac >= th.persistent))
+    out = []
+    for r in np.flatnonzero(hit):
+        peers = int(((stage == stage[r]) & present).sum()) - 1
+        by_op = {tb.names[int(ukind[j]) // 1_000]: round(float(floor[r, j] / ref[r, j]), 3)
+                 for j in range(K) if ok[r, j]}
+        # Honest confidence: 0.5 at the threshold, 1.0 at twice it, scaled by consistency; one peer is weaker
+        # evidence than several (a peer that is itself unusually fast cannot be told apart from a slow rank).
+        conf = min(1.0, 0.5 + (ratio[r] - 1 - th.floor_rel) / (2 * th.floor_rel)) * frac[r]
+        conf *= 0.85 if peers == 1 else 1.0
+        ev = {"method": "op floors", "floor_ratio_by_op": by_op, "peers": peers,
+              "iterations": [int(t) for t, h in zip(iters, high[r]) if h],
+              "floor_ms_per_iteration": round(float(mine[r]), 3),
+              "peer_floor_ms_per_iteration": round(float(theirs[r]), 3)}
+        out.append(Finding("slow-compute", (int(r),), [_coord(tb, r)],
+                           f"{ratio[r]:.2f}x compute at its fastest (+{excess[r]:.1f} ms per iteration)",
+                           round(float(ratio[r]), 3), round(float(excess[r]), 3), round(float(conf), 3), ev))
+    return out
+
+
+# ----------------------------------------------------------------------------- 2. send stalls
+def posting_stall(tb: Table) -> np.ndarray:
+    """Per row: time (ns) from the rank's last own activity before it to its start (0 for the first row).
+
+    Own activity: every span start, and the end of work spans (compute, optimizer, data). Comm ends are not: an
+    asynchronous op (a receive posted ahead, a gradient bucket) completes while the rank does something else, or
+    stalls; the iteration's step span ends after everything."""
+    n = len(tb.ts)
+    if not n:
+        return np.zeros(0, np.int64)
+    event = np.where(np.isin(tb.cat, (_COMPUTE, _OPT, _DATA)), tb.end, tb.ts)
+    new_rank = np.r_[True, tb.rank[1:] != tb.rank[:-1]]
+    run = np.empty(n, np.int64)
+    start = np.flatnonzero(new_rank)
+    for a, b in zip(start, np.r_[start[1:], n]):  # rows are sorted by (rank, ts): one running max per rank
+        run[a:b] = np.maximum.accumulate(event[a:b])
+    prev = np.where(new_rank, tb.ts, np.r_[tb.ts[:1], run[:-1]])
+    return np.maximum(tb.ts - np.minimum(prev, tb.ts), 0)
+
+
+def stall_link_findings(tb: Table, stall: np.ndarray, iters: np.ndarray, th: Thresholds) -> list[Finding]:
+    """Slow links seen as stalls before posting the sends between two ranks, in both directions."""
+    nid = {n: i for i, n in enumerate(tb.names)}
+    send = np.flatnonzero((tb.cat == _COMM) & (tb.peer >= 0) & (tb.name == nid.get("send", -2)) & (tb.seq >= 0)
+                          & np.isin(tb.it, iters))
+    if not len(send):
+        return []
+    W = tb.world
+    stage = tb.coords[:, 1]
+    src, dst = tb.rank[send], tb.peer[send]
+    pair = src * W + dst
+    # The same send on other columns: same stages, size and sequence number.
+    cls = (stage[src] * (stage.max() + 1) + stage[dst]) * (1 << 40) + tb.nbytes[send]
+    inst = cls * (int(tb.seq[send].max()) + 1) + tb.seq[send]
+    v = stall[send].astype(float) / MS
+    excess = v - loo_median(inst, v)
+    fin = np.isfinite(excess)
+    if not fin.any():
+        return []
+    up, n_s = np.unique(pair[fin], return_counts=True)
+    pi = np.searchsorted(up, pair[fin])
+    _, med, _ = group_quantile(pair[fin], excess[fin], 0.5)
+    frac = np.bincount(pi, excess[fin] >= th.stall_abs_ms, len(up)) / n_s
+    _, stall_med, _ = group_quantile(pair[fin], v[fin], 0.5)
+    _, peer_med, _ = group_quantile(pair[fin], (v - excess)[fin], 0.5)
+    flagged: dict[tuple[int, int], dict] = {}
+    for j in np.flatnonzero((n_s >= 2) & (med >= th.stall_abs_ms) & (frac >= th.persistent)):
+        a, b = int(up[j] // W), int(up[j] % W)
+        flagged[(a, b)] = {"sends": int(n_s[j]), "stall_ms": round(float(stall_med[j]), 3),
+                           "peer_stall_ms": round(float(peer_med[j]), 3), "excess_ms": float(med[j]),
+                           "frac": float(frac[j])}
+    # Stall per iteration of each rank over all its comm posts, beyond its stage peers': what a link end lost.
+    comm = (tb.cat == _COMM) & np.isin(tb.it, iters)
+    per_rank = np.bincount(tb.rank[comm], stall[comm].astype(float), W) / MS / max(len(iters), 1)
+    out = []
+    for (a, b), fa in flagged.items():
+        fb = flagged.get((b, a))
+        if fb is None or a > b:
+            continue  # one end only: the sender's own problem, left to the self-time views
+        excess_ms = (fa["excess_ms"] + fb["excess_ms"]) / 2
+        base = max((fa["peer_stall_ms"] + fb["peer_stall_ms"]) / 2, th.stall_floor_ms)
+        factor = (base + excess_ms) / base
+        conf = min(1.0, 0.5 + (excess_ms - th.stall_abs_ms) / (8 * th.stall_abs_ms)) * min(fa["frac"], fb["frac"])
+        ev = {"what": "P2P", "method": "send stalls", "transfers": fa["sends"] + fb["sends"],
+              "directions": [[a, b], [b, a]], "stall_ms": [fa["stall_ms"], fb["stall_ms"]],
+              "peer_stall_ms": [fa["peer_stall_ms"], fb["peer_stall_ms"]],
+              "median_ms": round(base + excess_ms, 4), "peer_median_ms": round(base, 4),
+              "stall_ms_per_iteration": {r: round(_beyond_stage(per_rank, stage, r), 3) for r in (a, b)}}
+        out.append(Finding("slow-link", (a, b), [_coord(tb, a), _coord(tb, b)],
+                           f"+{excess_ms:.1f} ms stalled before each send on link {a}-{b} (both directions)",
+                           round(float(factor), 3), round(float(excess_ms), 3), round(float(conf), 3), ev))
+    return out
+
+
+def _beyond_stage(per_rank: np.ndarray, stage: np.ndarray, r: int) -> float:
+    """per_rank[r] minus the median over the other ranks of its stage (0 when it has none)."""
+    others = (stage == stage[r]) & (np.arange(len(per_rank)) != r)
+    return float(per_rank[r] - (np.median(per_rank[others]) if others.any() else 0.0))

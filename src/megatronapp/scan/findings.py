@@ -1,0 +1,96 @@
+"""MegaScan findings: what detection reports (ranked suspects with evidence) and the thresholds it applies."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+KINDS = ("slow-compute", "slow-link", "transient-pause", "late-arrival")
+
+
+@dataclass
+class Thresholds:
+    """When a difference counts as a fault: all of relative, absolute and robust-z minimums must hold."""
+
+    rel: float = 0.05  # self time above peers' median, per iteration
+    abs_ms: float = 0.5
+    z: float = 4.0
+    persistent: float = 0.6  # fraction of iterations for a persistent fault
+    transient_rel: float = 0.08  # a one-off must stand out more than a persistent shift
+    transient_abs_ms: float = 2.0
+    link_rel: float = 0.08  # median transfer time above peers' median
+    link_z: float = 5.0  # many links are compared at once: a stricter z keeps the false-alarm rate down
+    link_abs_ms: float = 0.01
+    link_noise: float = 1.0  # the excess must also reach the typical jitter of one transfer of the run
+    scale_floor: float = 0.01  # MAD is floored at 1% of the median: identical peers are not infinitely sure
+    # Busy machines and few peers (evidence.py): effects must also stand above the run's own jitter.
+    transient_noise: float = 3.0  # a one-off excess >= 3x the typical upward jitter of a healthy rank
+    persistent_noise: float = 1.0  # a persistent excess >= that jitter in each counted iteration
+    floor_q: float = 0.1  # an op's floor: this quantile of its repeats
+    floor_rel: float = 0.4  # floors above peers' by 40% (measured: healthy ranks on a 2-core box at load 20 reach 1.3x)
+    stall_abs_ms: float = 2.0  # stall before posting a send, beyond the same send on other columns
+    stall_floor_ms: float = 0.1  # a healthy posting delay is taken as at least this (for the ratio)
+
+
+@dataclass
+class Finding:
+    """One suspected root cause."""
+
+    kind: str
+    ranks: tuple[int, ...]  # (rank,) or the two ends of a link, or a whole collective group
+    coords: list[dict]  # [{"rank", "dp", "pp", "tp"}] for each rank
+    slowdown: str  # human form: "1.30x compute", "+45.0 ms in 2 of 5 iterations"
+    factor: float  # measured ratio to peers (1.0 = like peers)
+    excess_ms: float  # extra ms per affected iteration / transfer
+    confidence: float
+    evidence: dict = field(default_factory=dict)
+
+    @property
+    def link(self) -> tuple[int, int] | None:
+        return (self.ranks[0], self.ranks[1]) if self.kind == "slow-link" and len(self.ranks) == 2 else None
+
+    def describe(self) -> str:
+        where = ", ".join(f"rank {c['rank']} (DP{c['dp']} PP{c['pp']} TP{c['tp']})" for c in self.coords[:4])
+        if len(self.coords) > 4:
+            where += f" ... ({len(self.coords)} ranks)"
+        return f"{self.kind:<15} {where}: {self.slowdown}, confidence {self.confidence:.2f}"
+
+
+@dataclass
+class Report:
+    """Ranked findings plus the context needed to read them."""
+
+    findings: list[Finding]
+    world: int
+    iterations: int
+    step_ms: float  # median iteration time
+    waited_for: list[dict]  # top ranks others waited for (victims filtered), ms
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps({"world": self.world, "iterations": self.iterations, "step_ms": self.step_ms,
+                           "findings": [{**asdict(f), "link": f.link} for f in self.findings],
+                           "waited_for": self.waited_for, "notes": self.notes}, indent=1)
+
+    def to_text(self) -> str:
+        lines = [(f"MegaScan detect: {self.world} ranks, {self.iterations} iterations, "
+                 f"median iteration {self.step_ms:.1f} ms")]
+        if not self.findings:
+            lines.append("no root cause found: every rank and link is within noise of its peers")
+        for i, f in enumerate(self.findings, 1):
+            lines.append(f"{i:>2}. {f.describe()}")
+            ev = f.evidence
+            if "floor_ratio_by_op" in ev:
+                lines.append(f"      fastest repeats vs {ev['peers']} peer(s): {ev['floor_ratio_by_op']}; "
+                             f"iterations {ev['iterations']}")
+            elif "iterations" in ev:
+                lines.append(f"      iterations {ev['iterations']}; ops {ev.get('ops', {})}")
+            if ev.get("others_waited_ms"):
+                lines.append(f"      others waited {ev['others_waited_ms']:.1f} ms for it")
+            if "transfers" in ev:
+                lines.append(f"      {ev['transfers']} transfers, median {ev['median_ms']:.3f} ms vs "
+                             f"peers {ev['peer_median_ms']:.3f} ms")
+        if self.waited_for:
+            top = ", ".join(f"rank {w['rank']} {w['ms']:.1f} ms" for w in self.waited_for[:5])
+            lines.append(f"who everyone waits for (direct waits caused, victims excluded): {top}")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
