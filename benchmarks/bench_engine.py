@@ -52,7 +52,8 @@ CASES: list[tuple[str, str, str, dict[str, Any]]] = [
     ("tp=2", "tensor", "DTensor parallelize_module", {"tp": 2}),
     ("dp=2", "data", "DistributedDataParallel", {"dp": 2}),
 ]
-PP4_CASE = ("pp=4 1f1b", "pipeline", "pipelining Schedule1F1B", {"pp": 4, "schedule": "1f1b"})
+# Schedule1F1B needs at least as many microbatches as stages.
+PP4_CASE = ("pp=4 1f1b", "pipeline", "pipelining Schedule1F1B", {"pp": 4, "schedule": "1f1b", "microbatches": 4})
 
 FULL = {"hidden": 256, "layers": 4, "heads": 8, "seq": 128, "global_batch": 8, "microbatches": 4,
         "warmup": 2, "steps": 16}
@@ -134,7 +135,7 @@ def _profile_text(p: cProfile.Profile, top: int = 30) -> str:
 
 def worker(rank: int, world: int, cases: list[tuple], size: dict[str, int], outdir: str, profile: bool) -> None:
     """Spawned entry: run every case; rank 0 saves one JSON record per case."""
-    for i, (name, kind, _label, parallel) in enumerate(cases):
+    for i, (_name, kind, _label, parallel) in enumerate(cases):
         rec = run_case(case_config(parallel, size), kind, rank, size["warmup"], size["steps"], profile)
         if rank == 0:
             (Path(outdir) / f"case{i}.json").write_text(json.dumps(rec))
