@@ -556,6 +556,10 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     waited_for = [{"rank": int(r), "ms": round(float(caused_total[r]), 3), "instances": int(waits.caused_count[r])}
                   for r in top if caused_total[r] > 0]
     notes = []
+    named = {r for f in findings for r in f.ranks}
+    if waited_for and waited_for[0]["rank"] not in named:
+        notes.append(f"rank {waited_for[0]['rank']} made others wait most, but nothing it did itself stands out from "
+                     "its peers: waits alone follow whichever rank the machine happened to delay, not a fault")
     lonely = [int(s) for s in np.unique(tb.coords[:, 1]) if (tb.coords[:, 1] == s).sum() < 2]
     if lonely:
         notes.append(f"stages {lonely} have a single rank (dp*tp == 1): their compute has no peer to compare with")

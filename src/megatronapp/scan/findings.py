@@ -86,7 +86,10 @@ class Report:
                 lines.append(f"      iterations {ev['iterations']}; ops {ev.get('ops', {})}")
             if ev.get("others_waited_ms"):
                 lines.append(f"      others waited {ev['others_waited_ms']:.1f} ms for it")
-            if "transfers" in ev:
+            if ev.get("method") == "send stalls":
+                lines.append(f"      {ev['transfers']} sends, median posting delay {ev['median_ms']:.3f} ms vs "
+                             f"peer links {ev['peer_median_ms']:.3f} ms")
+            elif "transfers" in ev:
                 lines.append(f"      {ev['transfers']} transfers, median {ev['median_ms']:.3f} ms vs "
                              f"peers {ev['peer_median_ms']:.3f} ms")
         if self.waited_for:
