@@ -364,3 +364,14 @@ def test_capture_hook_sees_perturbed_value():
     with p, Recorder(cap, ["layers.0.out"]) as rec:
         seen.append(cap.point("layers.0.out", torch.zeros(2)))
     assert seen[0].tolist() == [1.0, 1.0] and rec.take()["layers.0.out"].tolist() == [1.0, 1.0]
+
+
+def test_destructive_bitflips_still_give_strict_json(sm):
+    import json
+
+    msgs = run(sm, gen_req(capture={"points": ["out"], "logit_lens": True, "pca_layer": 1}, perturbations=[
+        {"kind": "bitflip", "place": "hidden", "rate": 0.5, "bit": 30, "layers": [0]}]))
+    for m in msgs:
+        json.dumps(m, allow_nan=False)  # raises on NaN/inf
+    pca = next(m for m in msgs if m["type"] == "pca")
+    assert pca["dropped_non_finite"] + len(pca["points"]) == 2 * 13

@@ -9,6 +9,7 @@ under the model (softmax at temperature 1) and the top candidates.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -168,9 +169,9 @@ def generate(sm: ScopeModel, req: Generate, emit: Emit, cancel: threading.Event 
                         is_new = not bool(forced[r, p1]) and generated[r] < req.max_new_tokens
                         generated[r] += int(is_new)
                         tid = int(nxt[r])
-                        rows.append({"id": tid, "text": token_text(tok, tid), "prob": round(float(probs[r, tid]), 5),
+                        rows.append({"id": tid, "text": token_text(tok, tid), "prob": finite(probs[r, tid], 5),
                                      "forced": bool(forced[r, p1]), "new": is_new,
-                                     "top": [[token_text(tok, int(i)), round(float(p), 5)]
+                                     "top": [[token_text(tok, int(i)), finite(p, 5)]
                                              for p, i in zip(top.values[r], top.indices[r])]})
                     msg["next"] = rows
                 msg["states"] = {n: compress(states[n], _compression_for(_short(n), spec, cfg))
@@ -179,7 +180,7 @@ def generate(sm: ScopeModel, req: Generate, emit: Emit, cancel: threading.Event 
                     lens_out = []
                     for n in lens_names:
                         ids, ps = logit_lens(model, states[n])
-                        lens_out.append([[[token_text(tok, int(i)), round(float(p), 4)] for i, p in zip(ri, rp)]
+                        lens_out.append([[[token_text(tok, int(i)), finite(p, 4)] for i, p in zip(ri, rp)]
                                          for ri, rp in zip(ids, ps)])
                     msg["lens"] = lens_out
                 if pca_name:
@@ -205,6 +206,12 @@ def generate(sm: ScopeModel, req: Generate, emit: Emit, cancel: threading.Event 
     return done
 
 
+def finite(x: Any, digits: int) -> float | None:
+    """A rounded float for JSON, or None for NaN/inf (a bit flip can make them; strict JSON has no NaN)."""
+    v = float(x)
+    return round(v, digits) if math.isfinite(v) else None
+
+
 def _compression_for(point: str, spec: Any, cfg: ModelConfig) -> Compression:
     """The client's per-point choice, else its general choice when it made one, else the default for the point."""
     if point in spec.per_point:
@@ -222,8 +229,11 @@ def _short(name: str) -> str:
 def pca_message(hidden: torch.Tensor, layer: int, lens: list[int]) -> dict[str, Any]:
     """PCA of the hidden states [b, s, h] of all rows and positions (each row up to its own end)."""
     b, s, _ = hidden.shape
-    pts = [(r, p) for r in range(b) for p in range(s)]
-    coords, ratios = pca_2d(hidden.reshape(b * s, -1))
+    flat = hidden.reshape(b * s, -1)
+    ok = torch.isfinite(flat).all(dim=1)  # states wrecked by a perturbation (inf/NaN) are left out, and counted
+    pts = [(r, p) for r in range(b) for p in range(s) if ok[r * s + p]]
+    coords, ratios = pca_2d(flat[ok]) if len(pts) else (torch.zeros(0, 2), [0.0, 0.0])
     return {"type": "pca", "layer": layer, "explained": [round(x, 4) for x in ratios],
+            "dropped_non_finite": int((~ok).sum()),
             "points": [[r, p, round(float(coords[i, 0]), 4), round(float(coords[i, 1]), 4)]
                        for i, (r, p) in enumerate(pts)]}

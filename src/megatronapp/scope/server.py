@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import socket
 import threading
 import time
@@ -136,7 +137,11 @@ class _Session:
         try:
             while True:
                 msg = await self.out.get()
-                await self.ws.send_json(msg)
+                try:
+                    text = json.dumps(msg, allow_nan=False)  # browsers reject NaN in JSON
+                except ValueError:
+                    text = json.dumps(protocol.error("internal", f"a {msg.get('type')} message held NaN/inf"))
+                await self.ws.send_text(text)
         finally:
             self.closed.set()
 

@@ -182,8 +182,8 @@ function addStep(msg) {
       run.tokens[r][p1] = t.text;
       if (!t.new) return;
       run.newToks[r].push(t);
-      const s = document.createElement("span"); s.className = "tok" + (t.prob < 0.2 ? " low" : "");
-      s.textContent = t.text; s.title = `p=${t.prob.toFixed(3)}`;
+      const s = document.createElement("span"); s.className = "tok" + (t.prob === null || t.prob < 0.2 ? " low" : "");
+      s.textContent = t.text; s.title = `p=${fmt(t.prob)}`;
       $("row-" + r).appendChild(s);
     });
     run.last = msg.next;
@@ -202,15 +202,19 @@ function finish(msg) {
 // ---------- drawing ----------
 function schedule() { if (!drawPending) { drawPending = true; requestAnimationFrame(() => { drawPending = false; draw(); }); } }
 
+function fmt(p, d = 3) { return p === null || p === undefined ? "NaN" : p.toFixed(d); }
+
 function label(t) { return t === undefined ? "" : t.replace(/ /g, "·").replace(/\n/g, "⏎"); }
 
-function diverging(v) { // v in [-1, 1]: blue - white - red
+function diverging(v) { // v in [-1, 1]: blue - white - red; NaN/inf (after a bit flip) in dark grey
+  if (!isFinite(v)) return "#3a3a48";
   const a = Math.min(1, Math.abs(v));
   const c = v < 0 ? [49, 54, 149] : [165, 0, 38];
   return `rgb(${Math.round(255 + (c[0] - 255) * a)},${Math.round(255 + (c[1] - 255) * a)},${Math.round(255 + (c[2] - 255) * a)})`;
 }
 
-function sequential(v) { // v in [0, 1]: white - dark blue
+function sequential(v) { // v in [0, 1]: white - dark blue; NaN in dark grey
+  if (!isFinite(v)) return "#3a3a48";
   const a = Math.max(0, Math.min(1, v));
   return `rgb(${Math.round(255 - 225 * a)},${Math.round(255 - 190 * a)},${Math.round(255 - 80 * a)})`;
 }
@@ -226,8 +230,8 @@ function drawTopk() {
   if (!run.last) return;
   let html = "<table><tr><th>row</th><th>token</th><th>prob</th><th>top candidates</th></tr>";
   run.last.forEach((t, r) => {
-    const cands = t.top.map(([txt, p]) => `<span class="bar" style="width:${Math.max(1, p * 60)}px"></span><span class="mono">${esc(label(txt))}</span> ${p.toFixed(3)}`).join("&nbsp; ");
-    html += `<tr><td>${r}</td><td class="mono">${esc(label(t.text))}${t.forced ? " (prompt)" : ""}</td><td>${t.prob.toFixed(3)}</td><td>${cands}</td></tr>`;
+    const cands = t.top.map(([txt, p]) => `<span class="bar" style="width:${Math.max(1, (p || 0) * 60)}px"></span><span class="mono">${esc(label(txt))}</span> ${fmt(p)}`).join("&nbsp; ");
+    html += `<tr><td>${r}</td><td class="mono">${esc(label(t.text))}${t.forced ? " (prompt)" : ""}</td><td>${fmt(t.prob)}</td><td>${cands}</td></tr>`;
   });
   $("topk-view").innerHTML = html + "</table>";
 }
@@ -283,7 +287,9 @@ function drawPca() {
   const pts = run.pca.points, xs = pts.map((p) => p[2]), ys = pts.map((p) => p[3]);
   const [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
   const W = 320, P = 18, sx = (x) => P + ((x - x0) / (x1 - x0 || 1)) * (W - 2 * P), sy = (y) => W - P - ((y - y0) / (y1 - y0 || 1)) * (W - 2 * P);
-  $("pca-caption").textContent = `layer ${run.pca.layer}, PC1 ${(100 * run.pca.explained[0]).toFixed(0)}%, PC2 ${(100 * run.pca.explained[1]).toFixed(0)}%`;
+  $("pca-caption").textContent = `layer ${run.pca.layer}, PC1 ${(100 * run.pca.explained[0]).toFixed(0)}%, PC2 ${(100 * run.pca.explained[1]).toFixed(0)}%` +
+    (run.pca.dropped_non_finite ? `, ${run.pca.dropped_non_finite} non-finite states left out` : "");
+  if (!pts.length) return;
   const ns = "http://www.w3.org/2000/svg";
   for (const [r, p, x, y] of pts) {
     const c = document.createElementNS(ns, "circle");
@@ -301,7 +307,7 @@ function drawPca() {
 function drawLens() {
   const { r } = selected(), Ls = Object.keys(run.lens).map(Number).sort((a, b) => b - a);
   if (!Ls.length) { $("lens-view").textContent = "(not streamed)"; return; }
-  const n = run.tokens[r].length, from = Math.max(0, n - 32);
+  const n = run.tokens[r].length, from = Math.max(0, n - 24);
   let html = "<table><tr><th>layer</th>";
   for (let i = from; i < n; i++) html += `<th class="mono">${esc(label(run.tokens[r][i] || ""))}</th>`;
   html += "</tr>";
@@ -310,7 +316,7 @@ function drawLens() {
     const cells = run.lens[L][r] || [];
     for (let i = from; i < n; i++) {
       const c = cells[i];
-      html += c ? `<td style="background:${sequential(c[1])};color:${c[1] > 0.6 ? "#fff" : "#123"}" title="p=${c[1]}">${esc(label(c[0]))}</td>` : "<td></td>";
+      html += c ? `<td style="background:${sequential(c[1] || 0)};color:${c[1] > 0.6 ? "#fff" : "#123"}" title="p=${fmt(c[1])}">${esc(label(c[0]))}</td>` : "<td></td>";
     }
     html += "</tr>";
   }
