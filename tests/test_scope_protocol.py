@@ -178,7 +178,7 @@ def test_slow_reader_is_bounded(sm):
     from megatronapp.scope.server import SlowClient, _Session
 
     class StuckSocket:
-        async def send_json(self, msg):
+        async def send_text(self, text):
             await asyncio.Event().wait()  # never completes
 
     loop = asyncio.new_event_loop()
