@@ -224,6 +224,8 @@ def docs_section(result: dict[str, Any]) -> str:
          "load): on a shared, noisy machine it is the steadier estimate. \"CPU\" compares the CPU seconds of both "
          "ranks per step (medians): the work done, which other jobs on the machine barely change."), "",
         table(result), "",
+        ("`--profile` prints a cProfile of both sides on rank 0 (nothing written); `--pp4` adds pp=4 1F1B on 4 "
+         "ranks, which oversubscribes 2 cores; `--quick` is the smoke run."), "",
         (f"Recorded {result['timestamp']} on {m['cpus']} CPUs ({m['processor']}), torch {m['torch']}; load average "
         f"at the end {tuple(round(x, 2) for x in m['load_avg_at_end'])}. Raw times: `benchmarks/results/engine.json`."),
         "",
