@@ -46,9 +46,13 @@ class StepResult:
 
 
 class _Inbox:
-    """Receives posted ahead of time; a waiter thread per receive marks its key as arrived."""
+    """Receives posted ahead of time. Threaded (dynamic policies): a waiter thread per receive marks its key
+    as arrived, so the policy can see what is ready now. Not threaded (static orders): the executor waits on
+    the one handle its next task needs, with no thread hop on the critical path."""
 
-    def __init__(self) -> None:
+    def __init__(self, threaded: bool = True) -> None:
+        self.threaded = threaded
+        self.handles: dict[tuple[str, int, int], comm.Handle] = {}
         self.cond = threading.Condition()
         self.arrived: set[tuple[str, int, int]] = set()
         self.log: list[tuple[str, int, int]] = []  # arrivals in order, read incrementally by the executor
@@ -58,6 +62,9 @@ class _Inbox:
 
     def post(self, key: tuple[str, int, int], buf: torch.Tensor, handle: comm.Handle) -> None:
         self.buffers[key] = buf
+        if not self.threaded:
+            self.handles[key] = handle
+            return
 
         def waiter() -> None:
             try:
@@ -75,6 +82,18 @@ class _Inbox:
         th = threading.Thread(target=waiter, name=f"recv-{key}", daemon=True)
         th.start()
         self.threads.append(th)
+
+    def wait_key(self, key: tuple[str, int, int], what: Callable[[], str]) -> None:
+        """Block on the receive of `key` in this thread (non-threaded mode)."""
+        handle = self.handles.pop(key, None)
+        if handle is None:
+            return  # already arrived
+        try:
+            handle.wait()
+        except RuntimeError as e:  # gloo's own timeout or a peer's death: say where the pipeline stood
+            raise RuntimeError(f"pipeline receive failed ({e}); {what()}") from e
+        self.arrived.add(key)
+        self.log.append(key)
 
     def wait_for(self, pred: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:
         deadline = time.monotonic() + timeout_s
@@ -127,7 +146,8 @@ class PipelineExecutor:
             raise ValueError(f"expected {self.m} microbatches, got {len(microbatches)}")
         pg = self.topo.pp_group
         prev_rank, next_rank = self.topo.prev_rank(), self.topo.next_rank()
-        inbox = _Inbox()
+        static = isinstance(self.policy, StaticPolicy)
+        inbox = _Inbox(threaded=not static)
         # Post every receive of the step up front (unique tags make early posting safe).
         for c in range(self.vpp):
             for mb in range(self.m):
@@ -175,6 +195,14 @@ class PipelineExecutor:
             task = None
             if not self.decide_on_tp0 or self.topo.coord.tp == 0:
                 t0 = time.perf_counter()
+                if static:  # wait on exactly the input the fixed order needs next
+                    want = self.policy.upcoming()
+                    if want.kind == "F" and not self._first(want.chunk):
+                        inbox.wait_key(("F", want.chunk, want.microbatch),
+                                       lambda t=want: self._stuck(view, inbox, f"input of {t}"))
+                    elif want.kind == "B" and not self._last(want.chunk):
+                        inbox.wait_key(("B", want.chunk, want.microbatch),
+                                       lambda t=want: self._stuck(view, inbox, f"input of {t}"))
                 while True:
                     fold_arrivals()
                     task = self.policy.next_task(sorted(ready), view)
@@ -254,7 +282,7 @@ class PipelineExecutor:
 
     def _stuck(self, view: StageView, inbox: _Inbox, what: str) -> str:
         """A diagnosis for a hang: who this stage waits for and what it has done."""
-        missing = sorted(k for k in inbox.buffers if k not in inbox.arrived)
+        missing = sorted(k for k in inbox.buffers if k not in inbox.arrived)  # posted, not yet consumed
         return (f"stage {self.stage} ({self.topo.coord.label()}, rank {self.topo.rank}) waits for {what}; "
                 f"done {len(view.done)}/{view.total_tasks()} tasks; receives still pending: "
                 f"{[f'{k}{c}.{m}' for k, c, m in missing][:8]} from ranks "

@@ -113,6 +113,10 @@ class StaticPolicy:
         self.order = stage_orders(self.name, view.pp, view.vpp, view.microbatches)[view.stage]
         self.pos = 0
 
+    def upcoming(self) -> Task:
+        """The task the order runs next."""
+        return self.order[self.pos]
+
     def next_task(self, ready: Sequence[Task], view: StageView) -> Task | None:
         want = self.order[self.pos]
         return want if want in ready else None
