@@ -28,6 +28,8 @@ def _cases_world2() -> list[tuple[str, dict]]:
     cases.append(("llama pp2 uneven layers, 3 microbatches",
                   ec.base_case("llama", **{"parallel.pp": 2, "parallel.microbatches": 2, "model.num_layers": 5,
                                            "train.global_batch_size": 6})))
+    cases.append(("gpt2 tp2 with global-norm clipping", ec.base_case("gpt2", **{"parallel.tp": 2,
+                                                                               "train.grad_clip": 0.5})))
     cases.append(("gpt2 pp2 vpp2 interleaved", ec.base_case("gpt2", **{"parallel.pp": 2, "parallel.vpp": 2,
                                                                        "parallel.schedule": "interleaved-1f1b"})))
     return cases
@@ -41,6 +43,8 @@ def _cases_world4() -> list[tuple[str, dict]]:
                                                                         "parallel.schedule": sch})))
             cases.append((f"{fam} pp2 dp2 {sch}", ec.base_case(fam, **{"parallel.pp": 2, "parallel.dp": 2,
                                                                         "parallel.schedule": sch})))
+        cases.append((f"{fam} pp2 dp2 clipped, LAMB", ec.base_case(fam, **{
+            "parallel.pp": 2, "parallel.dp": 2, "train.grad_clip": 0.5, "train.optimizer": "lamb"})))
         cases.append((f"{fam} pp4 vpp2 interleaved", ec.base_case(fam, **{
             "parallel.pp": 4, "parallel.vpp": 2, "parallel.schedule": "interleaved-1f1b",
             "parallel.microbatches": 8, "train.global_batch_size": 8})))

@@ -1,10 +1,10 @@
 """Data-parallel gradient reduction in buckets, overlapped with the last backward of each chunk.
 
-Gradients accumulate locally over microbatches. During the *final* backward of a chunk, a parameter's
-gradient is complete as soon as autograd has accumulated into it (post-accumulate-grad hook); when every
-parameter of a bucket is complete the bucket is flattened and all-reduced asynchronously on the DP group while
-backward goes on. `finish()` waits for the reductions and writes the averaged gradients back.
-Reduction is always in fp32 (gradients of fp32 master weights), whatever the compute dtype.
+Every parameter's `.grad` is a view into a flat fp32 buffer of its bucket (Megatron's grad buffer, DDP's
+gradient_as_bucket_view), so autograd accumulates microbatch gradients straight into the buffer and a bucket is
+all-reduced without copies. During the *final* backward of a chunk, a parameter's gradient is complete as soon as
+autograd has accumulated into it (post-accumulate-grad hook); when every parameter of a bucket is complete the
+buffer is all-reduced asynchronously on the DP group while backward goes on. `finish()` waits and averages.
 """
 from __future__ import annotations
 
@@ -20,14 +20,23 @@ from megatronapp.parallel.topology import Group
 @dataclass
 class _Bucket:
     params: list[nn.Parameter]
-    pending: int = 0
-    flat: torch.Tensor | None = None
+    buffer: torch.Tensor
     handle: comm.Handle | None = None
     ready: set[int] = field(default_factory=set)
+    views: list[torch.Tensor] = field(default_factory=list)
+
+    def bind(self) -> None:
+        """Point every parameter's .grad at its slice of the buffer."""
+        self.views, offset = [], 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = self.buffer[offset:offset + n].view_as(p)
+            self.views.append(p.grad)
+            offset += n
 
 
 class GradReducer:
-    """Implements the executor's GradSync: averages gradients over `dp_group` with overlap."""
+    """Implements the executor's GradSync: owns the gradient buffers and averages them over `dp_group`."""
 
     def __init__(self, chunks: list[nn.Module], dp_group: Group, bucket_mb: float = 4.0, overlap: bool = True):
         self.dp_group, self.overlap = dp_group, overlap
@@ -38,20 +47,34 @@ class GradReducer:
         for c, chunk in enumerate(chunks):
             # Reverse registration order approximates the order in which backward finishes gradients.
             params = [p for p in chunk.parameters() if p.requires_grad][::-1]
-            buckets, cur, size = [], [], 0
+            groups, cur, size = [], [], 0
             for p in params:
                 cur.append(p)
                 size += p.numel() * 4
                 if size >= limit:
-                    buckets.append(_Bucket(cur))
+                    groups.append(cur)
                     cur, size = [], 0
             if cur:
-                buckets.append(_Bucket(cur))
-            self.buckets[c] = buckets
+                groups.append(cur)
+            self.buckets[c] = []
+            for ps in groups:
+                # fp32 whatever the parameter dtype: gradients are reduced in fp32
+                buf = torch.zeros(sum(p.numel() for p in ps), dtype=torch.float32, device=ps[0].device)
+                bucket = _Bucket(ps, buf)
+                bucket.bind()
+                self.buckets[c].append(bucket)
             if dp_group.size > 1 and overlap:
-                for bi, b in enumerate(buckets):
+                for bi, b in enumerate(self.buckets[c]):
                     for p in b.params:
                         self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(c, bi, p)))
+
+    def zero_grad(self) -> None:
+        """Zero every gradient buffer (and re-bind a .grad something replaced)."""
+        for buckets in self.buckets.values():
+            for b in buckets:
+                b.buffer.zero_()
+                if any(p.grad is not v for p, v in zip(b.params, b.views)):
+                    b.bind()
 
     def _make_hook(self, chunk: int, bi: int, p: nn.Parameter):
         def hook(param: torch.Tensor) -> None:
@@ -60,13 +83,8 @@ class GradReducer:
             b = self.buckets[chunk][bi]
             b.ready.add(id(p))
             if len(b.ready) == len(b.params) and b.handle is None:
-                self._launch(b)
+                b.handle = comm.all_reduce_async(b.buffer, self.dp_group)
         return hook
-
-    def _launch(self, b: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        b.flat = torch.cat([g.reshape(-1).float() for g in grads])
-        b.handle = comm.all_reduce_async(b.flat, self.dp_group)
 
     # -- GradSync ---------------------------------------------------------------------------------------
     def before_final_backward(self, chunk: int) -> None:
@@ -78,31 +96,24 @@ class GradReducer:
             return
         for b in self.buckets[chunk]:  # buckets with unused params (or no overlap) go now
             if b.handle is None:
-                self._launch(b)
+                b.handle = comm.all_reduce_async(b.buffer, self.dp_group)
 
     def finish(self) -> None:
-        """Wait for every bucket and write the DP-averaged gradients back into `.grad`."""
+        """Wait for every bucket and average over the DP replicas (in place in the buffers)."""
         if self.dp_group.size == 1:
             return
         inv = 1.0 / self.dp_group.size
         for buckets in self.buckets.values():
             for b in buckets:
                 if b.handle is None:
-                    self._launch(b)
+                    b.handle = comm.all_reduce_async(b.buffer, self.dp_group)
                 b.handle.wait()
-                offset = 0
-                for p in b.params:
-                    n = p.numel()
-                    g = b.flat[offset:offset + n].view_as(p).mul_(inv).to(p.dtype)
-                    if p.grad is None:
-                        p.grad = g.clone()
-                    else:
-                        p.grad.copy_(g)
-                    offset += n
-                b.flat, b.handle = None, None
+                b.buffer.mul_(inv)
+                b.handle = None
                 b.ready.clear()
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+

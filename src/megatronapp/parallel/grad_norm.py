@@ -15,25 +15,26 @@ from megatronapp.parallel.topology import Topology
 
 
 def _counted_params(chunks: list[nn.Module], topo: Topology):
-    pp = topo.pp
+    pp, coord = topo.pp, topo.coord
     for c, chunk in enumerate(chunks):
         shared = chunk.shared_embedding_weight() if hasattr(chunk, "shared_embedding_weight") else None
-        first_virtual = c * pp + topo.coord.pp == 0
+        first_virtual = c * pp + coord.pp == 0
         for p in chunk.parameters():
             if p.grad is None:
                 continue
             if shared is not None and p is shared and not first_virtual:
                 continue  # the last stage's copy of a tied embedding: counted on the first stage
-            if not getattr(p, "tensor_parallel", False) and topo.coord.tp != 0:
+            if not getattr(p, "tensor_parallel", False) and coord.tp != 0:
                 continue
             yield p
 
 
 def global_grad_norm(chunks: list[nn.Module], topo: Topology) -> float:
     """L2 norm of the whole model's gradient, identical on every rank."""
+    grads = [p.grad.detach() for p in _counted_params(chunks, topo)]
     sq = torch.zeros(1, dtype=torch.float64)
-    for p in _counted_params(chunks, topo):
-        sq += p.grad.detach().double().pow(2).sum().cpu()
+    if grads:  # one fused norm over all tensors (torch's foreach kernels), squared once in float64
+        sq += torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).double().cpu() ** 2
     comm.all_reduce(sq, topo.tp_group)
     comm.all_reduce(sq, topo.pp_group)
     return float(sq.sqrt())
@@ -42,11 +43,7 @@ def global_grad_norm(chunks: list[nn.Module], topo: Topology) -> float:
 def clip_grad_norm(chunks: list[nn.Module], topo: Topology, max_norm: float) -> float:
     """Scale all gradients so the global norm is at most `max_norm` (0 disables); return the norm before."""
     norm = global_grad_norm(chunks, topo)
-    if max_norm > 0:
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for chunk in chunks:
-                for p in chunk.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+    if max_norm > 0 and max_norm / (norm + 1e-6) < 1.0:
+        params = [p for chunk in chunks for p in chunk.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm), foreach=True)
     return norm

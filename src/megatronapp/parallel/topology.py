@@ -7,6 +7,7 @@ rendezvous, with no global barrier per group (MegaScale's fast initialisation).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch.distributed as dist
@@ -62,7 +63,7 @@ class Topology:
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
-    @property
+    @cached_property
     def coord(self) -> Coord:
         return coord_of(self.rank, self.tp, self.pp, self.dp)
 

@@ -128,8 +128,7 @@ class Trainer:
             ids, labels = self.data.get(self.step)
             mbs = [(a.to(self.device), b.to(self.device)) for a, b in
                    split_microbatches(ids, labels, cfg.parallel.microbatches)]
-        for q in self.params:
-            q.grad = None
+        self.reducer.zero_grad()
         with self.autocast:
             result = self.executor.step(mbs, loss_scale=1.0 / cfg.parallel.microbatches)
         self.reducer.finish()
