@@ -1,6 +1,6 @@
 """MegaScan detection on REAL training runs: gloo ranks of the engine with injected faults, traced and analysed.
 
-Each case is one launch of `megatronapp.train.trainer.train` (tiny GPT-2, 6 steps, every step traced) with a
+Each case is one launch of `megatronapp.train.trainer.train` (tiny GPT-2, 8 steps, every step traced) with a
 fault drill from `megatronapp.faults`. The machine is small and busy, so the drills are sized well above its
 noise (a slow rank at 2x, a link delaying each send by 20 ms, 100 ms pauses) and the assertions are about WHO
 and WHAT (top finding, kind, ranks), never about timings. Layouts: 4 ranks tp=1 pp=2 dp=2 (two ranks per
@@ -17,7 +17,7 @@ from megatronapp.scan.detect import Report, analyse
 from megatronapp.scan.format import read_dir
 from megatronapp.train.trainer import train
 
-STEPS = 6
+STEPS = 8
 LAYOUTS = {4: (1, 2, 2), 8: (2, 2, 2)}  # world -> (tp, pp, dp)
 
 
@@ -71,10 +71,12 @@ def test_slow_p2p_link_between_stages():
 
 
 def test_transient_pause():
-    report = traced_run(4, ("pause=1:100:2",))  # rank 1 pauses 100 ms at iterations 0, 2, 4
+    report = traced_run(4, ("pause=1:100:2",))  # rank 1 pauses 100 ms at iterations 0, 2, 4, 6
     top = _top(report)
     assert (top.kind, top.ranks) == ("transient-pause", (1,)), report.to_text()
-    assert set(top.evidence["iterations"]) <= {0, 2, 4} and len(top.evidence["iterations"]) >= 2
+    # The pattern is found; one busy-machine hiccup of the same rank may join it, not more.
+    its, paused = set(top.evidence["iterations"]), {0, 2, 4, 6}
+    assert len(its & paused) >= 3 and len(its - paused) <= 1, report.to_text()
     assert 60 < top.excess_ms < 200
 
 

@@ -238,7 +238,13 @@ def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool
         frac = len(hit) / n_it
         peers = np.flatnonzero((groups == groups[r]) & (np.arange(tb.world) != r))
         ev = {"peers": len(peers), "noise_ms": round(noise, 3), "view": "host" if host else "self"}
-        if frac >= th.persistent and n_it >= 1:
+        hb = np.flatnonzero(big[r])
+        calm = np.setdiff1d(np.arange(n_it), hb)
+        # Pauses every other iteration reach the persistent fraction with one noisy iteration more; what tells
+        # them apart is the iterations in between, which a persistent fault slows too and a pause does not.
+        intermittent = len(hb) > 0 and len(calm) >= 2 and \
+            np.nanmedian(exc[r, calm]) < np.nanmedian(exc[r, hb]) / 3
+        if frac >= th.persistent and n_it >= 1 and not intermittent:
             parts = _parts(ph, r, peers, hit)
             zr = float(np.nanmedian(z[r, hit]))
             ev.update(iterations=[int(ph.iters[i]) for i in hit], z=round(zr, 1),
@@ -258,7 +264,6 @@ def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool
                                    "before reaching the collectives (data / untraced time)", round(factor, 3),
                                    round(excess, 3), round(conf, 3), ev))
             continue
-        hb = np.flatnonzero(big[r])
         if len(hb) == 1 and exc[r, hb[0]] < 2 * max(th.transient_abs_ms, th.transient_noise * noise):
             continue  # a one-off on a busy machine needs twice the margin of a repeated pattern
         if not len(hb):

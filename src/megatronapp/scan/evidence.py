@@ -195,6 +195,8 @@ def stall_link_findings(tb: Table, stall: np.ndarray, iters: np.ndarray, th: Thr
     pi = np.searchsorted(up, pair[fin])
     _, med, _ = group_quantile(pair[fin], excess[fin], 0.5)
     frac = np.bincount(pi, excess[fin] >= th.stall_abs_ms, len(up)) / n_s
+    # What the stalls cost the sender per iteration: the part of the host time a link end loses to its link.
+    lost = np.bincount(pi, np.maximum(excess[fin], 0), len(up)) / max(len(iters), 1)
     _, stall_med, _ = group_quantile(pair[fin], v[fin], 0.5)
     _, peer_med, _ = group_quantile(pair[fin], (v - excess)[fin], 0.5)
     flagged: dict[tuple[int, int], dict] = {}
@@ -202,10 +204,7 @@ def stall_link_findings(tb: Table, stall: np.ndarray, iters: np.ndarray, th: Thr
         a, b = int(up[j] // W), int(up[j] % W)
         flagged[(a, b)] = {"sends": int(n_s[j]), "stall_ms": round(float(stall_med[j]), 3),
                            "peer_stall_ms": round(float(peer_med[j]), 3), "excess_ms": float(med[j]),
-                           "frac": float(frac[j])}
-    # Stall per iteration of each rank over all its comm posts, beyond its stage peers': what a link end lost.
-    comm = (tb.cat == _COMM) & np.isin(tb.it, iters)
-    per_rank = np.bincount(tb.rank[comm], stall[comm].astype(float), W) / MS / max(len(iters), 1)
+                           "frac": float(frac[j]), "lost_ms": float(lost[j])}
     out = []
     for (a, b), fa in flagged.items():
         fb = flagged.get((b, a))
@@ -219,14 +218,9 @@ def stall_link_findings(tb: Table, stall: np.ndarray, iters: np.ndarray, th: Thr
               "directions": [[a, b], [b, a]], "stall_ms": [fa["stall_ms"], fb["stall_ms"]],
               "peer_stall_ms": [fa["peer_stall_ms"], fb["peer_stall_ms"]],
               "median_ms": round(base + excess_ms, 4), "peer_median_ms": round(base, 4),
-              "stall_ms_per_iteration": {r: round(_beyond_stage(per_rank, stage, r), 3) for r in (a, b)}}
+              "stall_ms_per_iteration": {a: round(fa["lost_ms"], 3), b: round(fb["lost_ms"], 3)}}
         out.append(Finding("slow-link", (a, b), [_coord(tb, a), _coord(tb, b)],
                            f"+{excess_ms:.1f} ms stalled before each send on link {a}-{b} (both directions)",
                            round(float(factor), 3), round(float(excess_ms), 3), round(float(conf), 3), ev))
     return out
 
-
-def _beyond_stage(per_rank: np.ndarray, stage: np.ndarray, r: int) -> float:
-    """per_rank[r] minus the median over the other ranks of its stage (0 when it has none)."""
-    others = (stage == stage[r]) & (np.arange(len(per_rank)) != r)
-    return float(per_rank[r] - (np.median(per_rank[others]) if others.any() else 0.0))
