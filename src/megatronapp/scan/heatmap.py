@@ -60,6 +60,9 @@ def write_png(an: Analysis, path: str | Path) -> Path:
         fig.colorbar(im, ax=ax, fraction=0.046)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("TP rank")
+        cols = m.shape[1]
+        if cols <= 32:  # integer ticks: a TP rank is a cell, not a continuous axis
+            ax.set_xticks(range(cols), [str(j) for j in range(cols)], fontsize=7)
         if rows <= 48:
             ax.set_yticks(range(rows), labels, fontsize=6)
         else:
