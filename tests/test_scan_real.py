@@ -8,9 +8,9 @@ pipeline stage: the few-peers case) and 8 ranks tp=2 pp=2 dp=2. rank = tp + tp_s
 """
 from __future__ import annotations
 
-import functools
-import tempfile
 from pathlib import Path
+
+import pytest
 
 from megatronapp.config import ModelConfig, ParallelConfig, RunConfig, TraceConfig, TrainConfig
 from megatronapp.scan.detect import Report, analyse
@@ -21,11 +21,21 @@ STEPS = 8
 LAYOUTS = {4: (1, 2, 2), 8: (2, 2, 2)}  # world -> (tp, pp, dp)
 
 
-@functools.cache
-def traced_run(world: int, inject: tuple[str, ...]) -> Report:
-    """Train a tiny model on `world` real ranks with the given faults, trace every step, return the detection."""
+@pytest.fixture(scope="module")
+def traced_run(tmp_path_factory):
+    """traced_run(world, faults): train a tiny model on `world` real ranks with the given faults, trace every step,
+    return the detection report (each configuration launched once per module)."""
+    done: dict[tuple, Report] = {}
+
+    def run(world: int, inject: tuple[str, ...]) -> Report:
+        if (world, inject) not in done:
+            done[(world, inject)] = _launch(tmp_path_factory.mktemp("megascan-real"), world, inject)
+        return done[(world, inject)]
+    return run
+
+
+def _launch(out: Path, world: int, inject: tuple[str, ...]) -> Report:
     tp, pp, dp = LAYOUTS[world]
-    out = Path(tempfile.mkdtemp(prefix="megascan-real-"))
     cfg = RunConfig(model=ModelConfig(family="gpt2", hidden_size=64, num_layers=4, num_heads=4, max_seq_len=32),
                     parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, microbatches=4, schedule="1f1b"),
                     train=TrainConfig(steps=STEPS, global_batch_size=8, seq_len=32, warmup_steps=1, out=str(out),
@@ -44,13 +54,13 @@ def _top(report: Report):
     return report.findings[0]
 
 
-def test_healthy_run_raises_no_alarm():
+def test_healthy_run_raises_no_alarm(traced_run):
     report = traced_run(4, ())
     assert report.findings == [], report.to_text()
     assert "no root cause found" in report.to_text()
 
 
-def test_slow_compute_with_one_peer_per_stage():
+def test_slow_compute_with_one_peer_per_stage(traced_run):
     # Rank 3 = (dp1, pp1): its only stage peer is rank 2; ranks 1 (its pipeline neighbour) and 2 are victims.
     report = traced_run(4, ("slow-compute=3:2.0",))
     top = _top(report)
@@ -60,7 +70,7 @@ def test_slow_compute_with_one_peer_per_stage():
     assert not [f for f in report.findings if f.kind == "slow-compute" and f.ranks != (3,)], report.to_text()
 
 
-def test_slow_p2p_link_between_stages():
+def test_slow_p2p_link_between_stages(traced_run):
     # Link 0-2 joins stage 0 and stage 1 of DP column 0; each send over it waits 20 ms at its sender.
     report = traced_run(4, ("slow-link=0-2:20",))
     top = _top(report)
@@ -70,7 +80,7 @@ def test_slow_p2p_link_between_stages():
     assert not [f for f in report.findings if f.kind == "late-arrival" and f.ranks[0] in (0, 2)], report.to_text()
 
 
-def test_transient_pause():
+def test_transient_pause(traced_run):
     report = traced_run(4, ("pause=1:100:2",))  # rank 1 pauses 100 ms at iterations 0, 2, 4, 6
     top = _top(report)
     assert (top.kind, top.ranks) == ("transient-pause", (1,)), report.to_text()
@@ -80,7 +90,7 @@ def test_transient_pause():
     assert 60 < top.excess_ms < 200
 
 
-def test_slow_compute_on_eight_ranks_with_tensor_parallel():
+def test_slow_compute_on_eight_ranks_with_tensor_parallel(traced_run):
     # Rank 5 = (dp0, pp1, tp1): its TP peer 4 waits in every all-reduce of the layer, and is not blamed.
     report = traced_run(8, ("slow-compute=5:2.0",))
     top = _top(report)
