@@ -86,7 +86,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("modules")
     g.add_argument("--trace", action="store_true", default=None, help="MegaScan: trace every rank")
     g.add_argument("--trace-dir")
-    g.add_argument("--trace-interval", type=int, help="trace --trace-iterations iterations every N")
+    g.add_argument("--trace-interval", type=int,
+                   help="trace the last --trace-iterations iterations of every N (skips the warm-up step)")
     g.add_argument("--trace-iterations", type=int)
     g.add_argument("--trace-granularity", choices=["coarse", "full"])
     g.add_argument("--inject", action="append", default=[],

@@ -65,7 +65,7 @@ def scan_part(out: Path, steps: int) -> int:
     from megatronapp.scan.format import read_dir
     from megatronapp.train.trainer import train
 
-    slow_rank, factor = 3, 1.5
+    slow_rank, factor = 3, 2.0
     trace_dir = out / "scan" / "trace"
     cfg = RunConfig(model=preset("gpt2-tiny"),
                     parallel=ParallelConfig(tp=1, pp=2, dp=2, microbatches=4, schedule="1f1b"),
@@ -89,7 +89,7 @@ def scan_part(out: Path, steps: int) -> int:
     png = heatmap.write(analysis, out / "scan" / "heatmap.png")
     html = heatmap.write(analysis, out / "scan" / "heatmap.html")
     top = analysis.report.findings[0] if analysis.report.findings else None
-    named = top is not None and tuple(top.ranks) == (slow_rank,)
+    named = top is not None and top.kind == "slow-compute" and tuple(top.ranks) == (slow_rank,)
     print(f"\nclock alignment residual: {residual / 1e3:.1f} us")
     verdict = f"MegaScan named the injected rank {slow_rank}" if named else "MEGASCAN MISSED the injected rank"
     print(f"verdict: {verdict}")
@@ -103,7 +103,7 @@ def run_demo(args: argparse.Namespace) -> int:
     steps = 12 if args.quick else args.steps
     t0 = time.perf_counter()
     ckpt = train_part(out, steps)
-    code = scan_part(out, 6 if args.quick else 10)
+    code = scan_part(out, 8 if args.quick else 10)
     _banner("done")
     print(f"in {time.perf_counter() - t0:.0f} s. Run files: {out}/train (metrics.jsonl, summary.json, "
           f"checkpoints/), {out}/scan")

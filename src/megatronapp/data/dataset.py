@@ -108,7 +108,8 @@ class BatchSource:
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def split_microbatches(input_ids: torch.Tensor, labels: torch.Tensor, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def split_microbatches(input_ids: torch.Tensor, labels: torch.Tensor,
+                       m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Cut a batch into `m` equal microbatches along the batch dimension."""
     b = input_ids.shape[0]
     if m < 1 or b % m:

@@ -35,7 +35,8 @@ class Timeline:
     @staticmethod
     def from_result(r: SimResult) -> Timeline:
         """The timeline of a simulation, titled with its schedule, step time and bubble."""
-        title = f"{r.schedule}: step {r.step_time:.4g}, bubble {100 * r.bubble:.1f}%, peak in-flight {max(r.peak_activation):.3g}"
+        title = (f"{r.schedule}: step {r.step_time:.4g}, bubble {100 * r.bubble:.1f}%, "
+                 f"peak in-flight {max(r.peak_activation):.3g}")
         return Timeline(title, r.pp, list(r.timeline))
 
 

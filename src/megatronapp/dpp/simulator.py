@@ -261,9 +261,11 @@ def simulate(schedule: str | Callable[[], Policy], cfg: SimConfig, timeline: boo
     else:
         if isinstance(schedule, str) and schedule in STATIC_SCHEDULES:
             orders = stage_orders(schedule, pp, vpp, m)
-            factory: Callable[[], Policy] = lambda: _SharedOrders(schedule, orders)
+            def factory() -> Policy:
+                return _SharedOrders(schedule, orders)
         elif isinstance(schedule, str):
-            factory = lambda: policy_by_name(schedule)
+            def factory() -> Policy:
+                return policy_by_name(schedule)
         else:
             factory = schedule
         stages = [_PolicyStage(factory(), StageView(stage=s, pp=pp, vpp=vpp, microbatches=m,

@@ -257,7 +257,8 @@ def _solve(ranks: list[int], edges: list[tuple]) -> tuple[dict[int, float], dict
                 free = wsum > 0
                 free[root] = False
                 for _ in range(100):
-                    num = np.bincount(j, wts * (vals[i] + e[:, col]), n) + np.bincount(i, wts * (vals[j] - e[:, col]), n)
+                    num = (np.bincount(j, wts * (vals[i] + e[:, col]), n)
+                           + np.bincount(i, wts * (vals[j] - e[:, col]), n))
                     vals[free] = 0.5 * vals[free] + 0.5 * num[free] / wsum[free]
             a_of = {r: float(av[r]) for r in a_of}
             b_of = {r: float(bv[r]) for r in b_of}

@@ -27,7 +27,10 @@ _HOST_TIMED_ON_CUDA = frozenset({"data"})  # CPU-side work: a host clock is the 
 
 
 class Tracer:
-    """Records spans of iterations `i` with `i % interval < iterations`, once each, to one rank file."""
+    """Records spans of iterations `i` with `i % interval >= interval - iterations`, once each, to one rank file.
+
+    The window is the *end* of each interval, so with interval > iterations the warm-up step 0 is never
+    traced (its one-off costs would look like a straggler) and a run of `interval` steps traces its last ones."""
 
     def __init__(self, path: str | Path, header: dict, *, interval: int = 1, iterations: int = 1,
                  granularity: str = "coarse", cuda: bool = False, queue_limit: int = 1 << 16,
@@ -85,7 +88,7 @@ class Tracer:
     def step(self, iteration: int, begin: bool) -> None:
         """Open or close a trace window at an iteration boundary; a repeated iteration is not traced twice."""
         if begin:
-            in_window = iteration % self.interval < self.iterations
+            in_window = iteration % self.interval >= self.interval - self.iterations
             if in_window and iteration in self._seen:
                 self.repeated.append(iteration)
                 in_window = False

@@ -271,4 +271,8 @@ def train(cfg: RunConfig, threads: int | None = None) -> dict[str, Any]:
     n_threads = threads or max(1, (os.cpu_count() or 1) // world)
     spawn(run_rank, world, cfg.to_dict(), str(result), backend=pick_backend(cfg.parallel.backend),
           threads=n_threads)
+    if not result.is_file():
+        raise RuntimeError("the ranks exited without a result. Ranks are started with the 'spawn' method, which "
+                           "re-imports the calling script: guard a script that calls train() with "
+                           "`if __name__ == '__main__':`")
     return json.loads(result.read_text())
