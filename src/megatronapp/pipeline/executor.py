@@ -12,6 +12,7 @@ dynamic policy, TP rank 0 decides and broadcasts the choice to its peers.
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,20 +46,43 @@ class StepResult:
     view: StageView = field(repr=False, default=None)  # type: ignore[assignment]
 
 
+class _WaiterPool:
+    """Daemon threads that run blocking waits, kept across steps (daemon: a wait left pending by a failed step
+    must not keep the process alive at exit, as concurrent.futures' workers would)."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.size = 0
+
+    def ensure(self, n: int) -> None:
+        """At least `n` threads: one per receive a step can have outstanding, so a worker blocked on a late
+        message never holds up an earlier one."""
+        while self.size < n:
+            threading.Thread(target=self._work, name=f"recv-waiter-{self.size}", daemon=True).start()
+            self.size += 1
+
+    def _work(self) -> None:
+        while True:
+            self.jobs.get()()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self.jobs.put(job)
+
+
 class _Inbox:
     """Receives posted ahead of time. Threaded (dynamic policies): a waiter thread per receive marks its key
     as arrived, so the policy can see what is ready now. Not threaded (static orders): the executor waits on
     the one handle its next task needs, with no thread hop on the critical path."""
 
-    def __init__(self, threaded: bool = True) -> None:
-        self.threaded = threaded
+    def __init__(self, pool: _WaiterPool | None = None) -> None:
+        self.pool = pool
+        self.threaded = pool is not None
         self.handles: dict[tuple[str, int, int], comm.Handle] = {}
         self.cond = threading.Condition()
         self.arrived: set[tuple[str, int, int]] = set()
         self.log: list[tuple[str, int, int]] = []  # arrivals in order, read incrementally by the executor
         self.buffers: dict[tuple[str, int, int], torch.Tensor] = {}
         self.error: BaseException | None = None
-        self.threads: list[threading.Thread] = []
 
     def post(self, key: tuple[str, int, int], buf: torch.Tensor, handle: comm.Handle) -> None:
         self.buffers[key] = buf
@@ -79,9 +103,7 @@ class _Inbox:
                 self.log.append(key)
                 self.cond.notify_all()
 
-        th = threading.Thread(target=waiter, name=f"recv-{key}", daemon=True)
-        th.start()
-        self.threads.append(th)
+        self.pool.submit(waiter)
 
     def wait_key(self, key: tuple[str, int, int], what: Callable[[], str]) -> None:
         """Block on the receive of `key` in this thread (non-threaded mode)."""
@@ -121,6 +143,7 @@ class PipelineExecutor:
         self.stage = topo.coord.pp
         self.decide_on_tp0 = topo.tp > 1 and not isinstance(policy, StaticPolicy)
         self.timeout_s = timeout_s
+        self._pool = _WaiterPool()
 
     # -- geometry ---------------------------------------------------------------------------------------
     def _v(self, chunk: int) -> int:
@@ -147,7 +170,9 @@ class PipelineExecutor:
         pg = self.topo.pp_group
         prev_rank, next_rank = self.topo.prev_rank(), self.topo.next_rank()
         static = isinstance(self.policy, StaticPolicy)
-        inbox = _Inbox(threaded=not static)
+        if not static:
+            self._pool.ensure(2 * self.vpp * self.m)
+        inbox = _Inbox(None if static else self._pool)
         # Post every receive of the step up front (unique tags make early posting safe).
         for c in range(self.vpp):
             for mb in range(self.m):
