@@ -22,7 +22,7 @@ from megatronapp.scope.protocol import Generate
 class TrainingScope:
     """The trainer's MegaScope observer: a read-only page fed every `every` steps."""
 
-    def __init__(self, port: int, every: int = 10, host: str = "127.0.0.1", token: str | None = None,
+    def __init__(self, port: int, every: int = 25, host: str = "127.0.0.1", token: str | None = None,
                  probe: str = "After Monday comes ", probe_tokens: int = 16, tokenizer: Any = None,
                  announce: Any = print):
         from megatronapp.scope.server import ServerThread, create_app
