@@ -20,6 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src = s.add_mutually_exclusive_group()
     src.add_argument("--hf", metavar="DIR", help="a local Hugging Face GPT-2 or Llama directory")
     src.add_argument("--checkpoint", metavar="DIR", help="a megatronapp checkpoint step directory (single chunk)")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1); needs --nproc equal to it")
+    s.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: only 1 is served")
+    s.add_argument("--nproc", type=int, default=1, help="local processes (gloo ranks) to serve from (= --tp)")
     s.set_defaults(func=cmd_serve)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
@@ -69,15 +72,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from megatronapp.scope.server import serve
 
     if getattr(args, "scope_command", None) != "serve":
-        print("usage: megatronapp scope serve [--host H] [--port P] [--token T] [--hf DIR | --checkpoint DIR]",
+        print("usage: megatronapp scope serve [--host H] [--port P] [--token T] [--hf DIR | --checkpoint DIR] "
+              "[--tp N --nproc N]",
               file=sys.stderr)
         return 2
     from megatronapp.train.checkpoint import CheckpointError
 
+    if args.tp != 1 or args.pp != 1 or args.nproc != 1:
+        return _serve_parallel(args)
     try:
         sm = load_model(args)
     except (OSError, ValueError, CheckpointError) as e:  # ConfigError (bad HF dir) is a ValueError
         print(f"megatronapp scope: {e}", file=sys.stderr)
         return 2
     serve(sm, host=args.host, port=args.port, token=args.token, announce=lambda s: print(s, flush=True))
+    return 0
+
+
+def _serve_parallel(args: argparse.Namespace) -> int:
+    """Check the layout and the model's divisibility, then serve from --nproc gloo ranks (rank 0 serves)."""
+    from megatronapp.launch import spawn
+    from megatronapp.scope import distributed
+
+    try:
+        distributed.check_parallel(args.tp, args.pp, args.nproc)
+        if args.checkpoint:
+            raise ValueError(f"--checkpoint {args.checkpoint}: tensor-parallel serving takes --hf DIR or the "
+                             f"embedded default model; serve a checkpoint with --tp 1")
+        cfg, source = distributed.model_config(args.hf)
+        distributed.check_divisible(cfg, args.tp, source)
+    except (OSError, ValueError) as e:
+        print(f"megatronapp scope: {e}", file=sys.stderr)
+        return 2
+    spawn(distributed.serve_rank, args.nproc,
+          {"hf": args.hf, "host": args.host, "port": args.port, "token": args.token})
     return 0

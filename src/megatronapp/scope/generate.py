@@ -38,6 +38,10 @@ class ScopeModel:
     name: str = "model"
     meta: dict[str, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # tensor-parallel serving (scope/distributed.py): what the server calls instead of `generate`, and the
+    # full (vocab-gathered) output weight the logit lens needs when this rank holds only a slice of it
+    runner: Callable[..., dict[str, Any]] | None = None
+    lens_weight: torch.Tensor | None = None
 
     def describe(self) -> dict[str, Any]:
         """What the page needs to build its selectors."""
@@ -92,10 +96,12 @@ def pca_2d(x: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
     return coords.float(), ratios
 
 
-def logit_lens(model: TransformerChunk, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a layer's output would predict: final norm + unembedding; top-1 ids and probs [b, s]."""
+def logit_lens(model: TransformerChunk, hidden: torch.Tensor,
+               weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a layer's output would predict: final norm + unembedding (`weight`: the full one); top-1 ids, probs."""
     with torch.no_grad():
-        logits = torch.nn.functional.linear(model.final_norm(hidden), model.output_weight())
+        w = model.output_weight() if weight is None else weight
+        logits = torch.nn.functional.linear(model.final_norm(hidden), w)
         p = logits.float().softmax(dim=-1).max(dim=-1)
     return p.indices, p.values
 
@@ -139,7 +145,8 @@ def generate(sm: ScopeModel, req: Generate, emit: Emit, cancel: threading.Event 
         if spec.pca_layer >= cfg.num_layers:
             raise ValueError(f"capture.pca_layer={spec.pca_layer}: the model has layers 0..{cfg.num_layers - 1}")
         pca_name = f"layers.{spec.pca_layer}.out"
-    recorder = Recorder(model.capture, [*names, *lens_names, *([pca_name] if pca_name else [])])
+    recorder = Recorder(model.capture, [*names, *lens_names, *([pca_name] if pca_name else [])],
+                        tp_group=model.tp_group)
     perturber = Perturber(req.perturbations, model, model.capture, cfg)
     gen = torch.Generator().manual_seed(req.seed)
     cache = KVCache(model, b, total)
@@ -179,7 +186,7 @@ def generate(sm: ScopeModel, req: Generate, emit: Emit, cancel: threading.Event 
                 if lens_names:
                     lens_out = []
                     for n in lens_names:
-                        ids, ps = logit_lens(model, states[n])
+                        ids, ps = logit_lens(model, states[n], sm.lens_weight)
                         lens_out.append([[[token_text(tok, int(i)), finite(p, 4)] for i, p in zip(ri, rp)]
                                          for ri, rp in zip(ids, ps)])
                     msg["lens"] = lens_out

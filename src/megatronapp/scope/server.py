@@ -218,7 +218,7 @@ class _Session:
             self._emit(msg)
 
         try:
-            generate(sm, req, emit, self.cancel)
+            (sm.runner or generate)(sm, req, emit, self.cancel)
         except SlowClient:
             pass
         except (ValueError, TypeError) as e:  # user-fixable request problems (lengths, layers, indices)

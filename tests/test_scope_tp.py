@@ -1,0 +1,140 @@
+"""MegaScope serving the default model with tp=2 from two real gloo ranks: same tokens, probabilities and
+captured states as the single-process model, through the real server and WebSocket protocol."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from megatronapp.data.tokenizer import ByteTokenizer
+from megatronapp.launch import spawn
+from megatronapp.model.transformer import KVCache
+from megatronapp.scope import cli, distributed
+from megatronapp.scope.compress import decode
+from megatronapp.scope.default_model import load_default_model
+from megatronapp.scope.generate import ScopeModel, generate
+from megatronapp.scope.protocol import Generate
+
+FULL = {"pool": "none", "quant": "fp32"}
+CAPTURE = {"points": ["attn.q", "attn.probs", "out", "logits"], "layers": [0, 3], "logit_lens": True,
+           "pca_layer": 1, "per_point": {p: FULL for p in ("attn.q", "attn.probs", "out", "logits")}}
+REQUESTS = [
+    {"type": "generate", "prompts": ["Hello", "The quick"], "max_new_tokens": 4, "greedy": True,
+     "capture": CAPTURE},
+    {"type": "generate", "prompts": ["ab"], "max_new_tokens": 6, "temperature": 0.8, "top_k": 20, "seed": 7,
+     "capture": CAPTURE, "perturbations": [
+         {"kind": "gaussian", "place": "hidden", "layers": [1], "strength": 0.5, "seed": 3},
+         {"kind": "offset", "place": "activation", "target": "mlp.out", "layers": [2], "strength": 0.2}]},
+]
+WEIGHT_PERTURBATION = {"type": "generate", "prompts": ["x"], "max_new_tokens": 2, "perturbations": [
+    {"kind": "zero", "place": "weight", "target": "attn.qkv.weight", "layers": [0]}]}
+
+
+def _until_done(ws) -> list[dict]:
+    got: list[dict] = []
+    while not got or got[-1]["type"] not in ("done", "error"):
+        got.append(json.loads(ws.recv(timeout=60)))
+    return got
+
+
+def _tp_rank(rank: int, world: int, out: str) -> None:
+    from websockets.sync.client import connect
+
+    from megatronapp.parallel import topology
+    from megatronapp.scope.server import ServerThread, create_app
+
+    topo = topology.build(world, 1, 1)
+    sm = distributed.load_shard(None, topo)
+    if rank != 0:
+        torch.save({"worker_runs": distributed.worker_loop(sm, topo)}, f"{out}.1")
+        return
+    sm.runner = distributed.lockstep_runner(topo)
+    server = ServerThread(create_app(sm)).start()
+    res: dict = {}
+    try:
+        with connect(f"ws://127.0.0.1:{server.port}/ws", open_timeout=30, max_size=None) as ws:
+            res["hello"] = json.loads(ws.recv(timeout=30))
+            res["runs"] = []
+            for req in REQUESTS:
+                ws.send(json.dumps(req))
+                res["runs"].append(_until_done(ws))
+            ws.send(json.dumps(WEIGHT_PERTURBATION))
+            res["refused"] = _until_done(ws)
+            # a stop mid-generation must end it on every rank, so that the next one still runs in lockstep
+            ws.send(json.dumps({"type": "generate", "prompts": ["z"], "max_new_tokens": 100}))
+            ws.send(json.dumps({"type": "stop"}))
+            res["stopped"] = _until_done(ws)
+            ws.send(json.dumps(REQUESTS[0]))
+            res["after_stop"] = _until_done(ws)
+    finally:
+        server.stop()
+        distributed.shutdown(topo)
+    torch.save(res, f"{out}.0")
+
+
+def _reference(req: dict) -> list[dict]:
+    model, cfg, meta = load_default_model()
+    msgs: list[dict] = []
+    generate(ScopeModel(model, cfg, ByteTokenizer(), meta=meta), Generate.model_validate(req), msgs.append)
+    return json.loads(json.dumps(msgs))
+
+
+def _compare(got: list[dict], want: list[dict]) -> None:
+    assert [m["type"] for m in got] == [m["type"] for m in want]
+    for g, w in zip(got, want):
+        if g["type"] == "step":
+            if "next" in w:
+                assert [r["id"] for r in g["next"]] == [r["id"] for r in w["next"]]
+                for gr, wr in zip(g["next"], w["next"]):
+                    assert gr["prob"] == pytest.approx(wr["prob"], abs=1e-4)
+                    assert [t for t, _ in gr["top"]] == [t for t, _ in wr["top"]]
+            assert set(g["states"]) == set(w["states"]) and len(w["states"]) == 7
+            for name in w["states"]:
+                a, b = decode(g["states"][name]), decode(w["states"][name])
+                assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4), name
+            assert [[t for t, _ in row] for layer in g["lens"] for row in layer] == \
+                   [[t for t, _ in row] for layer in w["lens"] for row in layer]
+        elif g["type"] == "pca":
+            assert torch.allclose(torch.tensor(g["points"]), torch.tensor(w["points"]), atol=1e-3)
+        elif g["type"] == "done":
+            assert g["texts"] == w["texts"] and g["new_tokens"] == w["new_tokens"]
+
+
+def test_tp2_serving_matches_single_process(tmp_path):
+    out = str(tmp_path / "res")
+    spawn(_tp_rank, 2, out)
+    res, worker = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert res["hello"]["model"]["name"] == "embedded gpt2-tiny (tp=2)"
+    for got, req in zip(res["runs"], REQUESTS):
+        _compare(got, _reference(req))
+    assert res["refused"][-1]["type"] == "error" and "--tp 2" in res["refused"][-1]["message"]
+    assert res["stopped"][-1]["type"] == "done", res["stopped"][-1]
+    _compare(res["after_stop"], _reference(REQUESTS[0]))
+    assert worker["worker_runs"] == 4  # the refused request never reached the worker
+
+
+def test_load_shard_single_rank_matches_default():
+    # tp=1 through load_shard is the shipped model, parameter for parameter
+    from megatronapp.parallel.topology import build
+
+    sm = distributed.load_shard(None, build(1, 1, 1))
+    model, _, _ = load_default_model()
+    assert all(torch.equal(p, q) for p, q in zip(sm.model.parameters(), model.parameters()))
+    assert sm.lens_weight is None and isinstance(KVCache(sm.model, 1, 4), KVCache)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--tp", "2", "--pp", "2", "--nproc", "4"], "--pp 2"),
+    (["--tp", "2", "--nproc", "1"], "--nproc 1 must equal --tp 2"),
+    (["--tp", "3", "--nproc", "3"],
+     "num_heads=4, num_kv_heads=4, vocab_size=256, ffn_hidden_size=512 not divisible by --tp 3"),
+    (["--tp", "2", "--nproc", "2", "--checkpoint", "x"], "serve a checkpoint with --tp 1"),
+])
+def test_cli_refuses_unservable_layouts(argv, fragment, capsys):
+    ap = argparse.ArgumentParser()
+    cli.register(ap.add_subparsers())
+    args = ap.parse_args(["scope", "serve", *argv])
+    assert args.func(args) == 2
+    assert fragment in capsys.readouterr().err
