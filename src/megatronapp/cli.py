@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train the embedded default model on 4 local ranks (tp=2, pp=2), then run a "
                                    "traced job with an injected slow rank and show MegaScan naming it.")
     p.add_argument("--out", default="runs/demo", help="where the demo's runs go")
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--quick", action="store_true", help="fewer steps (for tests)")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("train", help="train a model with tensor, pipeline and data parallelism",
