@@ -126,3 +126,25 @@ def test_deadlock_check_catches_a_bad_order():
     good = stage_orders("1f1b", 2, 1, 2)
     bad = [list(reversed(good[0])), good[1]]  # stage 0 would start with a backward it cannot have
     assert not check_orders(bad, 2, 1, 2)
+
+
+def test_resume_alone_continues_the_saved_job(tmp_path):
+    """`train --resume DIR` with no other flags takes the layout and settings saved in the checkpoint."""
+    from megatronapp.train.trainer import Trainer
+
+    cfg = RunConfig()
+    cfg.model = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, max_seq_len=32)
+    cfg.train.seq_len, cfg.train.steps, cfg.train.out, cfg.train.peak_tflops = 16, 3, str(tmp_path / "a"), 1.0
+    cfg.parallel.microbatches = 2
+    tr = Trainer(cfg)
+    tr.train_step()
+    d = tr.save()
+    args = build_parser().parse_args(["train", "--resume", str(tmp_path / "a" / "checkpoints" / "latest"),
+                                      "--steps", "5"])
+    resumed = config_from_args(args)
+    assert resumed.model.hidden_size == 32 and resumed.parallel.microbatches == 2 and resumed.train.steps == 5
+    assert resumed.train.resume == str(tmp_path / "a" / "checkpoints" / "latest")
+    assert Trainer(resumed).step == 1 and d.name == "step_00000001"
+    args = build_parser().parse_args(["train", "--resume", str(tmp_path / "nowhere")])
+    with pytest.raises(ConfigError, match="--resume"):
+        config_from_args(args)

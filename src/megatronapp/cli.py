@@ -97,8 +97,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """Defaults, then --config YAML, then --model preset, then individual flags."""
-    cfg = load_yaml(args.config) if getattr(args, "config", None) else RunConfig()
+    """Defaults (or, with --resume and no --config, the checkpoint's own config), then --config YAML, then
+    --model preset, then individual flags."""
+    if getattr(args, "config", None):
+        cfg = load_yaml(args.config)
+    elif getattr(args, "resume", None):
+        cfg = _config_of_checkpoint(args.resume)
+    else:
+        cfg = RunConfig()
     if getattr(args, "model", None):
         cfg.model = preset(args.model)
     sections: dict[str, dict[str, Any]] = {}
@@ -123,6 +129,18 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if getattr(args, "scope_port", None) is not None:
         cfg.scope_port = args.scope_port
     return cfg
+
+
+def _config_of_checkpoint(path: str) -> RunConfig:
+    """The run config saved with a checkpoint, so `train --resume DIR` alone continues the same job."""
+    from megatronapp.train import checkpoint as ckpt
+
+    try:
+        saved = ckpt.load_meta(ckpt.resolve(path))["config"]
+    except (ckpt.CheckpointError, KeyError) as e:
+        raise ConfigError(f"--resume {path}: {e}") from None
+    saved["train"]["resume"] = None  # set again from the flag
+    return RunConfig.from_dict(saved)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
