@@ -19,14 +19,6 @@ ATOL = 1e-4
 VOCAB = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matrices on a shared 2-core machine: a second intra-op thread only spins.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))

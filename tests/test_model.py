@@ -26,14 +26,6 @@ def llama(**kw) -> ModelConfig:
 FAMILIES = {"gpt2": gpt2, "llama": llama}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matrices on a shared 2-core machine: a second intra-op thread only spins (100x slower under load).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def batch(b: int = 2, s: int = 12, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)

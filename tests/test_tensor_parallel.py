@@ -1,7 +1,6 @@
 """Tensor parallelism: mappings, parallel layers and whole models on 2 real gloo ranks against one process."""
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -24,14 +23,6 @@ from megatronapp.parallel.tensor_parallel import (
 
 ATOL = 1e-5
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matrices on a shared 2-core machine: a second intra-op thread only spins (100x slower under load).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _configs() -> dict[str, ModelConfig]:
