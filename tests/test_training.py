@@ -78,6 +78,12 @@ def test_resume_is_bit_exact_and_modes_train(tmp_path):
     with torch.no_grad():
         loss = float(model(ids, labels=labels))
     assert 0 < loss < straight[0]["loss"]
+    # MegaScope serves the same sharded checkpoint (consolidated into one model)
+    from megatronapp.scope.cli import _from_checkpoint
+
+    sm = _from_checkpoint(tmp_path / "straight" / "checkpoints" / "latest")
+    with torch.no_grad():
+        assert float(sm.model(ids, labels=labels)) == loss
 
 
 def test_incomplete_checkpoint_is_never_loaded(tmp_path):

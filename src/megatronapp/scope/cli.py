@@ -19,7 +19,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--token", help="require this token (the printed URL carries it)")
     src = s.add_mutually_exclusive_group()
     src.add_argument("--hf", metavar="DIR", help="a local Hugging Face GPT-2 or Llama directory")
-    src.add_argument("--checkpoint", metavar="DIR", help="a megatronapp checkpoint step directory (single chunk)")
+    src.add_argument("--checkpoint", metavar="DIR",
+                     help="a megatronapp checkpoint (any tp/pp layout: consolidated into one model)")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1); needs --nproc equal to it")
     s.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: only 1 is served")
     s.add_argument("--nproc", type=int, default=1, help="local processes (gloo ranks) to serve from (= --tp)")
@@ -50,19 +51,15 @@ def load_model(args: argparse.Namespace) -> ScopeModel:
 
 
 def _from_checkpoint(path: Path) -> ScopeModel:
-    """Load a trainer checkpoint whose model is whole on rank 0 (tp = pp = 1; any dp)."""
+    """Load a trainer checkpoint of any layout (tp/pp/vpp shards are consolidated into one model)."""
     from megatronapp.config import RunConfig
     from megatronapp.data.tokenizer import load_tokenizer
-    from megatronapp.model.transformer import build_model
     from megatronapp.train import checkpoint as ckpt
+    from megatronapp.train.consolidate import load_model as load_consolidated
 
     d = ckpt.resolve(path)
     run = RunConfig.from_dict(ckpt.load_meta(d)["config"])
-    if run.parallel.tp * run.parallel.pp * run.parallel.vpp != 1:
-        raise ValueError(f"--checkpoint {d}: serving needs the whole model on one rank, but it was saved with "
-                         f"tp={run.parallel.tp} pp={run.parallel.pp} vpp={run.parallel.vpp}")
-    model = build_model(run.model)
-    model.load_state_dict(ckpt.load_rank(d, 0)["chunks"][0])
+    model = load_consolidated(d)
     model.eval()
     return ScopeModel(model, run.model, load_tokenizer(run.train.tokenizer), name=str(d))
 
