@@ -73,9 +73,6 @@ class RankFailed(RuntimeError):
 
 def spawn(fn: Callable, nproc: int, *args: Any, backend: str = "gloo", threads: int = 1) -> None:
     """Run `fn(rank, world_size, *args)` on `nproc` local processes; raise RankFailed naming the first failure."""
-    if nproc == 1 and not dist.is_initialized():
-        # One rank still goes through torch.distributed so the code path is the same.
-        pass
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     port = free_port()

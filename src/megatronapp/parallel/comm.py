@@ -118,7 +118,7 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     with tracing.span("reduce_scatter", "comm", **rec.meta()):
         # gloo has no reduce_scatter: emulate with all_reduce and a slice (same numbers, more bytes).
         if dist.get_backend(group.pg) == "gloo":
-            full = torch.cat(chunks, dim=dim) if dim != 0 else torch.cat(chunks)
+            full = t.contiguous().clone()
             dist.all_reduce(full, group=group.pg)
             out.copy_(full.chunk(group.size, dim=dim)[group.rank_in(dist.get_rank())])
         else:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatronapp import tracing
 from megatronapp.config import RunConfig, micro_batch_size, validate
 from megatronapp.data.dataset import build_batch_source, split_microbatches
+from megatronapp.model.transformer import TransformerChunk, sync_sequence_parallel_grads
 from megatronapp.parallel import comm
 from megatronapp.parallel import topology as topology_mod
 from megatronapp.parallel.data_parallel import GradReducer
@@ -46,8 +47,6 @@ def make_policy(cfg: RunConfig):
 
 def build_chunks(cfg: RunConfig, topo: topology_mod.Topology, device: torch.device) -> list[torch.nn.Module]:
     """This rank's model chunks, identical to the matching slices of the single-process model."""
-    from megatronapp.model.transformer import TransformerChunk
-
     p, m = cfg.parallel, cfg.model
     stage = topo.coord.pp
     ranges = stage_chunks(m.num_layers, p.pp, p.vpp, stage)
@@ -150,8 +149,6 @@ class Trainer:
             if shared is not None and shared.grad is not None and topo.embedding_group.size > 1:
                 comm.all_reduce(shared.grad, topo.embedding_group)
             if self.cfg.parallel.sequence_parallel and topo.tp > 1:
-                from megatronapp.model.transformer import sync_sequence_parallel_grads
-
                 sync_sequence_parallel_grads(chunk, topo.tp_group)
 
     def _global_loss(self, losses: list[float]) -> float:
