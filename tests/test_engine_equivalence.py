@@ -1,6 +1,8 @@
 """Every parallel layout and schedule trains exactly like one process: losses, gradients, updated weights.
 
-Cases of one world size share one launch of real gloo processes (launching is the expensive part).
+Cases of one world size share one launch of real gloo processes (launching is the expensive part). The whole
+suite runs twice: with gloo's own rules and with `--comm-semantics nccl`, where gloo enforces NCCL's (tags
+ignored, one stream per pair, identical collective order), so a layout that would hang on GPUs fails here.
 """
 from __future__ import annotations
 
@@ -51,22 +53,39 @@ def _cases_world4() -> list[tuple[str, dict]]:
         cases.append((f"{fam} pp4 vpp2 interleaved, 6 microbatches", ec.base_case(fam, **{
             "parallel.pp": 4, "parallel.vpp": 2, "parallel.schedule": "interleaved-1f1b",
             "parallel.microbatches": 6, "train.global_batch_size": 6})))
+    # Dynamic schedules with DP replicas: each replica picks its own task order, yet the DP gradient
+    # all-reduces must be issued in one order; and TP peers follow TP rank 0's decisions.
+    cases.append(("gpt2 pp2 dp2 vpp2 dpp adaptive", ec.base_case("gpt2", **{
+        "parallel.pp": 2, "parallel.dp": 2, "parallel.vpp": 2, "parallel.schedule": "dpp"})))
+    cases.append(("llama pp2 dp2 vpp2 dpp dfs, clipped", ec.base_case("llama", **{
+        "parallel.pp": 2, "parallel.dp": 2, "parallel.vpp": 2, "parallel.schedule": "dpp",
+        "parallel.dpp_policy": "dfs", "train.grad_clip": 0.5})))
+    cases.append(("gpt2 tp2 pp2 vpp2 dpp bfs", ec.base_case("gpt2", **{
+        "parallel.tp": 2, "parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "dpp",
+        "parallel.dpp_policy": "bfs"})))
     return cases
 
 
-def _run(world: int, cases: list[tuple[str, dict]]) -> None:
+def _run(world: int, cases: list[tuple[str, dict]], semantics: str) -> None:
+    for _, case in cases:
+        case["parallel"]["comm_semantics"] = semantics
     with tempfile.TemporaryDirectory() as tmp:
         spawn(ec.worker, world, [c for _, c in cases], tmp)
         for i, (label, case) in enumerate(cases):
             results = [torch.load(Path(tmp) / f"case{i}_rank{r}.pt", weights_only=False) for r in range(world)]
-            ec.compare(results, ec.reference(case), label)
+            ec.compare(results, ec.reference(case), f"{label} [{semantics}]")
+
+
+SEMANTICS = ("native", "nccl")
 
 
 @pytest.mark.slow
-def test_two_rank_layouts_match_single_process():
-    _run(2, _cases_world2())
+@pytest.mark.parametrize("semantics", SEMANTICS)
+def test_two_rank_layouts_match_single_process(semantics):
+    _run(2, _cases_world2(), semantics)
 
 
 @pytest.mark.slow
-def test_four_rank_layouts_match_single_process():
-    _run(4, _cases_world4())
+@pytest.mark.parametrize("semantics", SEMANTICS)
+def test_four_rank_layouts_match_single_process(semantics):
+    _run(4, _cases_world4(), semantics)

@@ -3,25 +3,34 @@
 Each op gets a `CommOp` record (name, group, per-group sequence number, bytes, peer). It is recorded as a span
 (category "comm") when tracing is on, and handed to interceptors (fault injection: slow links, hangs) before it
 is issued. Nothing else in the engine calls torch.distributed for communication.
+
+Asynchronous ops return a `Handle`. Its readiness (`is_completed()`) means the same thing on every backend:
+on NCCL it is the work's own `is_completed()` (its CUDA event), because `Work.wait()` there only orders streams
+and returns at once; gloo's works report completion only through a blocking `wait()`, so a daemon thread sits in
+it and signals. `wait_until()` sleeps on those signals and polls NCCL works with a short back-off, never a busy
+spin. `set_semantics("nccl")` turns on the strict mode of `nccl_semantics` on any backend.
 """
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatronapp import tracing
+from megatronapp.parallel.nccl_semantics import Strict
 from megatronapp.parallel.topology import Group
 
 
 @dataclass(frozen=True)
 class CommOp:
     name: str  # all_reduce | all_gather | reduce_scatter | broadcast | send | recv | barrier
-    group: str  # group name: tp, pp, dp, embd, world
+    group: str  # group name: tp, pp, dp, embd, world, pp.act.up, ...
     group_ranks: tuple[int, ...]
     seq: int  # sequence number of this op within its group on this rank (matches across the group's members)
     nbytes: int
@@ -38,6 +47,9 @@ Interceptor = Callable[[CommOp], None]
 _interceptors: list[Interceptor] = []
 _seq: dict[tuple, itertools.count] = {}
 _seq_lock = threading.Lock()
+_strict: Strict | None = None
+_epoch = 0  # runs in this process so far (each `reset()` starts one)
+_backends: dict[int, str] = {}
 
 
 def add_interceptor(fn: Interceptor) -> None:
@@ -50,9 +62,27 @@ def remove_interceptor(fn: Interceptor) -> None:
 
 
 def reset() -> None:
-    """Forget sequence numbers and interceptors (between runs in one process)."""
+    """Forget sequence numbers, interceptors and the strict mode (between runs in one process)."""
+    global _strict, _epoch
     _seq.clear()
     _interceptors.clear()
+    _strict = None
+    _epoch += 1
+
+
+SEMANTICS = ("native", "nccl")
+
+
+def set_semantics(mode: str, stall_timeout_s: float = 120.0) -> None:
+    """"native": the backend's own rules; "nccl": enforce NCCL's rules on any backend (see nccl_semantics)."""
+    global _strict
+    if mode not in SEMANTICS:
+        raise ValueError(f"comm semantics {mode!r}: choose one of {', '.join(SEMANTICS)}")
+    _strict = Strict(stall_timeout_s, _epoch) if mode == "nccl" else None
+
+
+def semantics() -> str:
+    return "native" if _strict is None else "nccl"
 
 
 def _next_seq(key: tuple) -> int:
@@ -61,7 +91,15 @@ def _next_seq(key: tuple) -> int:
         return next(counter)
 
 
-def _op(name: str, group: Group, t: torch.Tensor | None, peer: int | None = None, tag: int = 0) -> CommOp:
+def _backend(group: Group) -> str:
+    b = _backends.get(id(group.pg))
+    if b is None:
+        b = _backends[id(group.pg)] = dist.get_backend(group.pg)
+    return b
+
+
+def _op(name: str, group: Group, t: torch.Tensor | None, peer: int | None = None, tag: int = 0,
+        label: str = "") -> CommOp:
     # P2P ops are numbered per (direction, peer) so sender and receiver agree on the number.
     if peer is not None:
         me = dist.get_rank()
@@ -70,31 +108,38 @@ def _op(name: str, group: Group, t: torch.Tensor | None, peer: int | None = None
         key = (group.name, group.ranks)
     nbytes = 0 if t is None else t.numel() * t.element_size()
     op = CommOp(name, group.name, group.ranks, _next_seq(key), nbytes, peer, tag)
+    if t is not None and t.device.type != "cuda" and _backend(group) == "nccl":
+        raise ValueError(f"{name} on group {group.name}: the tensor is on {t.device}, NCCL takes CUDA tensors only; "
+                         f"create it on the rank's device")
     for fn in _interceptors:
         fn(op)
+    if _strict is not None and peer is None:
+        dtype = "" if t is None else str(t.dtype).removeprefix("torch.")
+        _strict.check_collective(group.name, group.ranks, op.seq, f"{name}[{label}]({nbytes} B {dtype})")
     return op
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def all_reduce(t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
-    """In-place all-reduce over `group`; a no-op for a group of one."""
+def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", label: str = "") -> torch.Tensor:
+    """In-place all-reduce over `group`; a no-op for a group of one. `label` names the op for order checks."""
     if group.size == 1:
         return t
-    rec = _op("all_reduce", group, t)
+    rec = _op("all_reduce", group, t, label=label)
     with tracing.span("all_reduce", "comm", **rec.meta()):
         dist.all_reduce(t, op=_REDUCE_OPS[op], group=group.pg)
     return t
 
 
-def all_reduce_async(t: torch.Tensor, group: Group, op: str = "sum") -> Handle:
+def all_reduce_async(t: torch.Tensor, group: Group, op: str = "sum", label: str = "") -> Handle:
     """Start an in-place all-reduce; wait on the returned handle."""
     if group.size == 1:
         return Handle(None, None)
-    rec = _op("all_reduce", group, t)
+    rec = _op("all_reduce", group, t, label=label)
     sp = tracing.open_span("all_reduce", "comm", **rec.meta())
-    return Handle(dist.all_reduce(t, op=_REDUCE_OPS[op], group=group.pg, async_op=True), sp)
+    return Handle(dist.all_reduce(t, op=_REDUCE_OPS[op], group=group.pg, async_op=True), sp,
+                  nccl=_backend(group) == "nccl")
 
 
 def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
@@ -117,7 +162,7 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     out = torch.empty_like(chunks[0])
     with tracing.span("reduce_scatter", "comm", **rec.meta()):
         # gloo has no reduce_scatter: emulate with all_reduce and a slice (same numbers, more bytes).
-        if dist.get_backend(group.pg) == "gloo":
+        if _backend(group) == "gloo":
             full = t.contiguous().clone()
             dist.all_reduce(full, group=group.pg)
             out.copy_(full.chunk(group.size, dim=dim)[group.rank_in(dist.get_rank())])
@@ -130,7 +175,7 @@ def broadcast(t: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     """In-place broadcast from global rank `src`."""
     if group.size == 1:
         return t
-    rec = _op("broadcast", group, t, peer=None)
+    rec = _op("broadcast", group, t, label=f"src {src}")
     with tracing.span("broadcast", "comm", src=src, **rec.meta()):
         dist.broadcast(t, src=src, group=group.pg)
     return t
@@ -140,10 +185,12 @@ def broadcast_object(obj: object, src: int, group: Group) -> object:
     """Broadcast a small picklable object (control decisions, not tensors)."""
     if group.size == 1:
         return obj
-    rec = _op("broadcast", group, None)
+    rec = _op("broadcast", group, None, label=f"object from {src}")
     box = [obj]
     with tracing.span("broadcast_object", "comm", src=src, **rec.meta()):
-        dist.broadcast_object_list(box, src=src, group=group.pg)
+        # NCCL moves the pickled bytes through a tensor on the current CUDA device; gloo through a CPU one.
+        device = torch.device("cuda", torch.cuda.current_device()) if _backend(group) == "nccl" else None
+        dist.broadcast_object_list(box, src=src, group=group.pg, device=device)
     return box[0]
 
 
@@ -155,39 +202,200 @@ def barrier(group: Group) -> None:
         dist.barrier(group=group.pg)
 
 
+# -- completion --------------------------------------------------------------------------------------------
+_progress = threading.Condition()  # notified whenever a watched op completes
+
+
+class _Watchers:
+    """Daemon threads that sit in gloo's blocking `wait()` and signal completion (daemon: an op left pending
+    by a failed step must not keep the process alive at exit). Grows so no op waits for a free thread."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.idle = 0
+        self.lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self.lock:
+            if self.idle == 0:
+                threading.Thread(target=self._work, name="comm-watcher", daemon=True).start()
+            else:
+                self.idle -= 1
+        self.jobs.put(job)
+
+    def _work(self) -> None:
+        while True:
+            self.jobs.get()()
+            with self.lock:
+                self.idle += 1
+
+
+_watchers = _Watchers()
+
+
 class Handle:
-    """An outstanding async op; `wait()` completes it and closes its span. Safe to wait from another thread."""
+    """An outstanding async op. `is_completed()` never blocks; `wait()` completes it (on NCCL: orders the current
+    stream after it) and closes its span. Safe to use from several threads."""
 
-    __slots__ = ("work", "span", "_done")
+    __slots__ = ("work", "span", "keep", "error", "desc", "_event", "_driven", "_closed", "_lock", "_nccl")
 
-    def __init__(self, work: object, sp: object):
-        self.work, self.span, self._done = work, sp, False
+    def __init__(self, work: object, sp: object, keep: torch.Tensor | None = None, driven: bool = False,
+                 nccl: bool = False):
+        self.work, self.span, self.keep = work, sp, keep  # keep: the buffer must live until the op completes
+        self._nccl = nccl  # NCCL works answer is_completed() themselves, and wait() does not block the host
+        self.error: BaseException | None = None
+        self.desc = ""  # what the op is, for the strict mode's reports
+        self._event = threading.Event()
+        self._driven = driven  # completion is signalled by a thread (strict mode, gloo watcher)
+        self._closed = False
+        self._lock = threading.Lock()
+        if work is None and not driven:
+            self._event.set()
+
+    def _finish(self, err: BaseException | None = None) -> None:
+        self.error = err
+        self._event.set()
+        with _progress:
+            _progress.notify_all()
+
+    def _watch(self) -> None:
+        with self._lock:
+            if self._driven:
+                return
+            self._driven = True
+        work = self.work
+
+        def job() -> None:
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - surfaced to the waiter
+                self._finish(e)
+                return
+            self._finish()
+
+        _watchers.submit(job)
+
+    def is_completed(self) -> bool:
+        """Has the op completed? (Starts a watcher on backends whose works cannot tell without blocking.)"""
+        if self._event.is_set():
+            return True
+        if not self._driven:
+            if self._nccl:
+                if self.work.is_completed():
+                    self._event.set()
+                    return True
+                return False
+            self._watch()
+        return self._event.is_set()
 
     def wait(self) -> None:
-        if self._done:
-            return
-        if self.work is not None:
-            self.work.wait()
-        self._done = True
+        if not self._event.is_set():
+            if self._driven:
+                start = time.monotonic()
+                while not self._event.wait(0.5):
+                    if _strict is None:
+                        continue
+                    if _strict.error is not None:
+                        raise RuntimeError(f"communication failed under NCCL semantics: {_strict.error}") \
+                            from _strict.error
+                    if self.desc and time.monotonic() - start > _strict.stall_timeout_s:
+                        raise TimeoutError(f"{self.desc} did not complete within {_strict.stall_timeout_s:.0f} s "
+                                           f"under NCCL semantics: its peer never issued the matching op, or is "
+                                           f"itself blocked (see that rank's error)")
+            else:
+                self.work.wait()
+                self._event.set()
+        if self.error is not None:
+            raise RuntimeError(f"communication failed: {self.error}") from self.error
+        if self.work is not None and self._driven and self._nccl:
+            self.work.wait()  # NCCL: order the current stream after the op
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.keep = None
         tracing.close_span(self.span)
 
     @property
     def done(self) -> bool:
-        return self._done
+        return self._event.is_set()
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:
+    """Sleep until `pred()` (checked whenever an op completes, and by polling for NCCL works); raise
+    TimeoutError with `what()` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    delay = 5e-5
+    with _progress:
+        while not pred():
+            if _strict is not None and _strict.error is not None:
+                raise RuntimeError(f"communication failed under NCCL semantics: {_strict.error}") from _strict.error
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"nothing arrived for {timeout_s:.0f} s; {what()}")
+            _progress.wait(min(left, delay))
+            delay = min(delay * 2, 2e-3)
+
+
+# -- point to point ----------------------------------------------------------------------------------------
+@dataclass
+class P2P:
+    """One op of a `batch_isend_irecv` group."""
+
+    op: str  # send | recv
+    tensor: torch.Tensor
+    peer: int  # global rank
+    group: Group
+    tag: int = 0
+
+
+def _issue(op: str, t: torch.Tensor, peer: int, group: Group, tag: int):
+    fn = dist.isend if op == "send" else dist.irecv
+    return fn(t, peer, group=group.pg, tag=tag)
+
+
+def _p2p(op: str, t: torch.Tensor, peer: int, group: Group, tag: int) -> Handle:
+    rec = _op(op, group, t, peer=peer, tag=tag)
+    sp = tracing.open_span(op, "comm", **rec.meta())
+    if _strict is None:
+        return Handle(_issue(op, t, peer, group, tag), sp, keep=t, nccl=_backend(group) == "nccl")
+    h = Handle(None, sp, keep=t, driven=True)
+    h.desc = f"{op} {'to' if op == 'send' else 'from'} rank {peer} (group {group.name}, #{rec.seq})"
+    _strict.submit([(group.name, peer)], op, h.desc,
+                   lambda: [_issue(op, t, peer, group, 0)], h._finish)  # NCCL ignores tags: match by order
+    return h
 
 
 def isend(t: torch.Tensor, dst: int, group: Group, tag: int = 0) -> Handle:
     """Asynchronous send to global rank `dst`."""
-    rec = _op("send", group, t, peer=dst, tag=tag)
-    sp = tracing.open_span("send", "comm", **rec.meta())
-    return Handle(dist.isend(t.contiguous(), dst=dst, group=group.pg, tag=tag), sp)
+    return _p2p("send", t.contiguous(), dst, group, tag)
 
 
 def irecv(t: torch.Tensor, src: int, group: Group, tag: int = 0) -> Handle:
     """Asynchronous receive into `t` from global rank `src`."""
-    rec = _op("recv", group, t, peer=src, tag=tag)
-    sp = tracing.open_span("recv", "comm", **rec.meta())
-    return Handle(dist.irecv(t, src=src, group=group.pg, tag=tag), sp)
+    return _p2p("recv", t, src, group, tag)
+
+
+def batch_isend_irecv(ops: Sequence[P2P]) -> list[Handle]:
+    """Issue P2P ops as one group (NCCL group call): ops in a group do not wait for each other."""
+    recs = [_op(o.op, o.group, o.tensor, peer=o.peer, tag=o.tag) for o in ops]
+    spans = [tracing.open_span(o.op, "comm", **r.meta()) for o, r in zip(ops, recs)]
+    tensors = [o.tensor.contiguous() if o.op == "send" else o.tensor for o in ops]
+    if _strict is None:
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend if o.op == "send" else dist.irecv, t, o.peer,
+                                                   o.group.pg, o.tag) for o, t in zip(ops, tensors)])
+        nccl = _backend(ops[0].group) == "nccl"
+        return [Handle(w, sp, keep=t, nccl=nccl) for w, sp, t in zip(works, spans, tensors)]
+    handles = [Handle(None, sp, keep=t, driven=True) for sp, t in zip(spans, tensors)]
+
+    def done(err: BaseException | None) -> None:
+        for h in handles:
+            h._finish(err)
+
+    streams = sorted({(o.group.name, o.peer) for o in ops})
+    _strict.submit(streams, "group", f"group of {len(ops)} P2P ops with ranks {sorted({o.peer for o in ops})}",
+                   lambda: [_issue(o.op, t, o.peer, o.group, 0) for o, t in zip(ops, tensors)], done)
+    return handles
 
 
 def send(t: torch.Tensor, dst: int, group: Group, tag: int = 0) -> None:

@@ -5,6 +5,12 @@ gradient_as_bucket_view), so autograd accumulates microbatch gradients straight 
 all-reduced without copies. During the *final* backward of a chunk, a parameter's gradient is complete as soon as
 autograd has accumulated into it (post-accumulate-grad hook); when every parameter of a bucket is complete the
 buffer is all-reduced asynchronously on the DP group while backward goes on. `finish()` waits and averages.
+
+Every DP replica issues the bucket all-reduces in one fixed order (chunks from last to first, the order in which
+their final backwards end under every static schedule; buckets in index order within a chunk), whatever order
+its pipeline policy ran the backwards in: a bucket that is ready early waits for the ones before it. Replicas
+running a dynamic (MegaDPP) policy decide their task orders independently, and NCCL, like gloo, would hang or
+average different chunks' gradients together if the collectives of one group were issued in different orders.
 """
 from __future__ import annotations
 
@@ -43,6 +49,8 @@ class GradReducer:
         self.buckets: dict[int, list[_Bucket]] = {}
         self._armed: int | None = None
         self._hooks = []
+        self._order: list[tuple[int, int]] = []  # (chunk, bucket) in issue order, the same on every replica
+        self._next = 0  # position in _order of the next bucket to issue
         limit = int(bucket_mb * 2**20)
         for c, chunk in enumerate(chunks):
             # Reverse registration order approximates the order in which backward finishes gradients.
@@ -63,6 +71,7 @@ class GradReducer:
                 bucket = _Bucket(ps, buf)
                 bucket.bind()
                 self.buckets[c].append(bucket)
+            self._order[:0] = [(c, bi) for bi in range(len(self.buckets[c]))]  # later chunks go first
             if dp_group.size > 1 and overlap:
                 for bi, b in enumerate(self.buckets[c]):
                     for p in b.params:
@@ -82,9 +91,19 @@ class GradReducer:
                 return
             b = self.buckets[chunk][bi]
             b.ready.add(id(p))
-            if len(b.ready) == len(b.params) and b.handle is None:
-                b.handle = comm.all_reduce_async(b.buffer, self.dp_group)
+            if len(b.ready) == len(b.params):
+                self._issue_ready()
         return hook
+
+    def _issue_ready(self) -> None:
+        """Issue buckets in the fixed order for as long as the next one is complete."""
+        while self._next < len(self._order):
+            c, bi = self._order[self._next]
+            b = self.buckets[c][bi]
+            if len(b.ready) < len(b.params):
+                return
+            b.handle = comm.all_reduce_async(b.buffer, self.dp_group, label=f"grad chunk {c} bucket {bi}")
+            self._next += 1
 
     # -- GradSync ---------------------------------------------------------------------------------------
     def before_final_backward(self, chunk: int) -> None:
@@ -94,23 +113,26 @@ class GradReducer:
         self._armed = None
         if self.dp_group.size == 1:
             return
-        for b in self.buckets[chunk]:  # buckets with unused params (or no overlap) go now
-            if b.handle is None:
-                b.handle = comm.all_reduce_async(b.buffer, self.dp_group)
+        for b in self.buckets[chunk]:  # complete now, including params that got no gradient (or no overlap)
+            b.ready.update(id(p) for p in b.params)
+        self._issue_ready()
 
     def finish(self) -> None:
         """Wait for every bucket and average over the DP replicas (in place in the buffers)."""
         if self.dp_group.size == 1:
             return
         inv = 1.0 / self.dp_group.size
-        for buckets in self.buckets.values():
+        for buckets in self.buckets.values():  # a chunk with no final backward on this step (none today)
             for b in buckets:
-                if b.handle is None:
-                    b.handle = comm.all_reduce_async(b.buffer, self.dp_group)
-                b.handle.wait()
-                b.buffer.mul_(inv)
-                b.handle = None
-                b.ready.clear()
+                b.ready.update(id(p) for p in b.params)
+        self._issue_ready()
+        for c, bi in self._order:
+            b = self.buckets[c][bi]
+            b.handle.wait()
+            b.buffer.mul_(inv)
+            b.handle = None
+            b.ready.clear()
+        self._next = 0
 
     def remove(self) -> None:
         for h in self._hooks:

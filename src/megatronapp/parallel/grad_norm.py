@@ -32,9 +32,11 @@ def _counted_params(chunks: list[nn.Module], topo: Topology):
 def global_grad_norm(chunks: list[nn.Module], topo: Topology) -> float:
     """L2 norm of the whole model's gradient, identical on every rank."""
     grads = [p.grad.detach() for p in _counted_params(chunks, topo)]
-    sq = torch.zeros(1, dtype=torch.float64)
+    # on the parameters' device: NCCL reduces CUDA tensors only
+    device = next((p.device for c in chunks for p in c.parameters()), torch.device("cpu"))
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
     if grads:  # one fused norm over all tensors (torch's foreach kernels), squared once in float64
-        sq += torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).double().cpu() ** 2
+        sq += torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).double() ** 2
     comm.all_reduce(sq, topo.tp_group)
     comm.all_reduce(sq, topo.pp_group)
     return float(sq.sqrt())

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+CHANNELS = ("pp.act.up", "pp.act.down", "pp.grad.up", "pp.grad.down")
+
 
 @dataclass(frozen=True)
 class Coord:
@@ -108,6 +110,10 @@ class Topology:
     def embedding_group(self) -> Group:
         return self.groups["embd"]
 
+    def channel(self, kind: str, src: int, dst: int) -> Group:
+        """The P2P group that carries `kind` ("act" or "grad") from global rank `src` to `dst`."""
+        return self.groups[f"pp.{kind}.{'up' if src < dst else 'down'}"]
+
     def prev_rank(self) -> int | None:
         """Global rank of the previous pipeline stage (wrapping, for interleaved chunks)."""
         if self.pp == 1:
@@ -150,5 +156,12 @@ def build(tp: int, pp: int, dp: int, rank: int | None = None) -> Topology:
         if initialized and (len(ranks) > 1 or (name == "embd" and topo.pp > 2)):
             pg = dist.new_group(list(ranks), use_local_synchronization=True)
         topo.groups[name] = Group(name, ranks, pg)
+    if pp > 1:
+        # Pipeline P2P channels: a group per (payload kind, direction), so that on every (group, pair) NCCL
+        # stream traffic flows one way only: a receive posted early never blocks a send (see pipeline/p2p.py).
+        ranks = topo.pp_ranks(rank)
+        for name in CHANNELS:
+            pg = dist.new_group(list(ranks), use_local_synchronization=True) if initialized else None
+            topo.groups[name] = Group(name, ranks, pg)
     topo.groups["world"] = Group("world", tuple(range(topo.world_size)), dist.group.WORLD if initialized else None)
     return topo

@@ -3,7 +3,7 @@
 GPipe: all forwards, then all backwards. 1F1B: (pp - s - 1) warm-up forwards, then one forward / one backward,
 then the remaining backwards. Interleaved 1F1B (Megatron): microbatches go through the chunks in groups of pp,
 with a longer warm-up. Every order is checked for deadlock by `check_orders` (a dependency walk with
-unbounded buffers, which is what pre-posted tagged receives give the executor); an interleaved order that
+unbounded buffers, which is what the ordered channels of p2p.py give the executor); an interleaved order that
 would deadlock for an uneven microbatch count gets a longer warm-up until it does not.
 """
 from __future__ import annotations

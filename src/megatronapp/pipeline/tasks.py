@@ -82,8 +82,3 @@ def is_first_virtual(view: StageView, chunk: int) -> bool:
 
 def is_last_virtual(view: StageView, chunk: int) -> bool:
     return view.virtual_stage(chunk) == view.num_virtual - 1
-
-
-def tag_of(kind: str, chunk: int, microbatch: int) -> int:
-    """A P2P tag unique per (direction, chunk, microbatch) so every receive can be posted early."""
-    return (microbatch * 1024 + chunk) * 2 + (0 if kind == "F" else 1)

@@ -1,0 +1,113 @@
+"""`--comm-semantics nccl`: make gloo obey NCCL's rules, so a CPU test fails where a GPU job would hang.
+
+Our users run NCCL; CI runs gloo, which is more forgiving. Three NCCL rules are enforced here:
+
+1. **Tags are ignored**: point-to-point operations between two ranks match in issue order. Every P2P op is
+   issued with one tag, so gloo matches them by order too (pytorch/pytorch#94819).
+2. **One stream per pair**: the P2P ops of one process group between two ranks run in issue order on one
+   stream, whatever their direction, so a receive posted before a send to the same peer blocks that send until
+   it completes (NVIDIA/nccl#479). Each op here waits for the previous op of its (group, peer) stream before it
+   is issued; ops submitted together (`batch_isend_irecv`, NCCL's group calls) are issued together. An op held
+   back longer than `stall_timeout_s` is reported as the deadlock it would be on GPUs, naming both ops.
+3. **Collectives in the same order on every member**: before each collective every member publishes the op's
+   signature (name, bytes, label) under its per-group sequence number in the job's key-value store and reads
+   the others'. A different op at the same position, or a member that never arrives, raises
+   `CollectiveOrderError` naming the group, the position and what each member issued, instead of hanging or
+   silently reducing the wrong tensors together.
+
+Everything here runs only in the strict mode; the native path pays nothing.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+
+class StreamStall(RuntimeError):
+    """A P2P op that NCCL would never run: it waits behind another op of the same stream."""
+
+
+class CollectiveOrderError(RuntimeError):
+    """Members of a group issued different collectives at the same position (or one never arrived)."""
+
+
+class Strict:
+    """State of the strict mode in one process: the per-stream tails and the first error seen."""
+
+    def __init__(self, stall_timeout_s: float = 120.0, epoch: int = 0):
+        self.stall_timeout_s = stall_timeout_s
+        self.epoch = epoch  # distinguishes runs in one process (keys in the shared store)
+        self._tails: dict[tuple[str, int], tuple[threading.Event, str, str]] = {}
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+
+    # -- rule 2: per-pair streams ------------------------------------------------------------------------
+    def submit(self, streams: Sequence[tuple[str, int]], direction: str, describe: str,
+               issue: Callable[[], list[Any]], done: Callable[[BaseException | None], None]) -> None:
+        """Issue `issue()` once the previous op on each of `streams` (group name, peer) has completed; then
+        wait for it and call `done`. `direction` is "send", "recv" or "group" (ops submitted together)."""
+        me = threading.Event()
+        with self._lock:
+            prevs = [self._tails.get(s) for s in streams]
+            for s in streams:
+                self._tails[s] = (me, describe, direction)
+
+        def run() -> None:
+            err: BaseException | None = None
+            try:
+                for s, prev in zip(streams, prevs):
+                    if prev is None:
+                        continue
+                    if prev[2] == direction != "group":
+                        prev[0].wait()  # behind an op of the same direction: plain order, not a deadlock
+                    elif not prev[0].wait(self.stall_timeout_s):
+                        raise StreamStall(
+                            f"{describe} waited {self.stall_timeout_s:.0f} s behind {prev[1]} on the NCCL stream of "
+                            f"(group {s[0]}, peer {s[1]}): NCCL runs one pair's ops in issue order, so this op can "
+                            f"only start after that one completes. Post them in the same order on both ranks, "
+                            f"or group them (batch_isend_irecv)")
+                for work in issue():
+                    work.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the op
+                err = e
+                with self._lock:
+                    if self.error is None:
+                        self.error = e
+            me.set()
+            done(err)
+
+        threading.Thread(target=run, name=f"nccl-stream {describe}", daemon=True).start()
+
+    # -- rule 3: collective order ------------------------------------------------------------------------
+    def check_collective(self, group_name: str, group_ranks: tuple[int, ...], seq: int, signature: str) -> None:
+        """Compare this op with every member's op at the same position of the group's sequence."""
+        store = dist.distributed_c10d._get_default_store()
+        me = dist.get_rank()
+        base = f"mapp/strict/{self.epoch}/{group_name}/{','.join(map(str, group_ranks))}/{seq}"
+        store.set(f"{base}/{me}", signature)
+        others = [r for r in group_ranks if r != me]
+        keys = [f"{base}/{r}" for r in others]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.stall_timeout_s))
+        except Exception as e:  # the store's timeout: name who never arrived
+            missing = [r for r, k in zip(others, keys) if not store.check([k])]
+            raise self._fail(CollectiveOrderError(
+                f"collective #{seq} on group {group_name} {list(group_ranks)}: rank(s) {missing} did not issue "
+                f"it within {self.stall_timeout_s:.0f} s while rank {me} issued {signature}. Every member must issue "
+                f"the group's collectives in the same order")) from e
+        theirs = {r: store.get(k).decode() for r, k in zip(others, keys)}
+        if any(s != signature for s in theirs.values()):
+            issued = "; ".join(f"rank {r}: {s}" for r, s in sorted({**theirs, me: signature}.items()))
+            raise self._fail(CollectiveOrderError(
+                f"collective order differs on group {group_name} {list(group_ranks)} at op #{seq}: {issued}. "
+                f"On NCCL this hangs, or reduces different tensors together when their sizes match"))
+
+    def _fail(self, e: BaseException) -> BaseException:
+        with self._lock:
+            if self.error is None:
+                self.error = e
+        return e

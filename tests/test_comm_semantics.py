@@ -1,0 +1,214 @@
+"""`--comm-semantics nccl` makes gloo fail where NCCL would hang: it must be able to fail, on real ranks.
+
+- the pipeline's old pattern (every receive of a step posted up front, then the sends, to the same peer) passes
+  on plain gloo and is reported as a stream deadlock in the strict mode;
+- the same exchange submitted as one group (batch_isend_irecv) passes in the strict mode;
+- tags are ignored: messages match in issue order;
+- collectives issued in different orders on two members are named, and so is a member that never arrives;
+- the DP gradient reducer issues its all-reduces in the same order on every replica even when the replicas'
+  final backwards end in different chunk orders (what a dynamic pipeline policy does).
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from megatronapp.launch import spawn
+from megatronapp.parallel import comm
+from megatronapp.parallel import topology as topology_mod
+from megatronapp.parallel.data_parallel import GradReducer
+
+
+def _finish(out: str, rank: int, result: dict, world: int = 2) -> None:
+    Path(out, f"rank{rank}.json.tmp").write_text(json.dumps(result))
+    os.replace(Path(out, f"rank{rank}.json.tmp"), Path(out, f"rank{rank}.json"))
+    # Rank 0 hosts the job's store: it leaves only when every rank has its result (a file barrier: the
+    # process groups may be stuck, which is the point of some cases).
+    deadline = time.monotonic() + 60
+    while rank == 0 and time.monotonic() < deadline and not all(
+            Path(out, f"rank{r}.json").exists() for r in range(world)):
+        time.sleep(0.05)
+    # A rank whose ops are stuck cannot tear gloo down cleanly: leave at once.
+    os._exit(0)
+
+
+def _results(out: str, world: int) -> list[dict]:
+    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _old_receive_pattern(rank: int, world: int, semantics: str, out: str) -> None:
+    """The pre-posted-receive executor in miniature (pp=2, 1F1B, 3 microbatches): each stage posts every
+    receive of the step from its neighbour on the pp group with unique tags, then computes and sends."""
+    comm.reset()
+    comm.set_semantics(semantics, stall_timeout_s=3.0)
+    topo = topology_mod.build(1, 2, 1, rank)
+    pg, peer, m = topo.pp_group, 1 - rank, 3
+    try:
+        kind = "B" if rank == 0 else "F"  # stage 0 waits for gradients, stage 1 for activations
+        recvs = [(torch.empty(4), i) for i in range(m)]
+        handles = [comm.irecv(buf, peer, pg, tag=(i * 2 + (kind == "B"))) for buf, i in recvs]
+        sends = []
+        for i in range(m):
+            if rank == 0:  # forward microbatch i, send its activation
+                sends.append(comm.isend(torch.full((4,), float(i)), peer, pg, tag=i * 2))
+            else:  # wait for the activation, send the gradient back
+                handles[i].wait()
+                sends.append(comm.isend(recvs[i][0] * 10, peer, pg, tag=i * 2 + 1))
+        for h in handles + sends:
+            h.wait()
+        got = [buf.tolist() for buf, _ in recvs]
+        _finish(out, rank, {"ok": True, "got": got})
+    except Exception as e:  # noqa: BLE001 - the strict mode's report is the result
+        _finish(out, rank, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+
+
+def test_old_pre_posted_receives_pass_on_gloo_but_deadlock_under_nccl_rules():
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_old_receive_pattern, 2, "native", out)
+        native = _results(out, 2)
+    assert all(r["ok"] for r in native), native
+    assert native[1]["got"] == [[float(i)] * 4 for i in range(3)]
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_old_receive_pattern, 2, "nccl", out)
+        strict = _results(out, 2)
+    assert not any(r["ok"] for r in strict), strict
+    # stage 0's activation send is stuck behind its own pre-posted gradient receive; stage 1 waits for it
+    e0, e1 = strict[0]["error"], strict[1]["error"]
+    assert "send to rank 1" in e0 and "behind recv from rank 1" in e0 and "NCCL stream" in e0, e0
+    assert "recv from rank 0" in e1 and "did not complete" in e1, e1
+
+
+def _exchange(rank: int, world: int, grouped: bool, out: str) -> None:
+    """Both ranks receive from and send to each other, receive first: NCCL needs this grouped."""
+    comm.reset()
+    comm.set_semantics("nccl", stall_timeout_s=3.0)
+    topo = topology_mod.build(1, 2, 1, rank)
+    pg, peer = topo.pp_group, 1 - rank
+    inbox, payload = torch.empty(3), torch.full((3,), float(rank + 1))
+    try:
+        if grouped:
+            hs = comm.batch_isend_irecv([comm.P2P("recv", inbox, peer, pg), comm.P2P("send", payload, peer, pg)])
+        else:
+            hs = [comm.irecv(inbox, peer, pg), comm.isend(payload, peer, pg)]
+        for h in hs:
+            h.wait()
+        _finish(out, rank, {"ok": True, "got": inbox.tolist()})
+    except Exception as e:  # noqa: BLE001
+        _finish(out, rank, {"ok": False, "error": str(e)})
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "ungrouped"])
+def test_receive_before_send_needs_a_group(grouped):
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_exchange, 2, grouped, out)
+        res = _results(out, 2)
+    if grouped:
+        assert res[0] == {"ok": True, "got": [2.0] * 3} and res[1] == {"ok": True, "got": [1.0] * 3}
+    else:
+        assert not any(r["ok"] for r in res) and all("NCCL stream" in r["error"] for r in res), res
+
+
+def _tags(rank: int, world: int, semantics: str, out: str) -> None:
+    comm.reset()
+    comm.set_semantics(semantics)
+    topo = topology_mod.build(1, 2, 1, rank)
+    pg = topo.pp_group
+    if rank == 0:
+        for h in [comm.isend(torch.full((2,), 1.0), 1, pg, tag=1), comm.isend(torch.full((2,), 2.0), 1, pg, tag=2)]:
+            h.wait()
+        _finish(out, rank, {"ok": True})
+    a, b = torch.empty(2), torch.empty(2)
+    hs = [comm.irecv(b, 0, pg, tag=2), comm.irecv(a, 0, pg, tag=1)]  # posted in the other order
+    for h in hs:
+        h.wait()
+    _finish(out, rank, {"tag1": a.tolist(), "tag2": b.tolist()})
+
+
+@pytest.mark.parametrize("semantics", ["native", "nccl"])
+def test_tags_are_ignored_under_nccl_rules(semantics):
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_tags, 2, semantics, out)
+        got = _results(out, 2)[1]
+    if semantics == "native":  # gloo matches by tag
+        assert got == {"tag1": [1.0, 1.0], "tag2": [2.0, 2.0]}
+    else:  # NCCL matches by order: the first receive posted gets the first message sent
+        assert got == {"tag1": [2.0, 2.0], "tag2": [1.0, 1.0]}
+
+
+def _collectives(rank: int, world: int, case: str, out: str) -> None:
+    comm.reset()
+    comm.set_semantics("nccl", stall_timeout_s=3.0)
+    topo = topology_mod.build(1, 1, 2, rank)
+    dp = topo.dp_group
+    x, y = torch.ones(8), torch.ones(8)
+    try:
+        comm.all_reduce(torch.ones(2), dp, label="warm-up")  # same on both: must pass
+        if case == "swapped":
+            pair = [("grad chunk 0", x), ("grad chunk 1", y)]
+            for label, t in (pair if rank == 0 else pair[::-1]):
+                comm.all_reduce(t, dp, label=label)
+        elif case == "missing" and rank == 0:
+            comm.all_reduce(x, dp, label="only rank 0")
+        _finish(out, rank, {"ok": True})
+    except Exception as e:  # noqa: BLE001
+        _finish(out, rank, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+
+
+def test_collectives_in_different_orders_are_named():
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_collectives, 2, "swapped", out)
+        res = _results(out, 2)
+    for r in res:
+        assert not r["ok"]
+        e = r["error"]
+        assert e.startswith("CollectiveOrderError") and "group dp" in e and "op #1" in e, e
+        assert "rank 0: all_reduce[grad chunk 0]" in e and "rank 1: all_reduce[grad chunk 1]" in e, e
+
+
+def test_a_member_that_never_enters_a_collective_is_named():
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_collectives, 2, "missing", out)
+        res = _results(out, 2)
+    assert res[1] == {"ok": True}
+    assert not res[0]["ok"] and "rank(s) [1] did not issue it" in res[0]["error"], res[0]
+
+
+def _reducer(rank: int, world: int, out: str) -> None:
+    comm.reset()
+    comm.set_semantics("nccl", stall_timeout_s=10.0)
+    topo = topology_mod.build(1, 1, 2, rank)
+    torch.manual_seed(0)
+    chunks = [nn.Linear(4, 4), nn.Linear(4, 4)]  # equal sizes: a swap would go unnoticed without labels
+    reducer = GradReducer(chunks, topo.dp_group, bucket_mb=1e-5)  # a bucket per parameter
+    reducer.zero_grad()
+    x = torch.full((2, 4), float(rank + 1))
+    # the two replicas end their chunks' final backwards in opposite orders, as dynamic policies may
+    try:
+        for c in ([0, 1] if rank == 0 else [1, 0]):
+            reducer.before_final_backward(c)
+            chunks[c](x * (c + 1)).sum().backward()
+            reducer.after_final_backward(c)
+        reducer.finish()
+        grads = [[p.grad.tolist() for p in ch.parameters()] for ch in chunks]
+        _finish(out, rank, {"ok": True, "grads": grads})
+    except Exception as e:  # noqa: BLE001
+        _finish(out, rank, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+
+
+def test_dp_reduction_order_is_fixed_whatever_the_backward_order():
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_reducer, 2, out)
+        res = _results(out, 2)
+    assert all(r["ok"] for r in res), res
+    assert res[0]["grads"] == res[1]["grads"]
+    # the average of both replicas' gradients, chunk by chunk: 2 rows of (rank + 1) * (c + 1), mean over ranks
+    for c in range(2):
+        w = torch.tensor(res[0]["grads"][c][0])
+        assert torch.allclose(w, torch.full((4, 4), 3.0 * (c + 1)))
