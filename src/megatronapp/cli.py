@@ -94,6 +94,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="fault drill, repeatable: slow-compute=RANK:FACTOR, slow-link=A-B:MS, pause=RANK:MS:EVERY, "
                         "hang=RANK:STEP")
     g.add_argument("--scope-port", type=int, help="MegaScope: serve the live page while training")
+    g.add_argument("--attach", action="append", default=[], metavar="MODULE:FUNCTION",
+                   help="plug-in by import path, repeatable: FUNCTION(trainer) is called in every rank and may "
+                        "register lifecycle hooks (see docs/architecture.md, 'Plug-ins')")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -128,6 +131,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg.inject = list(cfg.inject) + list(args.inject)
     if getattr(args, "scope_port", None) is not None:
         cfg.scope_port = args.scope_port
+    if getattr(args, "attach", None):
+        cfg.attach = list(cfg.attach) + list(args.attach)
     return cfg
 
 

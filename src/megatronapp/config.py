@@ -136,6 +136,7 @@ class RunConfig:
     trace: TraceConfig = field(default_factory=TraceConfig)
     inject: list[str] = field(default_factory=list)  # fault injection specs, see megatronapp.faults
     scope_port: int | None = None
+    attach: list[str] = field(default_factory=list)  # plug-ins by import path "pkg.mod:fn" (train/plugins.py)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -150,10 +151,15 @@ class RunConfig:
                 if not isinstance(value, dict):
                     raise ConfigError(f"config section {key!r} must be a mapping, got {type(value).__name__}")
                 kwargs[key] = _build(sections[key], value, key)
+            elif key == "attach":
+                if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                    raise ConfigError(f"attach must be a list of import paths like 'package.module:function', "
+                                      f"got {value!r}")
+                kwargs[key] = value
             elif key in ("inject", "scope_port"):
                 kwargs[key] = value
             else:
-                known = sorted([*sections, "inject", "scope_port"])
+                known = sorted([*sections, "inject", "scope_port", "attach"])
                 raise ConfigError(f"unknown config section {key!r}; known: {known}")
         return RunConfig(**kwargs)
 
@@ -246,6 +252,22 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"train.steps={t.steps} must be >= 1")
     if cfg.trace.granularity not in ("coarse", "full"):
         raise ConfigError(f"trace.granularity={cfg.trace.granularity!r}: choose coarse or full")
+
+
+# The modules' entry points, switched on by their own flags. Strings, not imports: the engine never imports a
+# module; each rank resolves these by import path (megatronapp.train.plugins).
+TRACE_PLUGIN = "megatronapp.scan.tracer:plugin"
+INJECT_PLUGIN = "megatronapp.faults:plugin"
+SCOPE_PLUGIN = "megatronapp.scope.training:plugin"
+
+
+def plugin_entries(cfg: RunConfig) -> list[str]:
+    """The plug-ins a run attaches, in order: flag-driven modules (tracer first, so injected faults fall inside
+    its spans), then `cfg.attach`; each entry once."""
+    flagged = [(cfg.trace.enabled, TRACE_PLUGIN), (bool(cfg.inject), INJECT_PLUGIN),
+               (cfg.scope_port is not None, SCOPE_PLUGIN)]
+    user = [e.strip() if ":" in e else f"{e.strip()}:plugin" for e in cfg.attach]  # "pkg.mod" means pkg.mod:plugin
+    return list(dict.fromkeys([entry for on, entry in flagged if on] + user))
 
 
 def micro_batch_size(cfg: RunConfig) -> int:

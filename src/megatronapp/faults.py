@@ -7,6 +7,7 @@ Specs (one per `--inject`):
   hang=RANK:STEP             RANK blocks at the start of iteration STEP until the injector is removed
 Faults act through the engine's seams only: span sinks (`megatronapp.tracing`) and comm interceptors
 (`megatronapp.parallel.comm`). Install the tracer first so an injected sleep falls inside the traced span.
+In a training run `--inject` attaches `plugin` by import path (the engine never imports this file).
 """
 from __future__ import annotations
 
@@ -145,3 +146,10 @@ def install(specs: list[str], topo: Any) -> Injector:
             raise ConfigError(f"--inject {f.spec!r}: rank {bad[0]} does not exist in a world of {world} "
                               f"(ranks 0..{world - 1})")
     return Injector(faults, topo.rank)
+
+
+def plugin(trainer: Any) -> None:
+    """Plug-in entry for `--inject`: hook this rank's faults into the run; unhook them (and release a hang) at
+    shutdown."""
+    injector = install(trainer.cfg.inject, trainer.topo)
+    trainer.hooks.on("shutdown", injector.remove)

@@ -18,6 +18,7 @@ tensor-parallel peers that replay tp-rank 0's choices stay in step.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from megatronapp.pipeline.schedules import StaticPolicy, interleaved_order, one_f_one_b_order
 from megatronapp.pipeline.tasks import Policy, StageView, Task
@@ -224,3 +225,8 @@ def policy_by_name(name: str) -> Policy:
     if name.startswith("dpp-"):
         return make_policy("dpp", name[len("dpp-"):])
     return make_policy(name)
+
+
+def schedule_policy(cfg: Any) -> Policy:
+    """The trainer's factory for `--schedule dpp` (registered by import path in `train.plugins`)."""
+    return make_policy(cfg.parallel.schedule, cfg.parallel.dpp_policy)

@@ -231,3 +231,10 @@ def attach(cfg: Any, topo: Any, trace_dir: str | Path, *, clock: Callable[[], in
                     granularity=tc.granularity, cuda=cuda, clock=clock)
     tracing.install(tracer)
     return tracer
+
+
+def plugin(trainer: Any) -> None:
+    """Plug-in entry for `--trace`: attach this rank's tracer to the run and close it at shutdown."""
+    cfg = trainer.cfg
+    tracer = attach(cfg, trainer.topo, cfg.trace.dir or str(trainer.out / "trace"))
+    trainer.hooks.on("shutdown", tracer.close)

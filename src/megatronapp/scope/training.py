@@ -1,12 +1,13 @@
 """MegaScope during training: every N steps, show the model thinking about a fixed probe prompt.
 
-The trainer (rank 0) constructs `TrainingScope(port)` and calls `on_step(step, model_chunks, metrics)` after
-every optimizer step and `close()` at the end. On a sampled step, when rank 0 holds the whole model (tp = pp = 1),
-the hook runs a short greedy, KV-cached generation of the probe prompt with capture on, outside autograd and in
-eval mode, and streams it to every connected page exactly like an interactive generation: attention, Q/K/V,
-MLP outputs, logit lens and PCA show how the model's predictions change as it learns. The training forward
-itself carries no hooks, so training numerics are untouched. With tp or pp > 1 rank 0 holds only a part of the
-model and cannot run it alone: the page then shows the metrics (loss, learning rate, gradient norm) only.
+`--scope-port` attaches `plugin` (the trainer's plug-in seam), which on rank 0 constructs `TrainingScope(port)` and
+calls `on_step(step, model_chunks, metrics)` after every optimizer step and `close()` at shutdown. On a sampled
+step, when rank 0 holds the whole model (tp = pp = 1), the hook runs a short greedy, KV-cached generation of the
+probe prompt with capture on, outside autograd and in eval mode, and streams it to every connected page exactly like
+an interactive generation: attention, Q/K/V, MLP outputs, logit lens and PCA show how the model's predictions change
+as it learns. The training forward itself carries no hooks, so training numerics are untouched. With tp or pp > 1
+rank 0 holds only a part of the model and cannot run it alone: the page then shows the metrics (loss, learning rate,
+gradient norm) only.
 """
 from __future__ import annotations
 
@@ -65,3 +66,12 @@ class TrainingScope:
     def close(self) -> None:
         """Stop the server."""
         self.server.stop()
+
+
+def plugin(trainer: Any) -> None:
+    """Plug-in entry for `--scope-port`: on rank 0, serve the page and feed it after every step."""
+    if trainer.rank != 0:
+        return
+    scope = TrainingScope(trainer.cfg.scope_port)
+    trainer.hooks.on("step_end", lambda step, record: scope.on_step(step, trainer.chunks, record))
+    trainer.hooks.on("shutdown", scope.close)

@@ -1,8 +1,10 @@
 """The training loop of one rank: build the stage, run pipeline steps, reduce, clip, step, log, checkpoint.
 
 `train(cfg)` launches `world_size` local ranks (or, under torchrun, runs as the current rank) and returns the
-run summary. Optional modules attach only when their flag is set: the MegaScan tracer (`--trace`), fault
-injection (`--inject`), and a MegaScope training hook (`--scope-port`); with all off, no module code runs.
+run summary. This file imports no optional module: each rank attaches the plug-ins the config names by import
+path (`config.plugin_entries`: the MegaScan tracer for `--trace`, fault drills for `--inject`, MegaScope for
+`--scope-port`, then every `--attach`) and fires their lifecycle hooks (`train/plugins.py`). Module-provided
+schedules (`--schedule dpp`) come through the same resolver. With no plug-in, no module code runs.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatronapp import tracing
-from megatronapp.config import RunConfig, micro_batch_size, validate
+from megatronapp.config import RunConfig, micro_batch_size, plugin_entries, validate
 from megatronapp.data.dataset import build_batch_source, split_microbatches
 from megatronapp.model.transformer import TransformerChunk, sync_sequence_parallel_grads
 from megatronapp.parallel import comm
@@ -29,20 +31,20 @@ from megatronapp.parallel.grad_norm import clip_grad_norm
 from megatronapp.pipeline.executor import PipelineExecutor
 from megatronapp.pipeline.partition import stage_chunks
 from megatronapp.train import checkpoint as ckpt
+from megatronapp.train import plugins
 from megatronapp.train.metrics import MetricsLog, Progress, measure_peak_flops, mfu, peak_memory_bytes
 from megatronapp.train.optim import build_optimizer, lr_at, set_lr
 
 
 def make_policy(cfg: RunConfig):
-    """The pipeline policy for cfg.parallel.schedule (dynamic ones come from the MegaDPP module)."""
-    p = cfg.parallel
-    if p.schedule == "dpp":
-        from megatronapp.dpp.policies import make_policy as dpp_policy  # optional module, asked for by flag
-
-        return dpp_policy("dpp", p.dpp_policy)
+    """The pipeline policy for cfg.parallel.schedule: the engine's static ones, or a module's factory found by
+    import path (`plugins.SCHEDULE_FACTORIES`, e.g. MegaDPP for "dpp")."""
+    factory = plugins.schedule_factory(cfg.parallel.schedule)
+    if factory is not None:
+        return factory(cfg)
     from megatronapp.pipeline.schedules import StaticPolicy
 
-    return StaticPolicy(p.schedule)
+    return StaticPolicy(cfg.parallel.schedule)
 
 
 def build_chunks(cfg: RunConfig, topo: topology_mod.Topology, device: torch.device) -> list[torch.nn.Module]:
@@ -88,35 +90,25 @@ class Trainer:
                                          act_shape=(self.mbs, seq, cfg.model.hidden_size), device=self.device,
                                          max_inflight=p.dpp_max_inflight, grad_sync=self.reducer)
         self.step = 0
-        self.observers: list[Any] = []
+        self.hooks = plugins.Hooks()
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.dtype == "bf16"
                          else nullcontext())
         if t.resume:
             self.load(ckpt.resolve(t.resume))
 
-    # -- optional modules -----------------------------------------------------------------------------------
-    def attach_modules(self) -> None:
-        cfg = self.cfg
-        if cfg.trace.enabled:
-            from megatronapp.scan.tracer import attach  # optional module, imported only when asked for
+    # -- plug-ins -------------------------------------------------------------------------------------------
+    def attach_plugins(self) -> None:
+        """Resolve and call every plug-in of the config in order, then fire `rank_start`."""
+        for plugin in plugins.resolve_all(plugin_entries(self.cfg)):
+            plugin(self)
+        self.hooks.fire("rank_start", self)
 
-            self.observers.append(attach(cfg, self.topo, cfg.trace.dir or str(self.out / "trace")))
-        if cfg.inject:
-            from megatronapp import faults
-
-            self.observers.append(faults.install(cfg.inject, self.topo))
-        if cfg.scope_port is not None and self.rank == 0:
-            from megatronapp.scope.training import TrainingScope  # optional module
-
-            self.observers.append(TrainingScope(cfg.scope_port))
-
-    def detach_modules(self) -> None:
-        for ob in reversed(self.observers):
-            for name in ("remove", "close"):  # a SpanSink also has close(token): prefer remove()
-                if hasattr(ob, name):
-                    getattr(ob, name)()
-                    break
-        self.observers.clear()
+    def detach_plugins(self, raise_errors: bool = True) -> None:
+        """Fire `shutdown` (every plug-in's, even if one fails) and forget the hooks."""
+        try:
+            self.hooks.teardown("shutdown", raise_errors=raise_errors)
+        finally:
+            self.hooks.clear()
 
     # -- one step -------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -174,6 +166,7 @@ class Trainer:
             d = ckpt.finalize(root, self.step, {"step": self.step, "world_size": self.topo.world_size,
                                                 "config": self.cfg.to_dict()})
         comm.barrier(self.topo.groups["world"])
+        self.hooks.fire("checkpoint_saved", self.step, d)
         return d
 
     def load(self, d: Path) -> None:
@@ -198,7 +191,6 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
     validate(cfg, world)
     comm.reset()
     tr = Trainer(cfg, rank)
-    tr.attach_modules()
     t = cfg.train
     lead = rank == 0
     progress = Progress(t.steps, enabled=lead and t.progress)
@@ -210,8 +202,11 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
     history: list[dict[str, float]] = []
     start_step = tr.step
     t_start = time.perf_counter()
+    failed = False
     try:
+        tr.attach_plugins()  # inside the try: a plug-in that fails to attach still gets the others shut down
         while tr.step < t.steps:
+            tr.hooks.fire("step_start", tr.step)
             with tracing.step(tr.step):
                 rec = tr.train_step()
             tps = tokens_per_step / rec["step_time"]
@@ -222,14 +217,16 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
                 log.log(rec)
                 if tr.step % t.log_interval == 0 or tr.step == t.steps:
                     progress.update(tr.step, rec["loss"], tps, rec["mfu"], rec["mem_bytes"], rec["lr"])
-            for ob in tr.observers:
-                if hasattr(ob, "on_step"):
-                    ob.on_step(tr.step, tr.chunks, rec)
+            tr.hooks.fire("step_end", tr.step, rec)
             if t.save_interval and tr.step % t.save_interval == 0 and tr.step < t.steps:
                 tr.save()
         ckpt_dir = tr.save()
+    except BaseException as e:
+        failed = True
+        tr.hooks.teardown("failure", e, raise_errors=False)  # the run's own error is what propagates
+        raise
     finally:
-        tr.detach_modules()
+        tr.detach_plugins(raise_errors=not failed)
         if log is not None:
             log.close()
     wall = time.perf_counter() - t_start
@@ -258,6 +255,7 @@ def train(cfg: RunConfig, threads: int | None = None) -> dict[str, Any]:
     from megatronapp.launch import init_distributed, pick_backend, spawn
 
     validate(cfg)
+    plugins.resolve_all(plugin_entries(cfg))  # a bad --attach fails here, once, not in every spawned rank
     Path(cfg.train.out).mkdir(parents=True, exist_ok=True)
     if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         rank, world = init_distributed(cfg.parallel.backend)
