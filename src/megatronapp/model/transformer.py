@@ -6,6 +6,7 @@ seeds, so the pieces of a split model are exactly the pieces of the whole one.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -121,7 +122,7 @@ class TransformerChunk(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, pre_process: bool, post_process: bool,
                  tp_group: Group | None = None, sequence_parallel: bool = False, recompute: str = "none",
-                 seed: int = 0, capture: Capture | None = None):
+                 seed: int = 0, capture: Capture | None = None, device: torch.device | str | None = None):
         super().__init__()
         if not 0 <= layer_start <= layer_end <= cfg.num_layers:
             raise ValueError(f"layer range [{layer_start}, {layer_end}) is not inside the model's "
@@ -135,13 +136,16 @@ class TransformerChunk(nn.Module):
         self.capture = capture if capture is not None else Capture()
         self.hidden_tp_dim = SEQ_DIM if self.sequence_parallel else None
         sp = self.sequence_parallel
-        self.embedding = Embedding(cfg, tp_group, sp) if pre_process else None
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i, tp_group, sp, self.capture)
-                                     for i in range(layer_start, layer_end)})
-        self.final_norm = make_norm(cfg) if post_process else None
         # The output layer has its own weight unless it is tied to an embedding living in this same chunk.
         self.tied_here = bool(cfg.tie_embeddings) and pre_process
-        self.output = OutputLayer(cfg, tp_group) if post_process and not self.tied_here else None
+        # Parameters are allocated once, shard-sized and uninitialised, on the device they live on (no copy of the
+        # chunk from CPU); "meta" builds the shapes only, with no storage, and leaves them uninitialised.
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            self.embedding = Embedding(cfg, tp_group, sp) if pre_process else None
+            self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i, tp_group, sp, self.capture)
+                                         for i in range(layer_start, layer_end)})
+            self.final_norm = make_norm(cfg) if post_process else None
+            self.output = OutputLayer(cfg, tp_group) if post_process and not self.tied_here else None
         # Not a buffer: model.to(bfloat16) would round the frequencies; tables are rebuilt in fp32 per forward.
         self.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta) if cfg.family == "llama" else None
         if sp:
@@ -150,7 +154,8 @@ class TransformerChunk(nn.Module):
                 if is_norm(m):
                     for p in m.parameters():
                         p.sequence_parallel = True
-        self.reset_parameters(seed)
+        if device is None or torch.device(device).type != "meta":
+            self.reset_parameters(seed)
 
     def init_name(self, name: str) -> str:
         """The name whose seed initialises parameter `name` (a tied output copy starts as the embedding)."""

@@ -57,12 +57,12 @@ def build_chunks(cfg: RunConfig, topo: topology_mod.Topology, device: torch.devi
         v = c * p.pp + stage
         chunk = TransformerChunk(m, start, end, pre_process=v == 0, post_process=v == p.pp * p.vpp - 1,
                                  tp_group=topo.tp_group, sequence_parallel=p.sequence_parallel,
-                                 recompute=cfg.train.recompute, seed=cfg.train.seed)
+                                 recompute=cfg.train.recompute, seed=cfg.train.seed, device=device)
         if cfg.train.hf_checkpoint:
             from megatronapp.model.hf import load_hf_weights
 
             load_hf_weights(chunk, cfg.train.hf_checkpoint)
-        chunks.append(chunk.to(device))
+        chunks.append(chunk)
     return chunks
 
 
