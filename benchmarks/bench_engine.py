@@ -107,7 +107,14 @@ def run_case(cfg_dict: dict[str, Any], kind: str, rank: int, warmup: int, steps:
     torch.manual_seed(cfg.train.seed)
     ours = Trainer(cfg, rank)
     peer = PEERS[kind](cfg, rank, ours.data)
-    sides = {"ours": lambda: ours.train_step()["loss"], "peer": lambda: peer.step(peer_step[0])}
+    recv_peaks: list[int] = []
+
+    def ours_step() -> float:
+        rec = ours.train_step()
+        recv_peaks.append(rec.get("peak_recv_buffers", 0))
+        return rec["loss"]
+
+    sides = {"ours": ours_step, "peer": lambda: peer.step(peer_step[0])}
     peer_step = [0]
     prof = {s: cProfile.Profile() for s in sides} if profile and rank == 0 else {}
     times: dict[str, list[float]] = {"ours": [], "peer": []}
@@ -121,7 +128,12 @@ def run_case(cfg_dict: dict[str, Any], kind: str, rank: int, warmup: int, steps:
                 cpu[side].append(dc)
             losses[side].append(loss)
         peer_step[0] += 1
-    out = {"times": times, "cpu": cpu, "losses": losses}
+    p = cfg.parallel
+    # Receive buffers this rank (stage 0) held at once: measured, and what the old executor posted up front
+    # (every receive of the step: activations of chunks 1.., gradients of every chunk).
+    before = p.microbatches * (2 * p.vpp - 1) if p.pp > 1 else 0
+    out = {"times": times, "cpu": cpu, "losses": losses,
+           "recv_buffers": {"before": before, "after": max(recv_peaks, default=0)}}
     if prof:
         out["profile"] = {s: _profile_text(p) for s, p in prof.items()}
     return out
@@ -156,7 +168,7 @@ def summarise(name: str, label: str, parallel: dict[str, Any], rec: dict[str, An
     return {"case": name, "peer": label, "parallel": parallel, "median_s": med,
             "ratio": med["ours"] / med["peer"], "paired_ratio": paired,
             "cpu_median_s": cpu, "cpu_ratio": cpu["ours"] / cpu["peer"], "times_s": rec["times"], "cpu_s": rec["cpu"],
-            "losses": rec["losses"],
+            "losses": rec["losses"], "recv_buffers_stage0": rec.get("recv_buffers"),
             "first_losses_max_abs_diff": loss_diff, "losses_match": loss_diff < 1e-4}
 
 
@@ -198,14 +210,20 @@ def run(quick: bool = False, pp4: bool = False, profile: bool = False,
 
 def table(result: dict[str, Any]) -> str:
     """A Markdown table of medians and ratios."""
-    lines = ["| case | peer | ours (s/step) | peer (s/step) | ours/peer | paired | CPU ours/peer | losses equal |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| case | peer | ours (s/step) | peer (s/step) | ours/peer | paired | CPU ours/peer | losses equal "
+             "| recv buffers stage 0 (before -> after) |",
+             "|---|---|---:|---:|---:|---:|---:|---|---|"]
     for r in result["cases"]:
         mark = "" if r["ratio"] <= TARGET else " (over 1.05)"
         eq = "yes" if r["losses_match"] else f"no (diff {r['first_losses_max_abs_diff']:.2e})"
         lines.append(f"| {r['case']} | {r['peer']} | {r['median_s']['ours']:.4f} | {r['median_s']['peer']:.4f} "
-                     f"| {r['ratio']:.3f}{mark} | {r['paired_ratio']:.3f} | {r['cpu_ratio']:.3f} | {eq} |")
+                     f"| {r['ratio']:.3f}{mark} | {r['paired_ratio']:.3f} | {r['cpu_ratio']:.3f} | {eq} "
+                     f"| {_buffers(r.get('recv_buffers_stage0'))} |")
     return "\n".join(lines)
+
+
+def _buffers(b: dict[str, int] | None) -> str:
+    return "-" if not b or not b["before"] else f"{b['before']} -> {b['after']}"
 
 
 def docs_section(result: dict[str, Any]) -> str:

@@ -253,10 +253,20 @@ class Handle:
             self._event.set()
 
     def _finish(self, err: BaseException | None = None) -> None:
+        """Completion seen by a driving thread: close the span now (its end is the op's end, not the moment
+        someone looks), then wake whoever waits."""
         self.error = err
+        self._close_span()
         self._event.set()
         with _progress:
             _progress.notify_all()
+
+    def _close_span(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        tracing.close_span(self.span)
 
     def _watch(self) -> None:
         with self._lock:
@@ -309,12 +319,14 @@ class Handle:
             raise RuntimeError(f"communication failed: {self.error}") from self.error
         if self.work is not None and self._driven and self._nccl:
             self.work.wait()  # NCCL: order the current stream after the op
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
         self.keep = None
-        tracing.close_span(self.span)
+        self._close_span()
+
+    @property
+    def blocks_host(self) -> bool:
+        """True when `wait()` would block this thread on the op itself (gloo, no watcher): cheaper than a
+        thread hop when the caller has nothing else to do."""
+        return not self._driven and not self._nccl and not self._event.is_set()
 
     @property
     def done(self) -> bool:

@@ -115,7 +115,13 @@ class StageLinks:
                 raise RuntimeError(f"pipeline: {key[0]}{key[1]}.{key[2]} is not among the messages still expected "
                                    f"from rank {ch.src}; {what()}")
             head = ch.posted[0][1]
-            comm.wait_until(head.is_completed, timeout_s, what)
+            if head.blocks_host:  # nothing else to do: wait in this thread, no hop through a watcher
+                try:
+                    head.wait()
+                except RuntimeError as e:  # gloo's own timeout or a dead peer: say where the pipeline stood
+                    raise RuntimeError(f"pipeline receive failed ({e}); {what()}") from e
+            else:
+                comm.wait_until(head.is_completed, timeout_s, what)
             self._take_head(ch)
         self._prune_sends()
 

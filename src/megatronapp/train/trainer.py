@@ -75,6 +75,7 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if (
             dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
         torch.manual_seed(t.seed)
+        comm.set_semantics(p.comm_semantics)
         self.topo = topology_mod.build(p.tp, p.pp, p.dp, rank)
         self.rank = self.topo.rank
         self.out = Path(t.out)
@@ -88,6 +89,8 @@ class Trainer:
         self.policy = make_policy(cfg)
         self.executor = PipelineExecutor(self.chunks, self.topo, self.policy, microbatches=p.microbatches,
                                          act_shape=(self.mbs, seq, cfg.model.hidden_size), device=self.device,
+                                         # bf16 runs send bf16 activations and gradients, as Megatron does
+                                         act_dtype=torch.bfloat16 if t.dtype == "bf16" else torch.float32,
                                          max_inflight=p.dpp_max_inflight, grad_sync=self.reducer)
         self.step = 0
         self.hooks = plugins.Hooks()
@@ -132,7 +135,8 @@ class Trainer:
         loss = self._global_loss(result.losses)
         self.step += 1
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time": time.perf_counter() - t0,
-                "wait_s": result.wait_s, "peak_inflight": result.peak_inflight}
+                "wait_s": result.wait_s, "peak_inflight": result.peak_inflight,
+                "peak_recv_buffers": result.peak_recv_buffers}
 
     def _sync_replicated_grads(self) -> None:
         topo = self.topo
@@ -145,7 +149,7 @@ class Trainer:
 
     def _global_loss(self, losses: list[float]) -> float:
         """Mean loss of the global batch, known on every rank (the last stage has it; DP replicas average)."""
-        t = torch.tensor([sum(losses) / len(losses) if losses else 0.0], dtype=torch.float64)
+        t = torch.tensor([sum(losses) / len(losses) if losses else 0.0], dtype=torch.float64, device=self.device)
         comm.all_reduce(t, self.topo.pp_group)
         comm.all_reduce(t, self.topo.dp_group)
         return float(t) / self.topo.dp
