@@ -40,6 +40,14 @@ def run_case(cfg_dict: dict[str, Any], rank: int) -> dict[str, Any]:
     cfg = RunConfig.from_dict(copy.deepcopy(cfg_dict))
     comm.reset()
     tr = Trainer(cfg, rank)
+    tr.attach_plugins()  # e.g. a case's fault injection
+    try:
+        return _two_steps(tr)
+    finally:
+        tr.detach_plugins()
+
+
+def _two_steps(tr) -> dict[str, Any]:
     rec1 = tr.train_step()
     grads = {}
     for chunk in tr.chunks:
@@ -64,6 +72,7 @@ def worker(rank: int, world: int, cases: list[dict[str, Any]], outdir: str) -> N
 def reference(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     """The same training in this process: tp=pp=dp=1, one microbatch per replica-microbatch of the same size."""
     d = copy.deepcopy(cfg_dict)
+    d.pop("inject", None)  # fault drills name ranks of the parallel layout
     p = d["parallel"]
     d["parallel"] = dict(tp=1, pp=1, dp=1, vpp=1, microbatches=p.get("dp", 1) * p.get("microbatches", 1),
                          schedule="1f1b")

@@ -58,7 +58,7 @@ def delayed_worker(rank: int, world: int, cases: list[dict], outdir: str) -> Non
             rng = random.Random(seed * 1000 + rank)
 
             def jitter(op: comm.CommOp, rng: random.Random = rng) -> None:
-                if op.name == "send" and op.group == "pp":
+                if op.name == "send" and op.group.startswith("pp."):  # the pipeline's channels
                     time.sleep(rng.uniform(0.0, 0.004))
 
             def reset_then_delay(jitter=jitter) -> None:
