@@ -34,6 +34,10 @@ def _cases_world2() -> list[tuple[str, dict]]:
                                                                                "train.grad_clip": 0.5})))
     cases.append(("gpt2 pp2 vpp2 interleaved", ec.base_case("gpt2", **{"parallel.pp": 2, "parallel.vpp": 2,
                                                                        "parallel.schedule": "interleaved-1f1b"})))
+    # Split backward (B now, W later): static ZB-H1 and the dynamic zero-bubble policy.
+    cases.append(("gpt2 pp2 zb-h1", ec.base_case("gpt2", **{"parallel.pp": 2, "parallel.schedule": "zb-h1"})))
+    cases.append(("llama pp2 vpp2 dpp zb", ec.base_case("llama", **{
+        "parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "dpp", "parallel.dpp_policy": "zb"})))
     return cases
 
 
@@ -63,6 +67,12 @@ def _cases_world4() -> list[tuple[str, dict]]:
     cases.append(("gpt2 tp2 pp2 vpp2 dpp bfs", ec.base_case("gpt2", **{
         "parallel.tp": 2, "parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "dpp",
         "parallel.dpp_policy": "bfs"})))
+    # Split backward with tensor and sequence parallelism, and with DP replicas choosing their own orders.
+    cases.append(("llama tp2 pp2 zb-h1 sequence-parallel", ec.base_case("llama", **{
+        "parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "zb-h1", "parallel.sequence_parallel": True})))
+    cases.append(("gpt2 pp2 dp2 vpp2 dpp zb, clipped", ec.base_case("gpt2", **{
+        "parallel.pp": 2, "parallel.dp": 2, "parallel.vpp": 2, "parallel.schedule": "dpp",
+        "parallel.dpp_policy": "zb", "train.grad_clip": 0.5})))
     return cases
 
 

@@ -5,12 +5,18 @@ Specs (one per `--inject`):
   slow-link=A-B:DELAY_MS     each send between A and B, and each collective holding both, waits DELAY_MS on A and B
   pause=RANK:MS:EVERY        RANK pauses MS milliseconds at the start of every EVERY-th iteration
   hang=RANK:STEP             RANK blocks at the start of iteration STEP until the injector is removed
+  slow-wire=A-B:FACTOR       every message between A and B takes FACTOR times its nominal wire time; the wire is
+                             slow, not the sender (delivery is late, in order, and the sender goes on)
+  jitter=A-B:lognormal:SIGMA every message between A and B gets a nominal wire time times a lognormal draw (mean 1)
+The nominal wire time of a message is its bytes at WIRE_GBPS (the loopback wire of one machine is otherwise
+far faster than any real link, so a factor of it would change nothing).
 Faults act through the engine's seams only: span sinks (`megatronapp.tracing`) and comm interceptors
 (`megatronapp.parallel.comm`). Install the tracer first so an injected sleep falls inside the traced span.
 In a training run `--inject` attaches `plugin` by import path (the engine never imports this file).
 """
 from __future__ import annotations
 
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -25,7 +31,10 @@ KINDS = {
     "slow-link": "slow-link=A-B:DELAY_MS (e.g. slow-link=0-4:20)",
     "pause": "pause=RANK:MS:EVERY (e.g. pause=3:200:5)",
     "hang": "hang=RANK:STEP (e.g. hang=2:10)",
+    "slow-wire": "slow-wire=A-B:FACTOR (e.g. slow-wire=1-2:4)",
+    "jitter": "jitter=A-B:lognormal:SIGMA (e.g. jitter=1-2:lognormal:0.5)",
 }
+WIRE_GBPS = 1.0  # nominal link bandwidth for slow-wire and jitter, GB/s
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,7 @@ class Fault:
     ms: float = 0.0
     every: int = 0
     step: int = -1
+    sigma: float = 0.0
     spec: str = ""
 
 
@@ -59,19 +69,25 @@ def parse(spec: str) -> Fault:
     if kind not in KINDS:
         raise ConfigError(f"--inject {spec!r}: unknown fault {kind!r}; choose one of: " + "; ".join(KINDS.values()))
     parts = rest.split(":")
-    want = {"slow-compute": 2, "slow-link": 2, "pause": 3, "hang": 2}[kind]
+    want = {"slow-compute": 2, "slow-link": 2, "pause": 3, "hang": 2, "slow-wire": 2, "jitter": 3}[kind]
     if not eq or len(parts) != want or not all(parts):
         raise ConfigError(f"--inject {spec!r}: expected {KINDS[kind]}")
     if kind == "slow-compute":
         factor = _num(spec, "FACTOR", parts[1], float, 1.0)
         return Fault(kind, (_num(spec, "RANK", parts[0], int, 0),), factor=factor, spec=spec)
-    if kind == "slow-link":
+    if kind in ("slow-link", "slow-wire", "jitter"):
         a, dash, b = parts[0].partition("-")
         if not dash:
             raise ConfigError(f"--inject {spec!r}: the link is two ranks joined by '-'; expected {KINDS[kind]}")
         ra, rb = _num(spec, "A", a, int, 0), _num(spec, "B", b, int, 0)
         if ra == rb:
             raise ConfigError(f"--inject {spec!r}: a link needs two different ranks")
+        if kind == "slow-wire":
+            return Fault(kind, (ra, rb), factor=_num(spec, "FACTOR", parts[1], float, 1.0), spec=spec)
+        if kind == "jitter":
+            if parts[1] != "lognormal":
+                raise ConfigError(f"--inject {spec!r}: the only jitter law is lognormal; expected {KINDS[kind]}")
+            return Fault(kind, (ra, rb), sigma=_num(spec, "SIGMA", parts[2], float, 0.0), spec=spec)
         return Fault(kind, (ra, rb), delay_ms=_num(spec, "DELAY_MS", parts[1], float, 0.0), spec=spec)
     if kind == "pause":
         return Fault(kind, (_num(spec, "RANK", parts[0], int, 0),), ms=_num(spec, "MS", parts[1], float, 0.0),
@@ -88,6 +104,8 @@ class Injector:
         self.faults = faults
         self._slow = [f.factor for f in faults if f.kind == "slow-compute" and f.ranks[0] == rank]
         self._links = [f for f in faults if f.kind == "slow-link" and rank in f.ranks]
+        self._wires = [f for f in faults if f.kind in ("slow-wire", "jitter") and rank in f.ranks]
+        self._rng = random.Random(rank)  # jitter draws: reproducible per rank
         self._pauses = [f for f in faults if f.kind == "pause" and f.ranks[0] == rank]
         self._hangs = {f.step for f in faults if f.kind == "hang" and f.ranks[0] == rank}
         self._release = threading.Event()
@@ -95,7 +113,7 @@ class Injector:
         self.installed_sink = bool(self._slow or self._pauses or self._hangs)
         if self.installed_sink:
             tracing.install(self)
-        if self._links:
+        if self._links or self._wires:
             comm.add_interceptor(self.intercept)
 
     # SpanSink: only compute spans are timed, everything else costs one comparison.
@@ -118,8 +136,18 @@ class Injector:
             if iteration % f.every == 0:
                 time.sleep(f.ms / 1000.0)
 
-    def intercept(self, op: comm.CommOp) -> None:
-        """Delay sends over a slow link, and collectives whose group holds both of its ends."""
+    def intercept(self, op: comm.CommOp) -> float | None:
+        """Delay sends over a slow link, and collectives whose group holds both of its ends (the caller stalls);
+        return the late delivery of a send over a slow or jittery wire (the caller goes on)."""
+        late = 0.0
+        if op.name == "send":
+            for f in self._wires:
+                if op.peer in f.ranks and op.peer != self.rank:
+                    nominal = op.nbytes / (WIRE_GBPS * 1e9)
+                    if f.kind == "slow-wire":
+                        late += (f.factor - 1.0) * nominal
+                    else:
+                        late += nominal * self._rng.lognormvariate(-f.sigma * f.sigma / 2, f.sigma)
         for f in self._links:
             if op.peer is not None:
                 hit = op.name == "send" and op.peer in f.ranks
@@ -127,6 +155,7 @@ class Injector:
                 hit = f.ranks[0] in op.group_ranks and f.ranks[1] in op.group_ranks
             if hit:
                 time.sleep(f.delay_ms / 1000.0)
+        return late or None
 
     def remove(self) -> None:
         """Unhook every fault and release a hung rank."""

@@ -16,8 +16,7 @@ Two ways to feed the simulator:
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,7 +27,7 @@ from megatronapp.pipeline.tasks import Policy
 
 class TaskTiming(NamedTuple):
     stage: int
-    kind: str  # F or B
+    kind: str  # F, B or W (weight gradient of a split backward)
     chunk: int
     microbatch: int
     start: float  # compute span, seconds on the shared clock
@@ -48,13 +47,17 @@ class StepTimings:
     wait_s: list[float]  # per stage: seconds the executor waited for inputs (its own measure)
 
     def validate(self) -> None:
-        """Every stage must report each of its 2 * vpp * microbatches tasks exactly once."""
-        want = 2 * self.vpp * self.microbatches
+        """Every stage must report each of its 2 (3 with a split backward) * vpp * microbatches tasks once."""
+        want = (3 if self.split else 2) * self.vpp * self.microbatches
         for s in range(self.pp):
             keys = {(t.kind, t.chunk, t.microbatch) for t in self.tasks if t.stage == s}
             if len(keys) != want:
                 raise ValueError(f"stage {s} reported {len(keys)} distinct tasks, expected {want} (vpp={self.vpp}, "
                                  f"microbatches={self.microbatches}): were its compute spans recorded?")
+
+    @property
+    def split(self) -> bool:
+        return any(t.kind == "W" for t in self.tasks)
 
     def makespan(self) -> float:
         """Seconds from the first task's start to the last task's end (blocked time included)."""
@@ -100,13 +103,13 @@ class StepTimings:
                 gaps.append(t.start - sent - overhead)
         return max(0.0, statistics.median(gaps)) if gaps else None
 
-    def task_costs(self, overhead: float) -> tuple[list, list]:
-        """Per [stage][chunk][microbatch] forward and backward seconds: compute + blocked + overhead."""
-        f = [[[0.0] * self.microbatches for _ in range(self.vpp)] for _ in range(self.pp)]
-        b = [[[0.0] * self.microbatches for _ in range(self.vpp)] for _ in range(self.pp)]
+    def task_costs(self, overhead: float) -> tuple[list, list, list]:
+        """Per [stage][chunk][microbatch] F, B and W seconds: compute + blocked + overhead (W all zero when the
+        backward was not split)."""
+        tables = {k: [[[0.0] * self.microbatches for _ in range(self.vpp)] for _ in range(self.pp)] for k in "FBW"}
         for t in self.tasks:
-            (f if t.kind == "F" else b)[t.stage][t.chunk][t.microbatch] = t.end - t.start + t.blocked + overhead
-        return f, b
+            tables[t.kind][t.stage][t.chunk][t.microbatch] = t.end - t.start + t.blocked + overhead
+        return tables["F"], tables["B"], tables["W"]
 
 
 @dataclass
@@ -117,9 +120,10 @@ class Calibration:
     vpp: int
     microbatches: int
     fwd: list[list[float]]  # [stage][chunk] seconds per forward: compute + blocked + overhead
-    bwd: list[list[float]]
+    bwd: list[list[float]]  # a whole backward (B + W when split)
     overhead: float
     latency: float
+    wgrad: list[list[float]] | None = None  # [stage][chunk] seconds per W task of a split backward
 
     def sim_config(self, max_inflight: int | None = None) -> SimConfig:
         """The public SimConfig model of these costs: per-chunk means over stages, and a per-stage factor that
@@ -129,12 +133,16 @@ class Calibration:
         bwd = [statistics.fmean(self.bwd[s][c] for s in range(pp)) for c in range(vpp)]
         mean_stage = sum(fwd) + sum(bwd)
         factors = [(sum(self.fwd[s]) + sum(self.bwd[s])) / mean_stage for s in range(pp)]
+        w_fraction = 0.5  # the simulator's default when no split backward was measured
+        if self.wgrad is not None:
+            w_fraction = sum(map(sum, self.wgrad)) / max(1e-12, sum(map(sum, self.bwd)))
         return SimConfig(pp=pp, vpp=vpp, microbatches=self.microbatches, fwd=fwd, bwd=bwd, stage_factors=factors,
-                         latency=self.latency, max_inflight=max_inflight)
+                         latency=self.latency, max_inflight=max_inflight, w_fraction=w_fraction)
 
     def to_dict(self) -> dict:
         """JSON-ready."""
-        return {k: getattr(self, k) for k in ("pp", "vpp", "microbatches", "fwd", "bwd", "overhead", "latency")}
+        return {k: getattr(self, k) for k in ("pp", "vpp", "microbatches", "fwd", "bwd", "overhead", "latency",
+                                              "wgrad")}
 
 
 def calibrate(steps: Sequence[StepTimings]) -> Calibration:
@@ -150,21 +158,15 @@ def calibrate(steps: Sequence[StepTimings]) -> Calibration:
     overhead = statistics.median(st.overhead() for st in steps)
     lats = [x for x in (st.latency(overhead) for st in steps) if x is not None]
     costs = [st.task_costs(overhead) for st in steps]
-    fwd = [[statistics.median(statistics.fmean(f[s][c]) for f, _ in costs) for c in range(vpp)] for s in range(pp)]
-    bwd = [[statistics.median(statistics.fmean(b[s][c]) for _, b in costs) for c in range(vpp)] for s in range(pp)]
-    return Calibration(pp, vpp, m, fwd, bwd, overhead, statistics.median(lats) if lats else 0.0)
+    def med(i: int) -> list[list[float]]:
+        return [[statistics.median(statistics.fmean(c[i][s][ch]) for c in costs) for ch in range(vpp)]
+                for s in range(pp)]
 
-
-@contextmanager
-def _measured_costs(f: list, b: list) -> Iterator[None]:
-    # SimConfig has no per-task cost field, so the simulator's cost table is swapped for the measured one for the
-    # duration of one simulate() call; everything else (policies, readiness, links) is the simulator's own code.
-    saved = simulator._costs
-    simulator._costs = lambda cfg, merged: (f, b)
-    try:
-        yield
-    finally:
-        simulator._costs = saved
+    fwd, b_in, w = med(0), med(1), med(2)
+    split = first.split
+    bwd = [[b_in[s][c] + w[s][c] for c in range(vpp)] for s in range(pp)]
+    return Calibration(pp, vpp, m, fwd, bwd, overhead, statistics.median(lats) if lats else 0.0,
+                       w if split else None)
 
 
 def replay(schedule: str | Callable[[], Policy], step: StepTimings, overhead: float, latency: float,
@@ -173,8 +175,6 @@ def replay(schedule: str | Callable[[], Policy], step: StepTimings, overhead: fl
     step.validate()
     if isinstance(schedule, str) and schedule in simulator.ONE_CHUNK and step.vpp > 1:
         raise ValueError(f"replay of {schedule!r} needs vpp=1 timings (it would merge chunks); got vpp={step.vpp}")
-    f, b = step.task_costs(overhead)
     cfg = SimConfig(pp=step.pp, vpp=step.vpp, microbatches=step.microbatches, latency=latency,
-                    max_inflight=max_inflight)
-    with _measured_costs(f, b):
-        return simulator.simulate(schedule, cfg, timeline=False)
+                    max_inflight=max_inflight, task_costs=step.task_costs(overhead))
+    return simulator.simulate(schedule, cfg, timeline=False)

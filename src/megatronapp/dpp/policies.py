@@ -23,8 +23,8 @@ from typing import Any
 from megatronapp.pipeline.schedules import StaticPolicy, interleaved_order, one_f_one_b_order
 from megatronapp.pipeline.tasks import Policy, StageView, Task
 
-STATIC_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-DPP_POLICIES = ("dfs", "bfs", "adaptive")
+STATIC_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+DPP_POLICIES = ("dfs", "bfs", "adaptive", "zb")
 
 
 def min_inflight_cap(vpp: int) -> int:
@@ -205,6 +205,45 @@ class AdaptivePolicy(_DynamicPolicy):
         return lambda t: (0, rank[t])
 
 
+class ZBPolicy(AdaptivePolicy):
+    """Dynamic zero-bubble: the backward is split into B (input gradient, which the previous stage waits for)
+    and W (weight gradient, which nobody waits for). Among F and B the choice is the adaptive policy's; W runs
+    whenever no F or B is allowed and ready, so the stage never idles while a W is pending, and W goes first when
+    memory is at the cap (a microbatch's memory is held from F until its W).
+
+    Memory: unless the user sets `dpp_max_inflight`, the cap is interleaved 1F1B's peak (its first stage's, the
+    largest), on every stage: later stages may hold W work longer than in 1F1B, which is where zero-bubble
+    schedules find their slack (ZB-H1 does the same with 1F1B's peak). Deadlock-freedom: B and W are always
+    allowed and W needs nothing from other stages, so every slot a B releases is freed by its W; the banker's
+    check on forwards is the other policies' (docs/megadpp.md)."""
+
+    name = "dpp-zb"
+    split_backward = True
+
+    def reset(self, view: StageView) -> None:
+        super().reset(view)
+        if view.max_inflight is None:
+            first = StageView(stage=0, pp=view.pp, vpp=view.vpp, microbatches=view.microbatches)
+            self._cap = max(default_target(first), min_inflight_cap(view.vpp))
+
+    def allowed(self, task: Task, view: StageView) -> bool:
+        return task.kind == "W" or super().allowed(task, view)
+
+    def next_task(self, ready: Sequence[Task], view: StageView) -> Task | None:
+        fb = [t for t in ready if t.kind != "W"]
+        best = super().next_task(fb, view) if fb else None
+        if best is not None:
+            return best
+        ws = [t for t in ready if t.kind == "W"]
+        return min(ws, key=lambda t: (t.microbatch, -t.chunk)) if ws else None  # oldest first: frees memory
+
+    def on_done(self, task: Task, view: StageView) -> None:
+        if task.kind == "B":
+            return  # its memory stays until W
+        # W releases what B releases for the other policies
+        super().on_done(Task("B", task.chunk, task.microbatch) if task.kind == "W" else task, view)
+
+
 def make_policy(schedule: str, dpp_policy: str = "adaptive") -> Policy:
     """The policy object for `parallel.schedule` (and `parallel.dpp_policy` when the schedule is "dpp")."""
     if schedule in STATIC_SCHEDULES:
@@ -217,11 +256,14 @@ def make_policy(schedule: str, dpp_policy: str = "adaptive") -> Policy:
         return BFSPolicy()
     if dpp_policy == "adaptive":
         return AdaptivePolicy()
+    if dpp_policy == "zb":
+        return ZBPolicy()
     raise ValueError(f"dpp_policy={dpp_policy!r}: choose one of {', '.join(DPP_POLICIES)}")
 
 
 def policy_by_name(name: str) -> Policy:
-    """A policy from a comparison name: gpipe, 1f1b, interleaved-1f1b, dpp-dfs, dpp-bfs, dpp-adaptive."""
+    """A policy from a comparison name: gpipe, 1f1b, interleaved-1f1b, zb-h1, dpp-dfs, dpp-bfs, dpp-adaptive,
+    dpp-zb."""
     if name.startswith("dpp-"):
         return make_policy("dpp", name[len("dpp-"):])
     return make_policy(name)

@@ -11,14 +11,14 @@ on one configuration and seed sees the same slow tasks and slow messages. Schedu
 stage (1f1b, zb-h1) on a `vpp > 1` configuration run the same model merged into one chunk per stage: a merged
 task costs the sum of its chunks' jittered costs.
 
-ZB-H1 (Zero Bubble, Qi et al. 2024) is simulated only: backward is split into B (input gradient, sent
-upstream at once) and W (weight gradient, local). Stages follow the 1F1B order of F and B and run a pending W
-whenever the next F/B is not ready, or before a forward that would hold more activations than 1F1B does.
+Policies with a split backward (static ZB-H1, the dynamic `dpp-zb`) run B (input gradient, sent upstream at
+once) and W (weight gradient, local, ready when its B is done) as separate tasks; the executor runs the very
+same orders and policies. A backward costs `bwd` in total; a split one spends `w_fraction` of it in W, unless
+`task_costs` gives every F, B and W its own time (measured runs: `dpp.calibrate.replay`).
 """
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -26,11 +26,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from megatronapp.dpp.policies import STATIC_SCHEDULES, policy_by_name
-from megatronapp.pipeline.schedules import StaticPolicy, one_f_one_b_order, stage_orders
+from megatronapp.pipeline.schedules import StaticPolicy, stage_orders
 from megatronapp.pipeline.tasks import Policy, StageView, Task
 
 ONE_CHUNK = ("1f1b", "zb-h1")  # schedules that need vpp == 1; run merged on vpp > 1 configurations
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dpp-dfs", "dpp-bfs", "dpp-adaptive")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dpp-dfs", "dpp-bfs", "dpp-adaptive", "dpp-zb")
 
 
 def parse_jitter(spec: str) -> Callable[[np.random.Generator, tuple[int, ...]], np.ndarray]:
@@ -72,7 +72,10 @@ class SimConfig:
     link_jitter: str = "none"
     seed: int = 0
     max_inflight: int | None = None  # cap given to the policies through StageView.max_inflight
-    w_fraction: float = 0.5  # ZB-H1: share of backward time spent on weight gradients
+    w_fraction: float = 0.5  # split backward: share of backward time spent on weight gradients (W)
+    # Measured per-task seconds ([stage][chunk][microbatch] for F, B and W; an unsplit backward costs B + W).
+    # When given, they replace fwd/bwd/w_fraction/stage_factors and compute jitter.
+    task_costs: tuple[list, list, list] | None = None
 
     def validate(self) -> None:
         """Refuse impossible settings, naming the field."""
@@ -94,11 +97,17 @@ class SimConfig:
             raise ValueError(f"w_fraction={self.w_fraction} must be in [0, 1)")
         parse_jitter(self.compute_jitter)
         parse_jitter(self.link_jitter)
+        if self.task_costs is not None:
+            shape = (self.pp, self.vpp, self.microbatches)
+            for name, table in zip("FBW", self.task_costs):
+                got = np.shape(np.asarray(table, dtype=float))
+                if got != shape:
+                    raise ValueError(f"task_costs for {name} has shape {got}; pp, vpp, microbatches need {shape}")
 
 
 class Span(NamedTuple):
     stage: int
-    kind: str  # F, B, or W (ZB-H1 weight gradient)
+    kind: str  # F, B, or W (weight gradient of a split backward)
     chunk: int
     microbatch: int
     start: float
@@ -138,17 +147,12 @@ class _SharedOrders(StaticPolicy):
         self.order, self.pos = self._orders[view.stage], 0
 
 
-class _W(NamedTuple):  # ZB-H1 weight-gradient task
-    kind: str
-    chunk: int
-    microbatch: int
-
-
 class _PolicyStage:
     """One stage driven by a Policy, with the executor's bookkeeping of the StageView."""
 
     def __init__(self, policy: Policy, view: StageView):
         self.policy, self.view = policy, view
+        view.split = bool(getattr(policy, "split_backward", False))
         self.total = view.total_tasks()
         policy.reset(view)
 
@@ -171,8 +175,11 @@ class _PolicyStage:
         if task.kind == "F":
             v.inflight += 1
             v.peak_inflight = max(v.peak_inflight, v.inflight)
-        else:
+        elif task.kind == "B" and v.split:
+            v.pending_w += 1
+        else:  # a microbatch's memory is released by its backward, or with a split backward by its W
             v.inflight -= 1
+            v.pending_w -= task.kind == "W"
         v.done.add(task)
         self.policy.on_done(task, v)
 
@@ -184,57 +191,24 @@ class _PolicyStage:
         return self.view.peak_inflight
 
 
-class _ZBH1Stage:
-    """ZB-H1: 1F1B order of F and B (input gradient); W (weight gradient) fills the gaps."""
-
-    def __init__(self, stage: int, pp: int, m: int):
-        self.order = one_f_one_b_order(stage, pp, 1, m)
-        self.pos = 0
-        self.pending_w: deque[_W] = deque()
-        self.held = 0  # activations kept until W: forward done, weight gradient not yet
-        self.peak = 0
-        self.limit = min(m, pp)  # 1F1B's peak (stage 0): ZB-H1 keeps the peak memory of 1F1B
-        self.w_done = 0
-        self.m = m
-
-    def pick(self, ready: dict, waited: float) -> Any:
-        if self.pos < len(self.order):
-            nxt = self.order[self.pos]
-            if nxt in ready:
-                if nxt.kind == "F" and self.held >= self.limit and self.pending_w:
-                    return self.pending_w.popleft()
-                return nxt
-        return self.pending_w.popleft() if self.pending_w else None
-
-    def done(self, task: Any) -> None:
-        if task.kind == "W":
-            self.held -= 1
-            self.w_done += 1
-            return
-        self.pos += 1
-        if task.kind == "F":
-            self.held += 1
-            self.peak = max(self.peak, self.held)
-        else:
-            self.pending_w.append(_W("W", task.chunk, task.microbatch))
-
-    def finished(self) -> bool:
-        return self.pos == len(self.order) and self.w_done == self.m
-
-
-def _costs(cfg: SimConfig, merged: bool) -> tuple[list, list]:
-    """Per (stage, chunk, microbatch) forward and backward times with compute jitter drawn up front."""
-    pp, vpp, m = cfg.pp, cfg.vpp, cfg.microbatches
-    fwd = np.broadcast_to(np.asarray(cfg.fwd, dtype=float), (vpp,))
-    bwd = np.broadcast_to(np.asarray(cfg.bwd, dtype=float), (vpp,))
-    factor = np.asarray(cfg.stage_factors if cfg.stage_factors is not None else [1.0] * pp, dtype=float)
-    rng = np.random.default_rng([cfg.seed, 0])
-    jit = parse_jitter(cfg.compute_jitter)(rng, (2, pp, vpp, m))
-    f = factor[:, None, None] * fwd[None, :, None] * jit[0]
-    b = factor[:, None, None] * bwd[None, :, None] * jit[1]
+def _costs(cfg: SimConfig, merged: bool) -> tuple[list, list, list]:
+    """Per (stage, chunk, microbatch) F, B and W times (B + W: a whole backward) with compute jitter drawn up
+    front, or the measured `task_costs`."""
+    if cfg.task_costs is not None:
+        f, b, w = (np.asarray(t, dtype=float) for t in cfg.task_costs)
+    else:
+        pp, vpp, m = cfg.pp, cfg.vpp, cfg.microbatches
+        fwd = np.broadcast_to(np.asarray(cfg.fwd, dtype=float), (vpp,))
+        bwd = np.broadcast_to(np.asarray(cfg.bwd, dtype=float), (vpp,))
+        factor = np.asarray(cfg.stage_factors if cfg.stage_factors is not None else [1.0] * pp, dtype=float)
+        rng = np.random.default_rng([cfg.seed, 0])
+        jit = parse_jitter(cfg.compute_jitter)(rng, (2, pp, vpp, m))
+        f = factor[:, None, None] * fwd[None, :, None] * jit[0]
+        full = factor[:, None, None] * bwd[None, :, None] * jit[1]
+        b, w = full * (1.0 - cfg.w_fraction), full * cfg.w_fraction
     if merged:
-        f, b = f.sum(axis=1, keepdims=True), b.sum(axis=1, keepdims=True)
-    return f.tolist(), b.tolist()
+        f, b, w = (x.sum(axis=1, keepdims=True) for x in (f, b, w))
+    return f.tolist(), b.tolist(), w.tolist()
 
 
 def simulate(schedule: str | Callable[[], Policy], cfg: SimConfig, timeline: bool = True) -> SimResult:
@@ -248,29 +222,25 @@ def simulate(schedule: str | Callable[[], Policy], cfg: SimConfig, timeline: boo
     pp, m = cfg.pp, cfg.microbatches
     vpp = 1 if merged else cfg.vpp
     V = pp * vpp
-    fcost, bcost = _costs(cfg, merged)
-    zb = name == "zb-h1"
-    wf = cfg.w_fraction if zb else 0.0
+    fcost, bcost, wcost = _costs(cfg, merged)
     link_rng = np.random.default_rng([cfg.seed, 1])
     ljit = parse_jitter(cfg.link_jitter)(link_rng, (2, pp, cfg.vpp, m)).tolist()
     wire = cfg.act_bytes / cfg.bandwidth if cfg.bandwidth else 0.0
     lat = cfg.latency
 
-    if zb:
-        stages: list[Any] = [_ZBH1Stage(s, pp, m) for s in range(pp)]
+    if isinstance(schedule, str) and schedule in STATIC_SCHEDULES:
+        orders = stage_orders(schedule, pp, vpp, m)
+        def factory() -> Policy:
+            return _SharedOrders(schedule, orders)
+    elif isinstance(schedule, str):
+        def factory() -> Policy:
+            return policy_by_name(schedule)
     else:
-        if isinstance(schedule, str) and schedule in STATIC_SCHEDULES:
-            orders = stage_orders(schedule, pp, vpp, m)
-            def factory() -> Policy:
-                return _SharedOrders(schedule, orders)
-        elif isinstance(schedule, str):
-            def factory() -> Policy:
-                return policy_by_name(schedule)
-        else:
-            factory = schedule
-        stages = [_PolicyStage(factory(), StageView(stage=s, pp=pp, vpp=vpp, microbatches=m,
-                                                    max_inflight=cfg.max_inflight)) for s in range(pp)]
-        name = getattr(stages[0].policy, "name", name)
+        factory = schedule
+    stages = [_PolicyStage(factory(), StageView(stage=s, pp=pp, vpp=vpp, microbatches=m,
+                                                max_inflight=cfg.max_inflight)) for s in range(pp)]
+    name = getattr(stages[0].policy, "name", name)
+    split = stages[0].view.split
 
     # Microbatches enter the first virtual stage in order, one offered at a time (a data loader yields them in
     # order; every policy here starts them in order anyway), which keeps stage 0's ready set small.
@@ -300,7 +270,7 @@ def simulate(schedule: str | Callable[[], Policy], cfg: SimConfig, timeline: boo
     def dispatch(s: int, now: float) -> None:
         nonlocal seq
         r = ready[s]
-        if not r and not zb:
+        if not r:
             return
         task = stages[s].pick(r, now - idle_since[s])
         if task is None:
@@ -311,9 +281,9 @@ def simulate(schedule: str | Callable[[], Policy], cfg: SimConfig, timeline: boo
         if kind == "F":
             dur = fcost[s][c][i]
         elif kind == "B":
-            dur = bcost[s][c][i] * (1.0 - wf)
+            dur = bcost[s][c][i] if split else bcost[s][c][i] + wcost[s][c][i]
         else:
-            dur = bcost[s][c][i] * wf
+            dur = wcost[s][c][i]
         seq += 1
         heapq.heappush(heap, (now + dur, seq, s, task, now))
 
@@ -333,8 +303,11 @@ def simulate(schedule: str | Callable[[], Policy], cfg: SimConfig, timeline: boo
                 ready[s][Task("B", c, i)] = None  # the loss is here: backward can start at once
             else:
                 send(0, s, c, i, Task("F", c + 1 if s == pp - 1 else c, i), now)
-        elif kind == "B" and v > 0:
-            send(1, s, c, i, Task("B", c - 1 if s == 0 else c, i), now)
+        elif kind == "B":
+            if split:
+                ready[s][Task("W", c, i)] = None
+            if v > 0:
+                send(1, s, c, i, Task("B", c - 1 if s == 0 else c, i), now)
 
     for s in range(pp):
         dispatch(s, 0.0)

@@ -42,8 +42,9 @@ class CommOp:
                 "bytes": self.nbytes, "peer": self.peer, "tag": self.tag}
 
 
-# An interceptor sees every op before it is issued; it may sleep (slow link) or block (hang drill).
-Interceptor = Callable[[CommOp], None]
+# An interceptor sees every op before it is issued; it may sleep (the caller stalls: slow link, hang drill), or,
+# for a send, return seconds by which the message is delivered late while the sender goes on (a slow wire).
+Interceptor = Callable[[CommOp], float | None]
 _interceptors: list[Interceptor] = []
 _seq: dict[tuple, itertools.count] = {}
 _seq_lock = threading.Lock()
@@ -100,6 +101,12 @@ def _backend(group: Group) -> str:
 
 def _op(name: str, group: Group, t: torch.Tensor | None, peer: int | None = None, tag: int = 0,
         label: str = "") -> CommOp:
+    return _op_delayed(name, group, t, peer, tag, label)[0]
+
+
+def _op_delayed(name: str, group: Group, t: torch.Tensor | None, peer: int | None = None, tag: int = 0,
+                label: str = "") -> tuple[CommOp, float]:
+    """The op's record, after the interceptors ran; and the delivery delay they asked for (sends)."""
     # P2P ops are numbered per (direction, peer) so sender and receiver agree on the number.
     if peer is not None:
         me = dist.get_rank()
@@ -111,12 +118,15 @@ def _op(name: str, group: Group, t: torch.Tensor | None, peer: int | None = None
     if t is not None and t.device.type != "cuda" and _backend(group) == "nccl":
         raise ValueError(f"{name} on group {group.name}: the tensor is on {t.device}, NCCL takes CUDA tensors only; "
                          f"create it on the rank's device")
+    delay = 0.0
     for fn in _interceptors:
-        fn(op)
+        d = fn(op)
+        if d:
+            delay = max(delay, float(d))
     if _strict is not None and peer is None:
         dtype = "" if t is None else str(t.dtype).removeprefix("torch.")
         _strict.check_collective(group.name, group.ranks, op.seq, f"{name}[{label}]({nbytes} B {dtype})")
-    return op
+    return op, delay
 
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -367,15 +377,57 @@ def _issue(op: str, t: torch.Tensor, peer: int, group: Group, tag: int):
 
 
 def _p2p(op: str, t: torch.Tensor, peer: int, group: Group, tag: int) -> Handle:
-    rec = _op(op, group, t, peer=peer, tag=tag)
+    rec, delay = _op_delayed(op, group, t, peer=peer, tag=tag)
     sp = tracing.open_span(op, "comm", **rec.meta())
-    if _strict is None:
+    wired = op == "send" and (delay > 0 or (group.name, peer) in _wires)  # once late, a stream stays in order
+    if _strict is None and not wired:
         return Handle(_issue(op, t, peer, group, tag), sp, keep=t, nccl=_backend(group) == "nccl")
     h = Handle(None, sp, keep=t, driven=True)
     h.desc = f"{op} {'to' if op == 'send' else 'from'} rank {peer} (group {group.name}, #{rec.seq})"
-    _strict.submit([(group.name, peer)], op, h.desc,
-                   lambda: [_issue(op, t, peer, group, 0)], h._finish)  # NCCL ignores tags: match by order
+    if _strict is None:  # a slow wire: the message leaves late, in order, and the sender goes on
+        _wire(group, peer).put(time.monotonic() + delay, lambda: [_issue(op, t, peer, group, tag)], h._finish)
+        return h
+    due = time.monotonic() + delay
+
+    def issue() -> list:
+        time.sleep(max(0.0, due - time.monotonic()))
+        return [_issue(op, t, peer, group, 0)]  # NCCL ignores tags: match by order
+
+    _strict.submit([(group.name, peer)], op, h.desc, issue, h._finish)
     return h
+
+
+class _Wire:
+    """Late delivery on one (group, peer) stream: messages leave in order, each no earlier than its due time."""
+
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue[tuple[float, Callable[[], list], Callable[..., None]]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="comm-wire", daemon=True).start()
+
+    def put(self, due: float, issue: Callable[[], list], done: Callable[..., None]) -> None:
+        self.q.put((due, issue, done))
+
+    def _run(self) -> None:
+        while True:
+            due, issue, done = self.q.get()
+            time.sleep(max(0.0, due - time.monotonic()))
+            try:
+                for work in issue():
+                    work.wait()
+            except BaseException as e:  # noqa: BLE001 - surfaced to the waiter
+                done(e)
+                continue
+            done()
+
+
+_wires: dict[tuple[str, int], _Wire] = {}
+
+
+def _wire(group: Group, peer: int) -> _Wire:
+    key = (group.name, peer)
+    if key not in _wires:
+        _wires[key] = _Wire()
+    return _wires[key]
 
 
 def isend(t: torch.Tensor, dst: int, group: Group, tag: int = 0) -> Handle:

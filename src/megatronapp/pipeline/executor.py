@@ -8,9 +8,14 @@ signal that means the same on NCCL and gloo) and runs any ready task.
 
 Tensor-parallel peers of a stage must run tasks in the same order (their collectives must match): for a
 dynamic policy, TP rank 0 decides and broadcasts the choice to its peers.
+
+A policy with `split_backward` (zero-bubble schedules) gets W tasks too: B(c, m) computes only input gradients
+and files the linear layers' weight-gradient work (`parallel/weight_grad.py`); W(c, m) computes it. A stage then
+holds a microbatch's memory from F until W, and a chunk's gradients are complete after its last W.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,7 +25,7 @@ import torch
 from torch import nn
 
 from megatronapp import tracing
-from megatronapp.parallel import comm
+from megatronapp.parallel import comm, weight_grad
 from megatronapp.parallel.topology import Topology
 from megatronapp.pipeline.p2p import StageLinks
 from megatronapp.pipeline.schedules import StaticPolicy
@@ -43,12 +48,17 @@ class StepResult:
     wait_s: float  # time spent waiting for inputs
     view: StageView = field(repr=False, default=None)  # type: ignore[assignment]
     peak_recv_buffers: int = 0  # receive buffers held at once (posted or arrived, not yet consumed)
+    peak_pending_w_bytes: int = 0  # split backward: memory held by weight-gradient work waiting for its W
 
 
 def _peak_inflight(order: Sequence[Task]) -> int:
+    split = any(t.kind == "W" for t in order)
     live = peak = 0
     for t in order:
-        live += 1 if t.kind == "F" else -1
+        if t.kind == "F":
+            live += 1
+        elif t.kind == ("W" if split else "B"):
+            live -= 1
         peak = max(peak, live)
     return peak
 
@@ -89,7 +99,7 @@ class PipelineExecutor:
 
     def _input_key(self, t: Task) -> tuple[str, int, int] | None:
         """The message task `t` waits for, or None when its input is local."""
-        if (t.kind == "F" and self._first(t.chunk)) or (t.kind == "B" and self._last(t.chunk)):
+        if (t.kind == "F" and self._first(t.chunk)) or (t.kind == "B" and self._last(t.chunk)) or t.kind == "W":
             return None
         return (t.kind, t.chunk, t.microbatch)
 
@@ -107,8 +117,10 @@ class PipelineExecutor:
         if len(microbatches) != self.m:
             raise ValueError(f"expected {self.m} microbatches, got {len(microbatches)}")
         static = isinstance(self.policy, StaticPolicy)
+        split = bool(getattr(self.policy, "split_backward", False))
+        weight_grad.set_split(split)
         view = StageView(stage=self.stage, pp=self.pp, vpp=self.vpp, microbatches=self.m,
-                         max_inflight=self.max_inflight, memory_headroom=self._headroom())
+                         max_inflight=self.max_inflight, memory_headroom=self._headroom(), split=split)
         self.policy.reset(view)
         links = self.links
         if links is not None:
@@ -118,8 +130,9 @@ class PipelineExecutor:
             links.start(self.steps, expected, self._window())
         self.steps += 1
         stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        wstash: dict[tuple[int, int], weight_grad.WeightWork] = {}  # B done, W not yet
         losses: dict[int, float] = {}
-        backward_count = [0] * self.vpp
+        backward_count = [0] * self.vpp  # the chunk's last B (or, split, last W) completes its gradients
         order: list[Task] = []
         wait_total = 0.0
 
@@ -176,11 +189,24 @@ class PipelineExecutor:
                 self._forward(task, microbatches, stash, losses, loss_scale)
                 view.inflight += 1
                 view.peak_inflight = max(view.peak_inflight, view.inflight)
-            else:
+            elif task.kind == "B" and split:
+                work = self._backward(task, stash, split=True)
+                wstash[(task.chunk, task.microbatch)] = work
+                view.pending_w += 1
+                view.pending_w_bytes += work.nbytes
+                view.peak_pending_w_bytes = max(view.peak_pending_w_bytes, view.pending_w_bytes)
+            else:  # B (unsplit) or W: completes this microbatch's share of the chunk's weight gradients
                 final = backward_count[task.chunk] == self.m - 1
                 if final and self.grad_sync is not None:
                     self.grad_sync.before_final_backward(task.chunk)
-                self._backward(task, stash)
+                if task.kind == "W":
+                    work = wstash.pop((task.chunk, task.microbatch))
+                    view.pending_w -= 1
+                    view.pending_w_bytes -= work.nbytes
+                    with tracing.span("weight_grad", "compute", chunk=task.chunk, microbatch=task.microbatch):
+                        weight_grad.run(work)
+                else:
+                    self._backward(task, stash)
                 backward_count[task.chunk] += 1
                 if final and self.grad_sync is not None:
                     self.grad_sync.after_final_backward(task.chunk)
@@ -189,6 +215,8 @@ class PipelineExecutor:
             ready.discard(task)
             if task.kind == "F" and (self._last(task.chunk) or (task.chunk, task.microbatch) in grad_here):
                 ready.add(Task("B", task.chunk, task.microbatch))
+            elif task.kind == "B" and split:
+                ready.add(Task("W", task.chunk, task.microbatch))
             order.append(task)
             self.policy.on_done(task, view)
 
@@ -196,8 +224,9 @@ class PipelineExecutor:
         if links is not None:
             links.finish()
             peak_buffers = links.peak_buffers
+        weight_grad.set_split(False)
         return StepResult([losses[i] for i in sorted(losses)], order, view.peak_inflight, wait_total, view,
-                          peak_buffers)
+                          peak_buffers, view.peak_pending_w_bytes)
 
     def _forward(self, t: Task, microbatches, stash, losses, loss_scale) -> None:
         ids, labels = microbatches[t.microbatch]
@@ -215,16 +244,21 @@ class PipelineExecutor:
             self.links.send("F", self._next_chunk(t.chunk), t.microbatch, out)
         stash[(t.chunk, t.microbatch)] = (None if self._first(t.chunk) else x, out)
 
-    def _backward(self, t: Task, stash) -> None:
+    def _backward(self, t: Task, stash, split: bool = False) -> weight_grad.WeightWork | None:
+        """B: input gradients, sent to the previous stage; with `split`, the weight-gradient work is returned
+        for a later W task instead of being done now."""
         x, out = stash.pop((t.chunk, t.microbatch))
+        work = None
         with tracing.span("backward", "compute", chunk=t.chunk, microbatch=t.microbatch):
-            if self._last(t.chunk):
-                torch.autograd.backward(out)
-            else:
-                grad = self.links.take(("B", t.chunk, t.microbatch)).to(out.dtype)
-                torch.autograd.backward(out, grad)
+            with weight_grad.defer() if split else contextlib.nullcontext() as work:
+                if self._last(t.chunk):
+                    torch.autograd.backward(out)
+                else:
+                    grad = self.links.take(("B", t.chunk, t.microbatch)).to(out.dtype)
+                    torch.autograd.backward(out, grad)
         if x is not None:
             self.links.send("B", self._prev_chunk(t.chunk), t.microbatch, x.grad)
+        return work
 
     def _stuck(self, view: StageView, what: str) -> str:
         """A diagnosis for a hang: who this stage waits for and what it has done."""

@@ -1,7 +1,9 @@
 """Static pipeline schedules as per-stage task orders, and the policy that walks such an order.
 
 GPipe: all forwards, then all backwards. 1F1B: (pp - s - 1) warm-up forwards, then one forward / one backward,
-then the remaining backwards. Interleaved 1F1B (Megatron): microbatches go through the chunks in groups of pp,
+then the remaining backwards. ZB-H1 (Zero Bubble, Qi et al. 2024): 1F1B's order of forwards and input-gradient
+backwards (B), with the weight-gradient tasks (W) placed in the bubbles and a stage holding at most min(m, pp)
+microbatches from F to W (1F1B's peak). Interleaved 1F1B (Megatron): microbatches go through the chunks in groups of pp,
 with a longer warm-up. Every order is checked for deadlock by `check_orders` (a dependency walk with
 unbounded buffers, which is what the ordered channels of p2p.py give the executor); an interleaved order that
 would deadlock for an uneven microbatch count gets a longer warm-up until it does not.
@@ -57,10 +59,46 @@ def interleaved_order(stage: int, pp: int, vpp: int, m: int, extra_warmup: int =
     return order
 
 
+def zb_h1_orders(pp: int, m: int) -> list[list[Task]]:
+    """ZB-H1 orders of every stage, by list scheduling with unit task times: each stage follows 1F1B's F/B
+    sequence and runs a pending W whenever its next F or B is not ready yet (or an F would exceed min(m, pp)
+    microbatches held from F to W); the remaining W tasks close the step."""
+    seqs = [one_f_one_b_order(s, pp, 1, m) for s in range(pp)]
+    pos, held, limit = [0] * pp, [0] * pp, min(m, pp)
+    pending: list[list[Task]] = [[] for _ in range(pp)]
+    done: dict[tuple[str, int, int], int] = {}  # (kind, stage, microbatch) -> tick it finished
+    orders: list[list[Task]] = [[] for _ in range(pp)]
+    tick = 0
+    while any(pos[s] < len(seqs[s]) or pending[s] for s in range(pp)):
+        tick += 1
+        for s in range(pp):
+            task = None
+            if pos[s] < len(seqs[s]):
+                t = seqs[s][pos[s]]
+                ready = (done.get(("F", s - 1, t.microbatch), tick) < tick if s > 0 else True) if t.kind == "F" \
+                    else (done.get(("B", s + 1, t.microbatch), tick) < tick if s < pp - 1 else True)
+                if ready and not (t.kind == "F" and held[s] >= limit):
+                    task = t
+                    pos[s] += 1
+            if task is None and pending[s]:
+                task = pending[s].pop(0)
+            if task is None:
+                continue
+            orders[s].append(task)
+            done[(task.kind, s, task.microbatch)] = tick
+            if task.kind == "F":
+                held[s] += 1
+            elif task.kind == "B":
+                pending[s].append(Task("W", 0, task.microbatch))
+            else:
+                held[s] -= 1
+    return orders
+
+
 def check_orders(orders: Sequence[Sequence[Task]], pp: int, vpp: int, m: int) -> bool:
     """True when every stage can run its whole order: a walk in which a stage advances when its next
     task's inputs exist (F needs the previous virtual stage's F; B needs its own F and the next virtual
-    stage's B)."""
+    stage's B; W needs its own B)."""
     V = pp * vpp
     done: set[tuple[str, int, int]] = set()  # (kind, virtual stage, microbatch)
     pos = [0] * pp
@@ -73,6 +111,8 @@ def check_orders(orders: Sequence[Sequence[Task]], pp: int, vpp: int, m: int) ->
                 v = t.chunk * pp + s
                 if t.kind == "F":
                     ok = v == 0 or ("F", v - 1, t.microbatch) in done
+                elif t.kind == "W":
+                    ok = ("B", v, t.microbatch) in done
                 else:
                     ok = ("F", v, t.microbatch) in done and (v == V - 1 or ("B", v + 1, t.microbatch) in done)
                 if not ok:
@@ -89,6 +129,10 @@ def stage_orders(schedule: str, pp: int, vpp: int, m: int) -> list[list[Task]]:
         orders = [gpipe_order(s, pp, vpp, m) for s in range(pp)]
     elif schedule == "1f1b":
         orders = [one_f_one_b_order(s, pp, vpp, m) for s in range(pp)]
+    elif schedule == "zb-h1":
+        if vpp != 1:
+            raise ValueError("ZB-H1 runs one chunk per stage; use --dpp-policy zb for vpp > 1")
+        orders = zb_h1_orders(pp, m)
     elif schedule == "interleaved-1f1b":
         for extra in range(0, vpp * m + 1):
             orders = [interleaved_order(s, pp, vpp, m, extra) for s in range(pp)]
@@ -101,11 +145,15 @@ def stage_orders(schedule: str, pp: int, vpp: int, m: int) -> list[list[Task]]:
     return orders
 
 
+SPLIT_BACKWARD = ("zb-h1",)  # static schedules with W tasks
+
+
 class StaticPolicy:
     """Walk a fixed order; wait (return None) until its next task is ready."""
 
     def __init__(self, schedule: str):
         self.name = schedule
+        self.split_backward = schedule in SPLIT_BACKWARD
         self.order: list[Task] = []
         self.pos = 0
 

@@ -3,7 +3,9 @@
 A stage (one pipeline rank) owns `vpp` model chunks. Chunk c of stage s is virtual stage v = c*pp + s
 (Megatron's interleaving), so a microbatch visits stages 0..pp-1 with chunk 0, then again with chunk 1, ...
 Task F(c, m) is ready when its input activation has arrived (or v == 0); B(c, m) is ready when F(c, m) is done
-and the output gradient has arrived (or v is the last virtual stage).
+and the output gradient has arrived (or v is the last virtual stage). Schedules with a split backward
+(`policy.split_backward`, zero-bubble) also run W(c, m), the weight gradient of B(c, m), ready once B(c, m) is
+done; nobody waits for it. With a split backward a stage holds a microbatch's memory from F until W.
 
 A policy sees only the tasks that are ready *now* and the stage's counters, and picks one, or None to wait
 for more to become ready. Static schedules (GPipe, 1F1B, interleaved 1F1B) walk a fixed order and wait for its
@@ -19,7 +21,7 @@ from typing import Literal, Protocol
 
 @dataclass(frozen=True, order=True)
 class Task:
-    kind: Literal["F", "B"]
+    kind: Literal["F", "B", "W"]
     chunk: int
     microbatch: int
 
@@ -37,8 +39,13 @@ class StageView:
     microbatches: int
     max_inflight: int | None = None  # cap on activations held for backward (chunk-microbatches)
     done: set[Task] = field(default_factory=set)
-    inflight: int = 0  # forward done, backward not yet done (chunk-microbatch activations held)
+    # forward done, backward not yet done (chunk-microbatch activations held); with a split backward, until W
+    inflight: int = 0
     peak_inflight: int = 0
+    split: bool = False  # the backward is split into B and W tasks
+    pending_w: int = 0  # B done, W not yet done
+    pending_w_bytes: int = 0  # memory those W tasks hold (inputs and output gradients of the linear layers)
+    peak_pending_w_bytes: int = 0
     # Observed waiting: seconds this stage spent idle waiting for input of each kind (moving averages).
     wait_f: float = 0.0
     wait_b: float = 0.0
@@ -53,7 +60,7 @@ class StageView:
         return self.pp * self.vpp
 
     def total_tasks(self) -> int:
-        return 2 * self.vpp * self.microbatches
+        return (3 if self.split else 2) * self.vpp * self.microbatches
 
     def finished(self) -> bool:
         return len(self.done) == self.total_tasks()
@@ -72,8 +79,9 @@ class Policy(Protocol):
         """Called after `task` ran (the view's counters already updated)."""
 
 
-def all_tasks(vpp: int, microbatches: int) -> list[Task]:
-    return [Task(k, c, m) for k in ("F", "B") for c in range(vpp) for m in range(microbatches)]
+def all_tasks(vpp: int, microbatches: int, split: bool = False) -> list[Task]:
+    kinds = ("F", "B", "W") if split else ("F", "B")
+    return [Task(k, c, m) for k in kinds for c in range(vpp) for m in range(microbatches)]
 
 
 def is_first_virtual(view: StageView, chunk: int) -> bool:
