@@ -69,7 +69,9 @@ def test_capture_points(family):
     assert seen["layers.1.attn.q"][0] == (2, 4, 12, 8)
     assert seen["layers.1.attn.k"][0] == (2, kv, 12, 8) and seen["layers.1.attn.v"][0] == (2, kv, 12, 8)
     assert seen["layers.1.attn.probs"][0] == (2, 4, 12, 12)
-    assert seen["layers.2.out"][0] == (2, 12, 32) and seen["logits"][0] == (2, 12, 64)
+    assert seen["layers.2.out"][0] == (2, 12, 32)
+    # the raw logits point has the padded vocabulary (64 -> 128); info says which columns are real
+    assert seen["logits"][0] == (2, 12, 128) and seen["logits"][1]["vocab_size"] == 64
     assert seen["layers.1.attn.k"][1] == {"tp_dim": None, "layer": 1, "kind": "k"}
 
 

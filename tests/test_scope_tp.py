@@ -129,7 +129,7 @@ def test_load_shard_single_rank_matches_default():
     (["--tp", "2", "--pp", "2", "--nproc", "4"], "--pp 2"),
     (["--tp", "2", "--nproc", "1"], "--nproc 1 must equal --tp 2"),
     (["--tp", "3", "--nproc", "3"],
-     "num_heads=4, num_kv_heads=4, vocab_size=256, ffn_hidden_size=512 not divisible by --tp 3"),
+     "num_heads=4, num_kv_heads=4, ffn_hidden_size=512 not divisible by --tp 3"),
     (["--tp", "2", "--nproc", "2", "--checkpoint", "x"], "serve a checkpoint with --tp 1"),
 ])
 def test_cli_refuses_unservable_layouts(argv, fragment, capsys):

@@ -27,6 +27,7 @@ _TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "family": ("model", "family"), "layers": ("model", "num_layers"), "hidden": ("model", "hidden_size"),
     "heads": ("model", "num_heads"), "kv_heads": ("model", "num_kv_heads"), "ffn_hidden": ("model", "ffn_hidden_size"),
     "vocab": ("model", "vocab_size"), "max_seq_len": ("model", "max_seq_len"),
+    "make_vocab_size_divisible_by": ("model", "make_vocab_size_divisible_by"),
     "parallel_block": ("model", "parallel_block"), "sliding_window": ("model", "sliding_window"),
     "trace": ("trace", "enabled"), "trace_dir": ("trace", "dir"), "trace_interval": ("trace", "interval"),
     "trace_iterations": ("trace", "iterations"), "trace_granularity": ("trace", "granularity"),
@@ -49,7 +50,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heads", type=int)
     g.add_argument("--kv-heads", type=int, help="grouped-query attention: key/value heads")
     g.add_argument("--ffn-hidden", type=int)
-    g.add_argument("--vocab", type=int)
+    g.add_argument("--vocab", type=int, help="vocabulary size (any: padded for tensor parallelism)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int,
+                   help="pad the vocabulary to a multiple of this times --tp (default 128, as Megatron-LM)")
     g.add_argument("--max-seq-len", type=int)
     g.add_argument("--parallel-block", action="store_true", default=None, help="attention and MLP from one norm")
     g.add_argument("--sliding-window", type=int, help="attend to at most this many previous tokens")

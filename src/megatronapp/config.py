@@ -34,10 +34,16 @@ class ModelConfig:
     parallel_block: bool = False  # attention and MLP read one norm (PaLM / MegaScale)
     sliding_window: int | None = None  # attend to at most this many previous tokens
     init_std: float = 0.02
+    # Embedding and output rows are vocab_size rounded up to a multiple of this times tp (Megatron-LM's
+    # --make-vocab-size-divisible-by): equal TP slices and GEMM-friendly shapes. 1 pads only to a multiple of tp.
+    make_vocab_size_divisible_by: int = 128
 
     def __post_init__(self) -> None:
         if self.family not in ("gpt2", "llama"):
             raise ConfigError(f"model.family={self.family!r}: choose 'gpt2' or 'llama'")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ConfigError(f"model.make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be "
+                              f">= 1 (1 pads the vocabulary only to a multiple of parallel.tp)")
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.bias is None:
@@ -53,6 +59,12 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Rows of the embedding and output layer at tensor-parallel size `tp`: vocab_size rounded up to a
+        multiple of make_vocab_size_divisible_by * tp. Ids >= vocab_size are padding, masked in loss and sampling."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
 
     def num_params(self) -> int:
         """Parameter count (embeddings included once when tied)."""
@@ -213,9 +225,6 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} is not divisible by parallel.tp={p.tp}")
     if m.ffn_hidden_size % p.tp:
         raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}")
-    if m.vocab_size % p.tp:
-        raise ConfigError(f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={p.tp}; "
-                          f"pad the vocabulary to a multiple of {p.tp}")
     if m.family == "llama" and m.head_dim % 2:
         raise ConfigError(f"RoPE needs an even head dim; hidden_size/num_heads = {m.head_dim}")
     stages = p.pp * p.vpp
@@ -280,7 +289,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-tiny": dict(family="gpt2", vocab_size=256, hidden_size=128, num_layers=4, num_heads=4, max_seq_len=128),
     "llama-tiny": dict(family="llama", vocab_size=256, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                        max_seq_len=128),
-    "gpt2-small": dict(family="gpt2", vocab_size=50304, hidden_size=768, num_layers=12, num_heads=12, max_seq_len=1024),
+    "gpt2-small": dict(family="gpt2", vocab_size=50257, hidden_size=768, num_layers=12, num_heads=12, max_seq_len=1024),
     "llama-1b": dict(family="llama", vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                      ffn_hidden_size=5632, max_seq_len=2048),
 }

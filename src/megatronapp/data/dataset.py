@@ -126,8 +126,8 @@ def build_batch_source(cfg: RunConfig, dp_rank: int) -> tuple[BatchSource, ByteT
         raise ConfigError(f"train.tokenizer: {e}") from None
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"train.tokenizer={t.tokenizer!r} has {tok.vocab_size} tokens but model.vocab_size="
-                          f"{cfg.model.vocab_size}; set model.vocab_size >= {tok.vocab_size} (rounded up to a "
-                          f"multiple of parallel.tp={cfg.parallel.tp})")
+                          f"{cfg.model.vocab_size}; set model.vocab_size >= {tok.vocab_size} (any size: it is "
+                          f"padded for tensor parallelism)")
     try:
         text = embedded_corpus() if t.data is None else load_text(t.data)
     except (FileNotFoundError, ValueError) as e:

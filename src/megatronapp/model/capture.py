@@ -16,7 +16,8 @@ Names (L is the global layer index, the same whatever the tp/pp split):
   layers.L.mlp.out           MLP output (before residual)                 [b, s, h]
   layers.L.out               hidden state leaving layer L                 [b, s, h]
   final_norm                 after the last norm                          [b, s, h]
-  logits                     output logits                                [b, s, vocab] (tp_dim=2 when sharded)
+  logits                     output logits                                [b, s, padded vocab] (tp_dim=2 when
+                             sharded; info["vocab_size"] columns are real, the rest is padding for TP)
 """
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ from megatronapp.parallel.tensor_parallel import (
     copy_to_tp,
     gather_from_sp,
     gather_from_tp,
-    mark_tensor_parallel,
+    mark_vocab_parallel,
+    shard,
     sync_sequence_parallel_grads,
     tp_rank,
     tp_size,
@@ -36,7 +37,8 @@ from megatronapp.parallel.tensor_parallel import (
 )
 from megatronapp.parallel.topology import Group
 
-__all__ = ["KVCache", "TransformerChunk", "TransformerLayer", "build_model", "sync_sequence_parallel_grads"]
+__all__ = ["KVCache", "TransformerChunk", "TransformerLayer", "build_model", "load_unpadded_state_dict",
+           "sync_sequence_parallel_grads", "unpadded_state_dict"]
 
 RECOMPUTE = ("none", "selective", "full")
 Rope = tuple[torch.Tensor, torch.Tensor] | None
@@ -48,7 +50,8 @@ class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_group: Group | None, sequence_parallel: bool):
         super().__init__()
         self.tp_group, self.sequence_parallel, self.max_seq_len = tp_group, sequence_parallel, cfg.max_seq_len
-        self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group, sequence_parallel)
+        self.word = VocabParallelEmbedding(cfg.padded_vocab_size(tp_size(tp_group)), cfg.hidden_size, tp_group,
+                                           sequence_parallel, vocab_size=cfg.vocab_size)
         self.position = nn.Embedding(cfg.max_seq_len, cfg.hidden_size) if cfg.family == "gpt2" else None
         if self.position is not None and sequence_parallel:
             # Each rank adds positions to its own sequence slice only: the gradient is partial.
@@ -69,12 +72,12 @@ class Embedding(nn.Module):
 
 
 class OutputLayer(nn.Module):
-    """The vocab-parallel output projection's own weight [vocab/tp, h] (absent when tied on the same chunk)."""
+    """The vocab-parallel output projection's own weight [padded vocab/tp, h] (absent when tied on the same chunk)."""
 
     def __init__(self, cfg: ModelConfig, tp_group: Group | None):
         super().__init__()
-        local = cfg.vocab_size // tp_size(tp_group)
-        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(local, cfg.hidden_size)), 0)
+        local = cfg.padded_vocab_size(tp_size(tp_group)) // tp_size(tp_group)
+        self.weight = mark_vocab_parallel(nn.Parameter(torch.empty(local, cfg.hidden_size)), cfg.vocab_size)
 
 
 class TransformerLayer(nn.Module):
@@ -233,15 +236,17 @@ class TransformerChunk(nn.Module):
         if cap.active:
             h = cap.point("final_norm", h, tp_dim=self.hidden_tp_dim, layer=None, kind="final_norm")
         h = gather_from_sp(h, self.tp_group) if self.sequence_parallel else copy_to_tp(h, self.tp_group)
-        logits = F.linear(h, self.output_weight())  # [b, s, vocab/tp]
+        logits = F.linear(h, self.output_weight())  # [b, s, padded vocab/tp]
+        vocab = self.cfg.vocab_size
         if cap.active:
             tp_dim = 2 if tp_size(self.tp_group) > 1 else None
-            logits = cap.point("logits", logits, tp_dim=tp_dim, layer=None, kind="logits")
+            logits = cap.point("logits", logits, tp_dim=tp_dim, layer=None, kind="logits", vocab_size=vocab)
         if labels is not None:
             if labels.shape != logits.shape[:2]:
                 raise ValueError(f"labels {tuple(labels.shape)} do not match the tokens {tuple(logits.shape[:2])}")
-            return vocab_parallel_cross_entropy(logits, labels, self.tp_group).mean()
-        return gather_from_tp(logits, self.tp_group, dim=-1)
+            return vocab_parallel_cross_entropy(logits, labels, self.tp_group, vocab).mean()
+        # Padding ids are not tokens: callers (generation, HF parity) see the real vocabulary only.
+        return gather_from_tp(logits, self.tp_group, dim=-1)[..., :vocab]
 
 
 class KVCache:
@@ -287,3 +292,24 @@ class KVCache:
 def build_model(cfg: ModelConfig, seed: int = 0, **kw) -> TransformerChunk:
     """The whole model as one chunk (all layers, embedding and head) for a single process."""
     return TransformerChunk(cfg, 0, cfg.num_layers, pre_process=True, post_process=True, seed=seed, **kw)
+
+
+def unpadded_state_dict(model: TransformerChunk) -> dict[str, torch.Tensor]:
+    """A one-process chunk's weights as exported: vocabulary padding rows dropped (they depend on tp only)."""
+    if tp_size(model.tp_group) > 1:
+        raise ValueError("unpadded_state_dict needs the whole weights of a one-process chunk; consolidate a "
+                         "tensor-parallel checkpoint with megatronapp.train.consolidate instead")
+    return {n: p.detach()[:p.vocab_size] if getattr(p, "vocab_size", None) is not None else p.detach()
+            for n, p in model.named_parameters()}
+
+
+def load_unpadded_state_dict(model: TransformerChunk, state: dict[str, torch.Tensor]) -> None:
+    """Copy full weights (vocabulary rows unpadded, or padded as this chunk is) into this rank's slices; the
+    padding rows become zero. Names must match exactly; the message lists what differs."""
+    params = dict(model.named_parameters())
+    missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+    if missing or unexpected:
+        raise KeyError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(shard(state[name], p, model.tp_group).to(device=p.device, dtype=p.dtype))

@@ -162,8 +162,27 @@ def mark_tensor_parallel(p: nn.Parameter, partition_dim: int) -> nn.Parameter:
     return p
 
 
+def mark_vocab_parallel(p: nn.Parameter, vocab_size: int) -> nn.Parameter:
+    """Tag a weight whose rows are the padded vocabulary split across TP ranks; rows >= vocab_size are padding
+    (zero, masked out of loss and sampling, so they get no gradient and stay zero)."""
+    mark_tensor_parallel(p, 0)
+    p.vocab_size = vocab_size
+    return p
+
+
 def shard(full: torch.Tensor, p: nn.Parameter, group: Group | None) -> torch.Tensor:
-    """This rank's slice of a parameter's full tensor (the full tensor itself when `p` is not sharded)."""
+    """This rank's slice of a parameter's full tensor (the full tensor itself when `p` is not sharded).
+
+    For a vocab-parallel weight, `full` may hold only the real vocab_size rows: the slice then comes back with
+    its padding rows zero, so a checkpoint or initial value without padding loads at any tp.
+    """
+    vocab = getattr(p, "vocab_size", None)
+    if vocab is not None and full.shape[0] == vocab:
+        local = p.shape[0]
+        start = tp_rank(group) * local
+        rows = full[start:start + local]
+        padding = full.new_zeros(local - rows.shape[0], *full.shape[1:])
+        return torch.cat([rows, padding]) if padding.shape[0] else rows.contiguous()
     if not getattr(p, "tensor_parallel", False) or not _active(group):
         return full
     return _own_slice(full, group, p.partition_dim)
@@ -226,19 +245,21 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows; each rank looks up its own ids and the results are summed.
 
+    `num_embeddings` is the padded row count (see ModelConfig.padded_vocab_size); ids are < `vocab_size`.
     With sequence parallelism the sum is a reduce-scatter, so the output is this rank's [b, s/tp, h].
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_group: Group | None = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, vocab_size: int | None = None):
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and _active(tp_group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        local = _divide(num_embeddings, tp_group, "vocab_size")
+        self.vocab_size = num_embeddings if vocab_size is None else vocab_size
+        local = _divide(num_embeddings, tp_group, "padded vocab size")
         self.vocab_start = tp_rank(tp_group) * local
         self.vocab_end = self.vocab_start + local
-        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(local, embedding_dim)), 0)
+        self.weight = mark_vocab_parallel(nn.Parameter(torch.empty(local, embedding_dim)), self.vocab_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not _active(self.tp_group):
@@ -284,12 +305,31 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (grad * g.unsqueeze(-1)).to(ctx.in_dtype), None, None
 
 
-def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tensor,
-                                 group: Group | None) -> torch.Tensor:
-    """Per-token cross-entropy [b, s] from logits sharded along the vocabulary [b, s, v/tp]; never gathers them."""
+def mask_vocab_padding(local_logits: torch.Tensor, vocab_size: int, group: Group | None) -> torch.Tensor:
+    """Logits sharded along the padded vocabulary [.., v/tp] with padding ids (>= vocab_size) set to -inf, so
+    softmax gives them probability 0 and no gradient; the tensor itself when this shard holds no padding."""
+    local_v = local_logits.shape[-1]
+    real = vocab_size - tp_rank(group) * local_v  # real ids in this shard (<= 0: the whole shard is padding)
+    if real >= local_v:
+        return local_logits
+    padding = torch.arange(local_v, device=local_logits.device) >= real
+    return local_logits.masked_fill(padding, float("-inf"))
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tensor, group: Group | None,
+                                 vocab_size: int | None = None) -> torch.Tensor:
+    """Per-token cross-entropy [b, s] from logits sharded along the vocabulary [b, s, v/tp]; never gathers them.
+
+    With `vocab_size`, ids >= vocab_size are padding: they take no part in the softmax, so the loss equals the
+    loss over the real vocabulary alone and padding rows of the output weight get a zero gradient.
+    """
     if not _active(group):
+        if vocab_size is not None:
+            local_logits = local_logits[..., :vocab_size]
         flat = F.cross_entropy(local_logits.float().flatten(0, -2), labels.flatten(), reduction="none")
         return flat.view(labels.shape)
+    if vocab_size is not None:
+        local_logits = mask_vocab_padding(local_logits, vocab_size, group)
     return _VocabParallelCrossEntropy.apply(local_logits, labels, group)
 
 

@@ -73,6 +73,8 @@ class Recorder:
         tp_dim = info.get("tp_dim")
         if tp_dim is not None and self.tp_group is not None and self.tp_group.size > 1:
             t = comm.all_gather(t, self.tp_group, dim=tp_dim)
+        if info.get("vocab_size") is not None:
+            t = t[..., :info["vocab_size"]]  # logits: drop the TP padding columns, which are not tokens
         t = t.float().cpu() if self.to_cpu else t.clone()
         self.records.setdefault(name, []).append(t)
         return

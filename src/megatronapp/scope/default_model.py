@@ -18,7 +18,12 @@ import torch
 from megatronapp.config import ModelConfig, preset
 from megatronapp.data.corpus import embedded_corpus
 from megatronapp.data.tokenizer import ByteTokenizer
-from megatronapp.model.transformer import TransformerChunk, build_model
+from megatronapp.model.transformer import (
+    TransformerChunk,
+    build_model,
+    load_unpadded_state_dict,
+    unpadded_state_dict,
+)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 WEIGHTS = "scope_default.safetensors"
@@ -88,7 +93,7 @@ def train(recipe: Recipe, out_dir: Path = ASSETS, log_every: int = 50) -> dict:
         # mean over a few random validation windows (the last 5% of the corpus, never trained on)
         val = sum(model(xs, labels=ys).item() for xs, ys in (batch(val_ids) for _ in range(4))) / 4
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().half().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.half().contiguous() for k, v in unpadded_state_dict(model).items()}
     save_file(state, str(out_dir / WEIGHTS))
     meta = {"model": dataclasses.asdict(cfg), "tokenizer": "byte", "training": dataclasses.asdict(recipe),
             "final_train_loss": round(loss.item(), 4), "val_loss": round(val, 4),
@@ -110,7 +115,7 @@ def load_default_model(assets: Path = ASSETS) -> tuple[TransformerChunk, ModelCo
     cfg = ModelConfig(**meta["model"])
     model = build_model(cfg)
     state = {k: v.float() for k, v in load_file(str(wpath)).items()}
-    model.load_state_dict(state)
+    load_unpadded_state_dict(model, state)
     model.eval()
     return model, cfg, meta
 

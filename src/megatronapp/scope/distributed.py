@@ -45,8 +45,9 @@ def check_parallel(tp: int, pp: int, nproc: int) -> None:
 
 
 def check_divisible(cfg: ModelConfig, tp: int, source: str) -> None:
-    """Raise naming the field when `cfg` cannot be split `tp` ways (heads, kv heads, vocab, ffn)."""
-    fields = {"num_heads": cfg.num_heads, "num_kv_heads": int(cfg.num_kv_heads), "vocab_size": cfg.vocab_size,
+    """Raise naming the field when `cfg` cannot be split `tp` ways (heads, kv heads, ffn; the vocabulary is
+    padded to a multiple of tp)."""
+    fields = {"num_heads": cfg.num_heads, "num_kv_heads": int(cfg.num_kv_heads),
               "ffn_hidden_size": int(cfg.ffn_hidden_size)}
     bad = [f"{k}={v}" for k, v in fields.items() if v % tp]
     if bad:

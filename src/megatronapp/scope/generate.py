@@ -101,6 +101,7 @@ def logit_lens(model: TransformerChunk, hidden: torch.Tensor,
     """What a layer's output would predict: final norm + unembedding (`weight`: the full one); top-1 ids, probs."""
     with torch.no_grad():
         w = model.output_weight() if weight is None else weight
+        w = w[:model.cfg.vocab_size]  # rows past the vocabulary are TP padding, never a prediction
         logits = torch.nn.functional.linear(model.final_norm(hidden), w)
         p = logits.float().softmax(dim=-1).max(dim=-1)
     return p.indices, p.values

@@ -1,4 +1,8 @@
-"""Rebuild one full model from a sharded checkpoint (any tp/pp/vpp/dp), e.g. to generate or to serve it."""
+"""Rebuild one full model from a sharded checkpoint (any tp/pp/vpp/dp), e.g. to generate or to serve it.
+
+The consolidated state dict has the real vocabulary only: the rows a run padded the vocabulary with for its
+tensor-parallel size (ModelConfig.padded_vocab_size) are dropped, so it is the same whatever tp trained it.
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,9 +12,11 @@ import torch
 from megatronapp.config import ModelConfig
 from megatronapp.train import checkpoint as ckpt
 
+VOCAB_WEIGHTS = ("embedding.word.weight", "output.weight")  # rows are the (padded) vocabulary
+
 
 def consolidate(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Model config and a state dict for `build_model(cfg)` from a complete checkpoint directory."""
+    """Model config and a state dict (real vocabulary rows only) from a complete checkpoint directory."""
     d = ckpt.resolve(path)
     meta = ckpt.load_meta(d)
     cfg = ModelConfig(**meta["config"]["model"])
@@ -32,17 +38,19 @@ def consolidate(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     for name, parts in shards.items():
         ordered = [parts[t] for t in sorted(parts)]
         full[name] = torch.cat(ordered, dim=dims[name]) if name in dims else ordered[0]
+        if name in VOCAB_WEIGHTS:
+            full[name] = full[name][:cfg.vocab_size].clone()
     return cfg, full
 
 
 def load_model(path: str | Path, seed: int = 0):
     """A one-process model with the weights of a (possibly sharded) checkpoint."""
-    from megatronapp.model.transformer import build_model
+    from megatronapp.model.transformer import build_model, load_unpadded_state_dict
 
     cfg, state = consolidate(path)
     model = build_model(cfg, seed=seed)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ckpt.CheckpointError(f"checkpoint {path} does not match its model config: "
-                                   f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    try:
+        load_unpadded_state_dict(model, state)  # adds this model's own vocabulary padding rows (zero)
+    except KeyError as e:
+        raise ckpt.CheckpointError(f"checkpoint {path} does not match its model config: {e.args[0]}") from None
     return model
