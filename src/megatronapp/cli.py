@@ -214,6 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"megatronapp: configuration error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        launch = sys.modules.get("megatronapp.launch")  # imported only by commands that start ranks (torch)
+        if launch is None or not isinstance(e, launch.RankFailed):
+            raise
+        # a rank raised or was killed: its own traceback says where, and the job fails with a non-zero status
+        if e.tb:
+            print(e.tb, file=sys.stderr, end="")
+        print(f"megatronapp: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("megatronapp: interrupted", file=sys.stderr)
         return 130

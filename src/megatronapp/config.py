@@ -168,7 +168,12 @@ class RunConfig:
                     raise ConfigError(f"attach must be a list of import paths like 'package.module:function', "
                                       f"got {value!r}")
                 kwargs[key] = value
-            elif key in ("inject", "scope_port"):
+            elif key == "inject":
+                if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                    raise ConfigError(f"inject must be a list of fault specs like 'hang=2:10', got {value!r}")
+                kwargs[key] = value
+            elif key == "scope_port":
+                check_type("scope_port", "int | None", value)
                 kwargs[key] = value
             else:
                 known = sorted([*sections, "inject", "scope_port", "attach"])
@@ -177,12 +182,40 @@ class RunConfig:
 
 
 def _build(cls: type, values: dict[str, Any], section: str) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - names)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ConfigError(f"unknown field(s) {', '.join(f'{section}.{u}' for u in unknown)}; "
-                          f"known fields of {section}: {sorted(names)}")
+                          f"known fields of {section}: {sorted(fields)}")
+    for name, value in values.items():
+        check_type(f"{section}.{name}", str(fields[name].type), value)
     return cls(**values)
+
+
+# Annotation words -> the Python types a YAML value of that field may have. bool is excluded from int and float
+# (YAML's `yes` must not become tp=1), an int is accepted where a float is expected.
+_TYPE_WORDS: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
+                                            "None": (type(None),)}
+
+
+def check_type(field_name: str, annotation: str, value: Any) -> None:
+    """Refuse a config value whose type does not match its field's annotation ("int", "float | None", ...)."""
+    words = [w.strip() for w in annotation.split("|")]
+    if any(w not in _TYPE_WORDS for w in words):
+        return  # a container or custom type: its own constructor checks it
+    allowed = tuple(t for w in words for t in _TYPE_WORDS[w])
+    if isinstance(value, bool) and bool not in allowed:
+        ok = False
+    else:
+        ok = isinstance(value, allowed)
+    if not ok:
+        names = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+                 "None": "null"}
+        want = " or ".join(names[w] for w in words)
+        hint = ""
+        if isinstance(value, str) and "float" in words:
+            hint = " (YAML reads 3e-4 as text: write 3.0e-4)"
+        raise ConfigError(f"{field_name} must be {want}, got {value!r} ({type(value).__name__}){hint}")
 
 
 def load_yaml(path: str | Path) -> RunConfig:

@@ -1,15 +1,29 @@
 """Start ranks: a local launcher that spawns N processes, or join a job started by torchrun.
 
 `spawn(fn, nproc, *args)` runs `fn(rank, world_size, *args)` in each process after initialising
-torch.distributed (gloo on CPU, NCCL when every rank has a GPU). A rank that raises makes the launcher
-stop the others and re-raise with the failing rank named.
+torch.distributed (gloo on CPU, NCCL when every rank has a GPU) and raises `RankFailed` naming the first rank
+that failed: with its error, or with the signal that killed it. `start()` does the same without waiting, for a
+driver that watches the ranks itself (the resilience supervisor).
+
+Local runs rendezvous through a file store in a private temporary directory and bind gloo to the loopback
+interface, so a local job opens no port on the machine's other interfaces. A rank reports its error through a
+file, not a pipe: an error longer than a pipe buffer cannot block the rank, and so cannot hang the launcher.
 """
 from __future__ import annotations
 
+import json
+import multiprocessing.connection
 import os
+import shutil
+import signal
 import socket
+import tempfile
+import time
 import traceback
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,8 +43,9 @@ def pick_backend(requested: str = "auto") -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> tuple[int, int]:
-    """Initialise torch.distributed from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun's variables)."""
+def init_distributed(backend: str = "auto", timeout_s: float = 300.0, store_path: str | None = None) -> tuple[int, int]:
+    """Initialise torch.distributed from RANK/WORLD_SIZE (torchrun's variables) and MASTER_ADDR/MASTER_PORT,
+    or from a local file store when `store_path` is given."""
     import datetime
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -38,24 +53,36 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> tuple[i
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if store_path is not None:
+            dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                                    timeout=timeout)
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     return rank, world
 
 
-def _entry(rank: int, world: int, port: int, backend: str, threads: int, fn: Callable, args: tuple,
-           errq: Any) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def _entry(rank: int, world: int, rundir: str, backend: str, threads: int, fn: Callable, args: tuple,
+           env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     # Many ranks on few cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(threads)
     try:
-        init_distributed(backend)
+        init_distributed(backend, store_path=str(Path(rundir, "store")))
         fn(rank, world, *args)
-    except BaseException as e:  # report which rank failed, then let the launcher stop the rest
-        errq.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+    except BaseException as e:  # report which rank failed (through a file), then let the launcher stop the rest
+        _write_json(Path(rundir, f"error{rank}.json"),
+                    {"rank": rank, "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
+                     "time": time.time()})
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
@@ -65,24 +92,130 @@ def _entry(rank: int, world: int, port: int, backend: str, threads: int, fn: Cal
                 pass
 
 
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 class RankFailed(RuntimeError):
-    def __init__(self, rank: int, message: str, tb: str):
+    """A rank raised (`tb` holds its traceback), was killed by a signal (`signum`), or exited non-zero."""
+
+    def __init__(self, rank: int, message: str, tb: str = "", signum: int | None = None):
         super().__init__(f"rank {rank} failed: {message}")
-        self.rank, self.tb = rank, tb
+        self.rank, self.message, self.tb, self.signum = rank, message, tb, signum
+
+
+@dataclass
+class RankExit:
+    rank: int
+    exitcode: int
+    message: str
+    tb: str = ""
+    signum: int | None = None
+    time: float = 0.0
+
+    def error(self) -> RankFailed:
+        return RankFailed(self.rank, self.message, self.tb, self.signum)
+
+
+def _loopback_env() -> dict[str, str]:
+    # gloo binds to the interface its host name resolves to; a local job needs loopback only.
+    if "GLOO_SOCKET_IFNAME" not in os.environ and Path("/sys/class/net/lo").exists():
+        return {"GLOO_SOCKET_IFNAME": "lo"}
+    return {}
+
+
+class LocalJob:
+    """`nproc` rank processes on this machine. `poll()` never blocks; `stop()` ends whatever still runs."""
+
+    def __init__(self, procs: list[Any], rundir: Path):
+        self.procs, self.rundir = procs, rundir
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def exits(self) -> list[RankExit]:
+        """The ranks that have exited non-zero so far, with their error or signal."""
+        out = []
+        for rank, p in enumerate(self.procs):
+            code = p.exitcode
+            if code is None or code == 0:
+                continue
+            err = Path(self.rundir, f"error{rank}.json")
+            if code < 0:
+                out.append(RankExit(rank, code, f"killed by signal {signal_name(-code)}", signum=-code,
+                                    time=time.time()))
+            elif err.is_file():
+                e = json.loads(err.read_text())
+                out.append(RankExit(rank, code, e["message"], e["traceback"], time=e["time"]))
+            else:
+                out.append(RankExit(rank, code, f"exited with code {code} without reporting an error",
+                                    time=time.time()))
+        return out
+
+    def running(self) -> bool:
+        return any(p.exitcode is None for p in self.procs)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until some rank exits or `timeout_s` passes."""
+        live = [p.sentinel for p in self.procs if p.exitcode is None]
+        if live:
+            multiprocessing.connection.wait(live, timeout_s)
+
+    def stop(self, grace_s: float = 3.0) -> None:
+        """SIGTERM every live rank, SIGKILL those still alive after `grace_s` (a stopped or hung rank)."""
+        for p in self.procs:
+            if p.exitcode is None:
+                p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.exitcode is None:
+                p.kill()  # SIGKILL also ends a SIGSTOPped process
+                p.join()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.rundir, ignore_errors=True)
+
+
+def start(fn: Callable, nproc: int, *args: Any, backend: str = "gloo", threads: int = 1,
+          env: dict[str, str] | None = None) -> LocalJob:
+    """Start `fn(rank, world_size, *args)` on `nproc` local processes and return at once."""
+    ctx = mp.get_context("spawn")
+    rundir = Path(tempfile.mkdtemp(prefix="megatronapp-job-"))
+    full_env = {"MEGATRONAPP_RUN_ID": uuid.uuid4().hex[:12], **_loopback_env(), **(env or {})}
+    procs = []
+    for rank in range(nproc):
+        p = ctx.Process(target=_entry, args=(rank, nproc, str(rundir), backend, threads, fn, args, full_env),
+                        name=f"rank{rank}")
+        p.start()
+        procs.append(p)
+    return LocalJob(procs, rundir)
+
+
+def first_failure(exits: list[RankExit]) -> RankExit:
+    """The rank to blame among several failed ones: one killed by a signal (the others then fail on their
+    broken connections), else the earliest error."""
+    killed = [e for e in exits if e.signum is not None]
+    return min(killed or exits, key=lambda e: e.time)
 
 
 def spawn(fn: Callable, nproc: int, *args: Any, backend: str = "gloo", threads: int = 1) -> None:
-    """Run `fn(rank, world_size, *args)` on `nproc` local processes; raise RankFailed naming the first failure."""
-    ctx = mp.get_context("spawn")
-    errq = ctx.SimpleQueue()
-    port = free_port()
+    """Run `fn(rank, world_size, *args)` on `nproc` local processes; raise RankFailed naming the failed rank
+    (its error, or the signal that killed it)."""
+    job = start(fn, nproc, *args, backend=backend, threads=threads)
     try:
-        mp.start_processes(_entry, args=(nproc, port, backend, threads, fn, args, errq), nprocs=nproc,
-                           join=True, start_method="spawn")
-    except mp.ProcessRaisedException:
-        pass
-    except mp.ProcessExitedException:
-        pass
-    if not errq.empty():
-        rank, msg, tb = errq.get()
-        raise RankFailed(rank, msg, tb)
+        while job.running() and not job.exits():
+            job.wait(1.0)
+        if job.exits():
+            time.sleep(0.5)  # let the peers of a dead rank report too, so the cause is told from its victims
+            exits = job.exits()
+            job.stop()
+            raise first_failure(exits).error()
+    finally:
+        job.close()

@@ -3,19 +3,34 @@
     <out>/checkpoints/step_00000050/rank00000.pt ... meta.json COMPLETE
     <out>/checkpoints/latest          (text: name of the newest complete step directory)
 
-Every file is written to a temporary name and renamed, so a crash leaves either the old file or the new one.
-A directory without COMPLETE is never loaded: `resolve()` skips it and says so.
+A step is written into a temporary directory (`.step_00000050.<run id>`): every rank writes its file there and
+fsyncs it, then rank 0 writes `meta.json` (with every file's size and SHA-256), the marker, fsyncs the directory
+and renames it into place. A crash at any moment leaves either no `step_N` or a complete one, never a directory
+marked complete that holds shards of two saves. A directory without COMPLETE is never loaded.
+
+Files hold tensors and plain values only and are read with `torch.load(weights_only=True)`: loading a checkpoint
+from someone else never runs code (the RNG states are stored as tensors and ints for this reason). Each file is
+checked against the checksum in `meta.json`; `resolve(..., verify=True)` falls back from a torn or corrupt
+newest checkpoint to the previous complete one and says so. `OutLock` refuses two jobs writing one run directory.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import io
 import json
 import os
 import random
+import shutil
+import socket
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
+
+from megatronapp.config import ConfigError
 
 MARKER = "COMPLETE"
 
@@ -28,6 +43,28 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
+def _run_id() -> str:
+    # Identical on every rank of one launch (our launcher or torchrun), different across restarts.
+    return os.environ.get("MEGATRONAPP_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "job"
+
+
+def temp_dir(root: Path, step: int) -> Path:
+    return root / f".{step_dir(root, step).name}.{_run_id()}"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -37,17 +74,39 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
+class _HashingWriter(io.RawIOBase):
+    """A write-only file that hashes what passes through (checksum without a second read)."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        self.sha.update(b)
+        self.n += len(b)
+        return self.f.write(b)
+
+
+def write_durable(obj: Any, path: Path) -> dict[str, Any]:
+    """torch.save `obj` to `path`, fsync it; returns its size and SHA-256."""
+    with open(path, "wb") as f:
+        w = _HashingWriter(f)
+        torch.save(obj, w)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return {"bytes": w.n, "sha256": w.sha.hexdigest()}
 
 
+# -- RNG state as tensors and ints (a weights_only load accepts nothing else) ----------------------------------
 def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    version, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(),
+             "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -55,63 +114,141 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# -- saving ------------------------------------------------------------------------------------------------
 def save_rank(root: Path, step: int, rank: int, state: dict[str, Any]) -> Path:
-    """Write this rank's file of checkpoint `step`."""
-    d = step_dir(root, step)
+    """Write this rank's durable file of checkpoint `step` into the step's temporary directory."""
+    d = temp_dir(root, step)
     d.mkdir(parents=True, exist_ok=True)
-    path = d / f"rank{rank:05d}.pt"
-    _atomic_torch_save(state, path)
+    path = d / rank_file(rank)
+    info = write_durable(state, path)
+    _atomic_write_bytes(d / (path.name + ".sum"), json.dumps(info).encode())
     return path
 
 
-def finalize(root: Path, step: int, meta: dict[str, Any]) -> Path:
-    """After every rank saved (the caller barriers first): metadata, then the marker, then `latest`."""
-    d = step_dir(root, step)
-    _atomic_write_bytes(d / "meta.json", json.dumps(meta, indent=2, default=str).encode())
-    _atomic_write_bytes(d / MARKER, b"ok\n")
-    _atomic_write_bytes(root / "latest", (d.name + "\n").encode())
-    return d
+def finalize(root: Path, step: int, meta: dict[str, Any], keep: int = 0) -> Path:
+    """Rank 0, after every rank saved (the caller waits for them): checksums into meta.json, the marker, then
+    rename the directory into place and point `latest` at it. Keeps the newest `keep` steps (0: all)."""
+    tmp, final = temp_dir(root, step), step_dir(root, step)
+    files = {}
+    for s in sorted(tmp.glob("*.pt.sum")):
+        files[s.name.removesuffix(".sum")] = json.loads(s.read_text())
+        s.unlink()
+    world = int(meta.get("world_size", len(files)))
+    missing = [rank_file(r) for r in range(world) if rank_file(r) not in files]
+    if missing:
+        raise CheckpointError(f"checkpoint step {step}: {', '.join(missing)} were not written; not marking it complete")
+    _atomic_write_bytes(tmp / "meta.json", json.dumps({**meta, "files": files}, indent=2, default=str).encode())
+    _atomic_write_bytes(tmp / MARKER, b"ok\n")
+    fsync_dir(tmp)
+    if final.exists():  # a replayed step saved again after a restart: swap, never mix the two
+        trash = root / f".trash.{final.name}.{_run_id()}"
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(root)
+    _atomic_write_bytes(root / "latest", (final.name + "\n").encode())
+    fsync_dir(root)
+    _clean(root, keep)
+    return final
 
 
+def _clean(root: Path, keep: int) -> None:
+    """Remove temporary directories of other (dead) launches and, with `keep`, all but the newest steps."""
+    for d in root.glob(".step_*"):
+        if not d.name.endswith("." + _run_id()):
+            shutil.rmtree(d, ignore_errors=True)
+    if keep > 0:
+        complete = [d for d in sorted(root.glob("step_*")) if is_complete(d)]
+        for d in complete[:-keep]:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+# -- finding and checking ------------------------------------------------------------------------------------
 def is_complete(d: Path) -> bool:
     return (d / MARKER).is_file() and (d / "meta.json").is_file()
 
 
-def _newest_complete(root: Path) -> tuple[Path | None, list[str]]:
-    skipped = []
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(d: Path) -> str | None:
+    """What is wrong with a complete-marked directory (a missing, torn or altered file), or None."""
+    try:
+        meta = load_meta(d)
+    except CheckpointError as e:
+        return str(e)
+    files = meta.get("files")
+    if files is None:  # written before checksums existed: presence only
+        missing = [rank_file(r) for r in range(int(meta.get("world_size", 0))) if not (d / rank_file(r)).is_file()]
+        return f"{missing[0]} is missing" if missing else None
+    for name, info in files.items():
+        p = d / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != info["bytes"]:
+            return f"{name} has {p.stat().st_size} bytes, {info['bytes']} were written (torn)"
+        if _sha256(p) != info["sha256"]:
+            return f"{name} fails its checksum (corrupt)"
+    return None
+
+
+def newest_usable(root: Path, verify_files: bool = True) -> tuple[Path | None, list[str]]:
+    """The newest complete (and, with `verify_files`, intact) step directory under `root`, and a note for each
+    newer one that was skipped."""
+    notes = []
     for d in sorted(root.glob("step_*"), reverse=True) if root.is_dir() else []:
-        if is_complete(d):
-            return d, skipped
-        skipped.append(d.name)
-    return None, skipped
+        if not is_complete(d):
+            notes.append(f"incomplete, skipped: {d.name}")
+            continue
+        problem = verify(d) if verify_files else None
+        if problem is None:
+            return d, notes
+        notes.append(f"unusable, skipped: {d.name} ({problem})")
+    return None, notes
 
 
-def resolve(path: str | Path) -> Path:
+def resolve(path: str | Path, verify_files: bool = False, warn: bool = True) -> Path:
     """Turn a --resume argument (a step directory, `.../latest`, a checkpoints or run directory) into a
-    complete step directory. A step directory without its marker is refused, naming the newest complete one."""
+    complete step directory. A named step directory that is incomplete (or, with `verify_files`, corrupt) is
+    refused, naming the newest usable one; otherwise newer unusable directories are skipped, with a warning."""
     p = Path(path)
     if p.name == "latest" and p.is_file():
-        p = p.parent / p.read_text().strip()
+        p = p.parent  # latest means the newest usable one: fall back past a corrupt newest
     if p.name.startswith("step_"):
-        if is_complete(p):
-            return p
         if not p.is_dir():
             raise CheckpointError(f"checkpoint {p} does not exist")
-        newest, _ = _newest_complete(p.parent)
-        hint = f"; the newest complete one is {newest}" if newest else ""
-        raise CheckpointError(f"checkpoint {p} has no {MARKER} marker (its save did not finish){hint}")
+        problem = None if is_complete(p) else f"has no {MARKER} marker (its save did not finish)"
+        if problem is None and verify_files:
+            problem = verify(p)
+        if problem is None:
+            return p
+        newest, _ = newest_usable(p.parent, verify_files)
+        hint = f"; the newest usable one is {newest}" if newest else ""
+        raise CheckpointError(f"checkpoint {p} {problem}{hint}")
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-    newest, skipped = _newest_complete(root)
-    if newest is not None:
-        return newest
-    hint = f" (incomplete, skipped: {', '.join(skipped)})" if skipped else ""
-    raise CheckpointError(f"no complete checkpoint at {path}{hint}")
+    newest, notes = newest_usable(root, verify_files)
+    if newest is None:
+        hint = f" ({'; '.join(notes)})" if notes else ""
+        raise CheckpointError(f"no complete checkpoint at {path}{hint}")
+    if notes and warn:
+        print(f"megatronapp: checkpoint {'; '.join(notes)}; falling back to {newest.name}", file=sys.stderr)
+    return newest
 
 
 def load_meta(d: Path) -> dict[str, Any]:
@@ -122,10 +259,54 @@ def load_meta(d: Path) -> dict[str, Any]:
 
 
 def load_rank(d: Path, rank: int) -> dict[str, Any]:
-    path = d / f"rank{rank:05d}.pt"
+    """This rank's state from a complete directory: checksum-checked, tensors and plain values only."""
+    path = d / rank_file(rank)
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: was the checkpoint saved with the same world size?")
+    data = path.read_bytes()
+    expected = load_meta(d).get("files", {}).get(path.name)
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected["sha256"]:
+        raise CheckpointError(f"{path} is corrupt or truncated: it fails its checksum; resume from an older step")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # torch raises several types for truncated or corrupt files
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for unsafe, truncated or corrupt files
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            raise CheckpointError(f"{path} was refused: it holds objects other than tensors and plain values, and "
+                                  f"loading it would run code from the file. Only load checkpoints you trust "
+                                  f"with other tools") from None
         raise CheckpointError(f"{path} is corrupt or truncated: {type(e).__name__}: {e}") from None
+
+
+# -- one writer per run directory ----------------------------------------------------------------------------
+class OutLock:
+    """An exclusive lock on a run directory for the life of a job (released by the kernel if the job dies)."""
+
+    def __init__(self, out: str | Path):
+        self.path = Path(out) / ".lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> OutLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ConfigError(f"--out {self.path.parent}: another job ({holder}) is writing to this run directory; "
+                              f"wait for it to finish or choose another --out") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the lock
+            self._fd = None
+
+    def __enter__(self) -> OutLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

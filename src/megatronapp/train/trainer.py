@@ -32,7 +32,7 @@ from megatronapp.pipeline.executor import PipelineExecutor
 from megatronapp.pipeline.partition import stage_chunks
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train import plugins
-from megatronapp.train.metrics import MetricsLog, Progress, measure_peak_flops, mfu, peak_memory_bytes
+from megatronapp.train.metrics import MetricsLog, Progress, measure_peak_flops, mfu, peak_memory_bytes, read_metrics
 from megatronapp.train.optim import build_optimizer, lr_at, set_lr
 
 
@@ -199,6 +199,9 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
     lead = rank == 0
     progress = Progress(t.steps, enabled=lead and t.progress)
     log = MetricsLog(tr.out / "metrics.jsonl") if lead else None
+    # Steps this run directory already logged (a run resumed after a failure repeats the steps since its
+    # checkpoint): their records are marked `replayed`, so a reader keeps one loss per step.
+    logged = _logged_steps(tr.out / "metrics.jsonl") if lead and tr.step < t.steps else 0
     peak = t.peak_tflops * 1e12 if t.peak_tflops else measure_peak_flops(
         tr.device, torch.bfloat16 if t.dtype == "bf16" else torch.float32)
     flops_tok = cfg.model.flops_per_token(t.seq_len)
@@ -216,6 +219,8 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
             tps = tokens_per_step / rec["step_time"]
             rec.update(step=tr.step, tokens_per_s=tps, mfu=mfu(tps, flops_tok, peak, world),
                        mem_bytes=peak_memory_bytes(tr.device))
+            if tr.step <= logged:
+                rec["replayed"] = True
             history.append(rec)
             if lead:
                 log.log(rec)
@@ -254,16 +259,36 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
     return summary
 
 
+def _logged_steps(path: Path) -> int:
+    """The highest step number in an existing metrics file (0 if none)."""
+    if not path.is_file():
+        return 0
+    return max((int(r.get("step", 0)) for r in read_metrics(path)), default=0)
+
+
 def train(cfg: RunConfig, threads: int | None = None) -> dict[str, Any]:
     """Validate, then run the job: as this rank under torchrun, else on cfg.parallel.world_size local ranks."""
-    from megatronapp.launch import init_distributed, pick_backend, spawn
+    from megatronapp.launch import init_distributed
 
     validate(cfg)
     plugins.resolve_all(plugin_entries(cfg))  # a bad --attach fails here, once, not in every spawned rank
     Path(cfg.train.out).mkdir(parents=True, exist_ok=True)
     if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         rank, world = init_distributed(cfg.parallel.backend)
-        return run_rank(rank, world, cfg.to_dict())
+        with ckpt.OutLock(cfg.train.out) if rank == 0 else nullcontext():
+            return run_rank(rank, world, cfg.to_dict())
+    with ckpt.OutLock(cfg.train.out):  # two jobs writing one run directory would corrupt each other's steps
+        return _train_local(cfg, threads)
+
+
+def _train_local(cfg: RunConfig, threads: int | None) -> dict[str, Any]:
+    from megatronapp.launch import pick_backend, spawn
+
+    if cfg.train.resume:
+        # Checked once here (every file's checksum), so the ranks load a known-good step: a torn or corrupt
+        # newest checkpoint falls back to the previous complete one, with a warning.
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, resume=str(ckpt.resolve(cfg.train.resume, verify_files=True))))
     world = cfg.parallel.world_size
     result = Path(cfg.train.out) / ".result.json"
     result.unlink(missing_ok=True)

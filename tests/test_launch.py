@@ -1,0 +1,103 @@
+"""Launcher hardening: a rank killed by a signal is named with it, a long error cannot hang the launcher, a local
+job listens on loopback only, and YAML values of the wrong type are ConfigErrors naming the field."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from megatronapp.config import ConfigError, RunConfig, load_yaml
+from megatronapp.launch import RankFailed, spawn
+
+
+def _listening_addresses() -> list[str]:
+    """Local addresses of this process's listening TCP sockets (hex, as /proc/net/tcp* writes them)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if Path(table).exists():
+            for line in Path(table).read_text().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    out.append(cols[1].split(":")[0])
+    return out
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+def _report_then_die(rank: int, world: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(1))  # the store and gloo's pairs are up by now
+    Path(out, f"rank{rank}.txt").write_text(" ".join(_listening_addresses()))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # rank 0 waits for the dead rank; the launcher must stop it and still blame rank 1
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs Linux /proc")
+def test_rank_killed_by_signal_is_named_and_local_jobs_listen_on_loopback_only(tmp_path):
+    with pytest.raises(RankFailed, match="rank 1 failed: killed by signal SIGKILL") as info:
+        spawn(_report_then_die, 2, str(tmp_path))
+    assert info.value.signum == signal.SIGKILL
+    for rank in range(2):
+        addrs = Path(tmp_path, f"rank{rank}.txt").read_text().split()
+        assert set(addrs) <= LOOPBACK, f"rank {rank} listens on {addrs}"
+
+
+def _long_error(rank: int, world: int) -> None:
+    raise ValueError("x" * 1_000_000)
+
+
+def test_long_error_does_not_hang_the_launcher():
+    # The old launcher sent errors through a pipe and joined the ranks first: a message longer than the pipe
+    # buffer blocked the rank in its write, and the launcher forever. A thread lets a hang fail the test.
+    caught: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            spawn(_long_error, 2)
+        except BaseException as e:  # noqa: BLE001 - the result under test
+            caught.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(180)
+    assert not t.is_alive(), "the launcher hung on a long error"
+    assert isinstance(caught[0], RankFailed) and len(str(caught[0])) > 1_000_000
+
+
+@pytest.mark.parametrize("section,field,value,expect", [
+    ("parallel", "tp", "'2'", "parallel.tp must be an integer, got '2'"),
+    ("train", "lr", "3e-4", "train.lr must be a number, got '3e-4'.*write 3.0e-4"),
+    ("train", "steps", "yes", "train.steps must be an integer, got True"),
+    ("model", "num_kv_heads", "[2]", "model.num_kv_heads must be an integer or null"),
+    ("train", "resume", "5", "train.resume must be a string or null"),
+])
+def test_yaml_value_of_the_wrong_type_names_the_field(tmp_path, section, field, value, expect):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(f"{section}:\n  {field}: {value}\n")
+    with pytest.raises(ConfigError, match=expect):
+        load_yaml(path)
+
+
+def test_yaml_values_of_the_right_type_load(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("parallel: {tp: 2, microbatches: 2}\ntrain: {lr: 1, min_lr: 3.0e-4, resume: null}\n"
+                    "model: {num_kv_heads: null}\ninject: ['hang=0:3']\n")
+    cfg = load_yaml(path)
+    assert cfg.parallel.tp == 2 and cfg.train.lr == 1 and cfg.inject == ["hang=0:3"]
+    with pytest.raises(ConfigError, match="inject must be a list"):
+        RunConfig.from_dict({"inject": "hang=0:3"})
