@@ -16,6 +16,7 @@ _TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "schedule": ("parallel", "schedule"), "microbatches": ("parallel", "microbatches"),
     "sequence_parallel": ("parallel", "sequence_parallel"), "dpp_policy": ("parallel", "dpp_policy"),
     "dpp_max_inflight": ("parallel", "dpp_max_inflight"), "backend": ("parallel", "backend"),
+    "comm_semantics": ("parallel", "comm_semantics"),
     "steps": ("train", "steps"), "global_batch": ("train", "global_batch_size"), "seq_len": ("train", "seq_len"),
     "lr": ("train", "lr"), "min_lr": ("train", "min_lr"), "warmup": ("train", "warmup_steps"),
     "optimizer": ("train", "optimizer"), "weight_decay": ("train", "weight_decay"),
@@ -62,12 +63,16 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=int, help="pipeline-parallel size")
     g.add_argument("--dp", type=int, help="data-parallel size")
     g.add_argument("--vpp", type=int, help="virtual pipeline chunks per stage")
-    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "dpp"])
+    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dpp"],
+                   help="zb-h1: zero-bubble 1F1B with a split backward (vpp 1); dpp: dynamic, see --dpp-policy")
     g.add_argument("--microbatches", type=int, help="microbatches per DP replica per step")
     g.add_argument("--sequence-parallel", action="store_true", default=None)
-    g.add_argument("--dpp-policy", choices=["dfs", "bfs", "adaptive"])
+    g.add_argument("--dpp-policy", choices=["dfs", "bfs", "adaptive", "zb"],
+                   help="zb: dynamic zero-bubble (split backward; W fills the bubbles)")
     g.add_argument("--dpp-max-inflight", type=int, help="cap on activations held for backward (memory)")
     g.add_argument("--backend", choices=["auto", "gloo", "nccl"])
+    g.add_argument("--comm-semantics", choices=["native", "nccl"],
+                   help="nccl: make gloo enforce NCCL's communication rules (catches what would hang on GPUs)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int)
     g.add_argument("--global-batch", type=int, help="samples per optimizer step over all DP replicas")
@@ -95,7 +100,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-granularity", choices=["coarse", "full"])
     g.add_argument("--inject", action="append", default=[],
                    help="fault drill, repeatable: slow-compute=RANK:FACTOR, slow-link=A-B:MS, pause=RANK:MS:EVERY, "
-                        "hang=RANK:STEP")
+                        "hang=RANK:STEP, slow-wire=A-B:FACTOR, jitter=A-B:lognormal:SIGMA")
     g.add_argument("--scope-port", type=int, help="MegaScope: serve the live page while training")
     g.add_argument("--attach", action="append", default=[], metavar="MODULE:FUNCTION",
                    help="plug-in by import path, repeatable: FUNCTION(trainer) is called in every rank and may "

@@ -91,12 +91,15 @@ class ParallelConfig:
     dp: int = 1
     vpp: int = 1  # virtual pipeline chunks per stage (interleaved schedules)
     sequence_parallel: bool = False
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | dpp
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zb-h1 | dpp
     microbatches: int = 1  # per DP replica per step
-    dpp_policy: str = "adaptive"  # dfs | bfs | adaptive (schedule=dpp)
+    dpp_policy: str = "adaptive"  # dfs | bfs | adaptive | zb (schedule=dpp)
     dpp_max_inflight: int | None = None  # cap on forward-done, backward-pending microbatch chunks
     grad_bucket_mb: float = 4.0  # DP gradient bucket size
     backend: str = "auto"  # auto | gloo | nccl
+    # native: the backend's own rules; nccl: gloo enforces NCCL's (order-matched P2P, one stream per pair,
+    # identical collective order), so a CPU run fails where a GPU job would hang
+    comm_semantics: str = "native"
 
     @property
     def world_size(self) -> int:
@@ -234,7 +237,7 @@ def load_yaml(path: str | Path) -> RunConfig:
     return RunConfig.from_dict(data)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "dpp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dpp")
 
 
 def validate(cfg: RunConfig, world_size: int | None = None) -> None:
@@ -266,12 +269,17 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
                           f"lower --pp/--vpp or add layers")
     if p.schedule not in SCHEDULES:
         raise ConfigError(f"parallel.schedule={p.schedule!r}: choose one of {', '.join(SCHEDULES)}")
-    if p.vpp > 1 and p.schedule in ("gpipe", "1f1b"):
+    if p.vpp > 1 and p.schedule in ("gpipe", "1f1b", "zb-h1"):
         raise ConfigError(f"parallel.vpp={p.vpp} needs an interleaved schedule: use --schedule interleaved-1f1b or dpp")
     if p.vpp > 1 and p.pp == 1:
         raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1")
-    if p.dpp_policy not in ("dfs", "bfs", "adaptive"):
-        raise ConfigError(f"parallel.dpp_policy={p.dpp_policy!r}: choose dfs, bfs or adaptive")
+    if p.comm_semantics not in ("native", "nccl"):
+        raise ConfigError(f"parallel.comm_semantics={p.comm_semantics!r}: choose native or nccl")
+    if p.comm_semantics == "nccl" and p.backend == "nccl":
+        raise ConfigError("parallel.comm_semantics='nccl' emulates NCCL's rules on gloo; with --backend nccl the "
+                          "rules hold natively: use --comm-semantics native")
+    if p.dpp_policy not in ("dfs", "bfs", "adaptive", "zb"):
+        raise ConfigError(f"parallel.dpp_policy={p.dpp_policy!r}: choose dfs, bfs, adaptive or zb")
     if p.dpp_max_inflight is not None and p.dpp_max_inflight < max(1, p.vpp):
         # a stage must be able to hold one microbatch through all of its chunks (see docs/megadpp.md)
         raise ConfigError(f"parallel.dpp_max_inflight={p.dpp_max_inflight} is below the minimum "

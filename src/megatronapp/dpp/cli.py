@@ -8,7 +8,7 @@ from pathlib import Path
 
 from megatronapp.dpp.simulator import SCHEDULE_NAMES, SimConfig, SimResult, compare
 
-DEFAULT_COMPARE = "1f1b,interleaved-1f1b,zb-h1,dpp-dfs,dpp-bfs,dpp-adaptive"
+DEFAULT_COMPARE = "1f1b,interleaved-1f1b,zb-h1,dpp-dfs,dpp-bfs,dpp-adaptive,dpp-zb"
 
 
 def _schedules(text: str) -> list[str]:

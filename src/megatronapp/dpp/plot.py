@@ -53,7 +53,7 @@ def timeline_from_trace(trace_dir: str | Path, iteration: int | None = None) -> 
     pp = max(t.topo[1] for t in stages)
     rows: list[tuple[int, str, int, int, int, int, int]] = []  # (iteration, kind, stage, chunk, mb, ts, dur)
     for t in stages:
-        ids = {t.name_id("forward"): "F", t.name_id("backward"): "B"}
+        ids = {t.name_id("forward"): "F", t.name_id("backward"): "B", t.name_id("weight_grad"): "W"}
         ids.pop(-1, None)
         if not ids:
             continue

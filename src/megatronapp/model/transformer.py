@@ -10,7 +10,6 @@ import contextlib
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -22,6 +21,7 @@ from megatronapp.model.init import reset_parameters
 from megatronapp.model.mlp import MLP
 from megatronapp.model.norms import is_norm, make_norm
 from megatronapp.model.rope import inv_frequencies, rope_tables
+from megatronapp.parallel import weight_grad
 from megatronapp.parallel.tensor_parallel import (
     SEQ_DIM,
     VocabParallelEmbedding,
@@ -236,7 +236,7 @@ class TransformerChunk(nn.Module):
         if cap.active:
             h = cap.point("final_norm", h, tp_dim=self.hidden_tp_dim, layer=None, kind="final_norm")
         h = gather_from_sp(h, self.tp_group) if self.sequence_parallel else copy_to_tp(h, self.tp_group)
-        logits = F.linear(h, self.output_weight())  # [b, s, padded vocab/tp]
+        logits = weight_grad.linear(h, self.output_weight())  # [b, s, padded vocab/tp]; W deferrable
         vocab = self.cfg.vocab_size
         if cap.active:
             tp_dim = 2 if tp_size(self.tp_group) > 1 else None

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatronapp.parallel import comm
+from megatronapp.parallel import comm, weight_grad
 from megatronapp.parallel.topology import Group
 
 SEQ_DIM = 1  # hidden states are [batch, seq, hidden]
@@ -213,7 +213,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sp(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+        y = weight_grad.linear(x, self.weight, self.bias)  # split backward: W may be deferred
         return gather_from_tp(y, self.tp_group, dim=-1) if self.gather_output else y
 
 
@@ -237,7 +237,7 @@ class RowParallelLinear(nn.Module):
             self.bias.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = weight_grad.linear(x, self.weight)
         y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
         return y + self.bias if self.bias is not None else y
 
