@@ -66,6 +66,9 @@ class SimConfig:
     bwd: float | Sequence[float] = 2.0  # backward time (input + weight gradients)
     stage_factors: Sequence[float] | None = None  # per-stage slow-down of compute (a slow GPU: 1.3)
     latency: float = 0.0  # per message, seconds
+    # Extra seconds per message on each link (entry s: stages s and s+1 mod pp, both directions), jittered like
+    # `latency`: a slow or late wire between two stages (faults' slow-wire and jitter on real runs).
+    link_latency: Sequence[float] | None = None
     bandwidth: float | None = None  # bytes/s per directed link; None: unlimited
     act_bytes: float = 0.0  # bytes of one activation (or its gradient) between stages
     compute_jitter: str = "none"
@@ -91,6 +94,9 @@ class SimConfig:
                 raise ValueError(f"{name} costs must be >= 0")
         if self.stage_factors is not None and len(self.stage_factors) != self.pp:
             raise ValueError(f"stage_factors has {len(self.stage_factors)} entries; pp={self.pp} needs {self.pp}")
+        if self.link_latency is not None and (len(self.link_latency) != self.pp or min(self.link_latency) < 0):
+            raise ValueError(f"link_latency needs pp={self.pp} entries >= 0 (entry s: the link between stages s "
+                             f"and s+1 mod pp), got {list(self.link_latency)}")
         if self.bandwidth is not None and self.bandwidth <= 0:
             raise ValueError(f"bandwidth={self.bandwidth} must be > 0 (or None for unlimited)")
         if not 0 <= self.w_fraction < 1:
@@ -227,6 +233,7 @@ def simulate(schedule: str | Callable[[], Policy], cfg: SimConfig, timeline: boo
     ljit = parse_jitter(cfg.link_jitter)(link_rng, (2, pp, cfg.vpp, m)).tolist()
     wire = cfg.act_bytes / cfg.bandwidth if cfg.bandwidth else 0.0
     lat = cfg.latency
+    extra = list(cfg.link_latency) if cfg.link_latency is not None else [0.0] * pp
 
     if isinstance(schedule, str) and schedule in STATIC_SCHEDULES:
         orders = stage_orders(schedule, pp, vpp, m)
@@ -263,7 +270,7 @@ def simulate(schedule: str | Callable[[], Policy], cfg: SimConfig, timeline: boo
             j = ljit[direction][src][chunk][mb]
             start = max(now, link_free[direction][src])
             link_free[direction][src] = start + wire * j
-            arrive = start + (wire + lat) * j
+            arrive = start + (wire + lat + extra[src if direction == 0 else dst]) * j
         seq += 1
         heapq.heappush(heap, (arrive, seq, dst, task, -1.0))
 
