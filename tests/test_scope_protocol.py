@@ -16,6 +16,9 @@ from megatronapp.scope import protocol
 from megatronapp.scope.generate import ScopeModel
 from megatronapp.scope.server import create_app
 
+LOCAL = "http://127.0.0.1"  # the Host the server accepts (TestClient's default "testserver" is refused)
+LOCAL_WS = "ws://127.0.0.1/ws"
+
 
 @pytest.fixture(scope="module")
 def sm() -> ScopeModel:
@@ -42,7 +45,7 @@ def until(ws, kind: str, limit: int = 200) -> list[dict]:
 
 
 def test_page_and_static_served(sm):
-    client = TestClient(create_app(sm))
+    client = TestClient(create_app(sm), base_url=LOCAL)
     page = client.get("/")
     assert page.status_code == 200 and "MegaScope" in page.text and "/static/app.js" in page.text
     js = client.get("/static/app.js")
@@ -52,8 +55,8 @@ def test_page_and_static_served(sm):
 
 
 def test_conversation_hello_generate_done(sm):
-    client = TestClient(create_app(sm))
-    with client.websocket_connect("/ws") as ws:
+    client = TestClient(create_app(sm), base_url=LOCAL)
+    with client.websocket_connect(LOCAL_WS) as ws:
         hello = ws.receive_json()
         assert hello["type"] == "hello" and hello["model"]["num_layers"] == 2
         ws.send_json({"type": "ping"})
@@ -68,8 +71,8 @@ def test_conversation_hello_generate_done(sm):
 
 
 def test_malformed_oversized_unknown_and_hostile_messages(sm):
-    client = TestClient(create_app(sm))
-    with client.websocket_connect("/ws") as ws:
+    client = TestClient(create_app(sm), base_url=LOCAL)
+    with client.websocket_connect(LOCAL_WS) as ws:
         ws.receive_json()
         cases = [
             ("{not json", "bad_json"),
@@ -99,8 +102,8 @@ def test_malformed_oversized_unknown_and_hostile_messages(sm):
 
 
 def test_request_errors_are_reported_not_fatal(sm):
-    client = TestClient(create_app(sm))
-    with client.websocket_connect("/ws") as ws:
+    client = TestClient(create_app(sm), base_url=LOCAL)
+    with client.websocket_connect(LOCAL_WS) as ws:
         ws.receive_json()
         ws.send_json(gen(prompts=["x" * 63], max_new_tokens=5))
         reply = until(ws, "error")[-1]
@@ -114,8 +117,8 @@ def test_request_errors_are_reported_not_fatal(sm):
 
 
 def test_too_many_errors_disconnects(sm):
-    client = TestClient(create_app(sm))
-    with client.websocket_connect("/ws") as ws:
+    client = TestClient(create_app(sm), base_url=LOCAL)
+    with client.websocket_connect(LOCAL_WS) as ws:
         ws.receive_json()
         with pytest.raises(WebSocketDisconnect):
             for _ in range(30):
@@ -124,26 +127,26 @@ def test_too_many_errors_disconnects(sm):
 
 
 def test_token_query_first_message_and_bad_token(sm):
-    client = TestClient(create_app(sm, token="s3cret"))
-    with client.websocket_connect("/ws?token=s3cret") as ws:
+    client = TestClient(create_app(sm, token="s3cret"), base_url=LOCAL)
+    with client.websocket_connect(LOCAL_WS + "?token=s3cret") as ws:
         assert ws.receive_json()["type"] == "hello"
-    with client.websocket_connect("/ws") as ws:
+    with client.websocket_connect(LOCAL_WS) as ws:
         ws.send_json({"type": "auth", "token": "s3cret"})
         assert ws.receive_json()["type"] == "hello"
-    with client.websocket_connect("/ws?token=wrong") as ws:
+    with client.websocket_connect(LOCAL_WS + "?token=wrong") as ws:
         ws.send_json({"type": "auth", "token": "also wrong"})
         assert ws.receive_json()["code"] == "unauthorized"
         with pytest.raises(WebSocketDisconnect) as e:
             ws.receive_json()
         assert e.value.code == 1008
-    with client.websocket_connect("/ws") as ws:
+    with client.websocket_connect(LOCAL_WS) as ws:
         ws.send_json(gen())  # no auth first: refused, nothing generated
         assert ws.receive_json()["code"] == "unauthorized"
 
 
 def test_busy_while_generating_and_stop(sm):
     app = create_app(sm)
-    client = TestClient(app)
+    client = TestClient(app, base_url=LOCAL)
     release = threading.Event()
     entered = threading.Event()
     original = sm.model.forward
@@ -155,7 +158,7 @@ def test_busy_while_generating_and_stop(sm):
 
     sm.model.forward = slow_forward
     try:
-        with client.websocket_connect("/ws") as a, client.websocket_connect("/ws") as b:
+        with client.websocket_connect(LOCAL_WS) as a, client.websocket_connect(LOCAL_WS) as b:
             a.receive_json()
             b.receive_json()
             a.send_json(gen(max_new_tokens=20))

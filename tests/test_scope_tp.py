@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 from megatronapp.data.tokenizer import ByteTokenizer
 from megatronapp.launch import spawn
@@ -16,6 +18,9 @@ from megatronapp.scope.compress import decode
 from megatronapp.scope.default_model import load_default_model
 from megatronapp.scope.generate import ScopeModel, generate
 from megatronapp.scope.protocol import Generate
+from tests.test_scope_faults import fuzz
+
+FUZZ_TP = 100  # random requests on tp = 2 (1,000 run on one rank in test_scope_faults.py)
 
 FULL = {"pool": "none", "quant": "fp32"}
 CAPTURE = {"points": ["attn.q", "attn.probs", "out", "logits"], "layers": [0, 3], "logit_lens": True,
@@ -28,8 +33,13 @@ REQUESTS = [
          {"kind": "gaussian", "place": "hidden", "layers": [1], "strength": 0.5, "seed": 3},
          {"kind": "offset", "place": "activation", "target": "mlp.out", "layers": [2], "strength": 0.2}]},
 ]
-WEIGHT_PERTURBATION = {"type": "generate", "prompts": ["x"], "max_new_tokens": 2, "perturbations": [
-    {"kind": "zero", "place": "weight", "target": "attn.qkv.weight", "layers": [0]}]}
+# sharded weights and heads under tp > 1: perturbed as one process would, each rank keeping its slice
+WEIGHT_PERTURBATION = {"type": "generate", "prompts": ["x"], "max_new_tokens": 2, "capture": CAPTURE,
+                       "perturbations": [
+    {"kind": "zero", "place": "weight", "target": "attn.qkv.weight", "layers": [0], "heads": [3]},
+    {"kind": "bitflip", "place": "weight", "target": "mlp.fc1.weight", "layers": [1], "indices": [7, 60000],
+     "bit": 23},
+    {"kind": "gaussian", "place": "activation", "target": "attn.k", "layers": [2], "strength": 0.3, "seed": 2}]}
 
 
 def _until_done(ws) -> list[dict]:
@@ -52,6 +62,7 @@ def _tp_rank(rank: int, world: int, out: str) -> None:
         return
     sm.runner = distributed.lockstep_runner(topo)
     server = ServerThread(create_app(sm)).start()
+    weights = {n: p.detach().clone() for n, p in sm.model.named_parameters()}
     res: dict = {}
     try:
         with connect(f"ws://127.0.0.1:{server.port}/ws", open_timeout=30, max_size=None) as ws:
@@ -61,16 +72,23 @@ def _tp_rank(rank: int, world: int, out: str) -> None:
                 ws.send(json.dumps(req))
                 res["runs"].append(_until_done(ws))
             ws.send(json.dumps(WEIGHT_PERTURBATION))
-            res["refused"] = _until_done(ws)
+            res["weights"] = _until_done(ws)
             # a stop mid-generation must end it on every rank, so that the next one still runs in lockstep
             ws.send(json.dumps({"type": "generate", "prompts": ["z"], "max_new_tokens": 100}))
             ws.send(json.dumps({"type": "stop"}))
             res["stopped"] = _until_done(ws)
             ws.send(json.dumps(REQUESTS[0]))
             res["after_stop"] = _until_done(ws)
+        # random valid and invalid requests: every rank fails or succeeds at the same step, nobody hangs
+        res["fuzz"] = fuzz(TestClient(create_app(sm), base_url="http://127.0.0.1"), random.Random(1), FUZZ_TP)
+        with connect(f"ws://127.0.0.1:{server.port}/ws", open_timeout=30, max_size=None) as ws:
+            json.loads(ws.recv(timeout=30))
+            ws.send(json.dumps(REQUESTS[1]))
+            res["after_fuzz"] = _until_done(ws)
     finally:
         server.stop()
         distributed.shutdown(topo)
+    res["restored"] = all(torch.equal(p, weights[n]) for n, p in sm.model.named_parameters())  # bit-exact
     torch.save(res, f"{out}.0")
 
 
@@ -109,10 +127,16 @@ def test_tp2_serving_matches_single_process(tmp_path):
     assert res["hello"]["model"]["name"] == "embedded gpt2-tiny (tp=2)"
     for got, req in zip(res["runs"], REQUESTS):
         _compare(got, _reference(req))
-    assert res["refused"][-1]["type"] == "error" and "--tp 2" in res["refused"][-1]["message"]
+    want = _reference(WEIGHT_PERTURBATION)
+    _compare(res["weights"], want)
+    plain = _reference({**WEIGHT_PERTURBATION, "perturbations": []})
+    assert want[1]["states"]["layers.3.attn.q"] != plain[1]["states"]["layers.3.attn.q"]  # they did act
     assert res["stopped"][-1]["type"] == "done", res["stopped"][-1]
     _compare(res["after_stop"], _reference(REQUESTS[0]))
-    assert worker["worker_runs"] == 4  # the refused request never reached the worker
+    assert res["fuzz"].get("done", 0) > 10 and res["fuzz"].get("error:invalid", 0) > 20, res["fuzz"]
+    _compare(res["after_fuzz"], _reference(REQUESTS[1]))
+    assert res["restored"]
+    assert worker["worker_runs"] >= 5 + res["fuzz"]["done"]
 
 
 def test_load_shard_single_rank_matches_default():
@@ -126,11 +150,12 @@ def test_load_shard_single_rank_matches_default():
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--tp", "2", "--pp", "2", "--nproc", "4"], "--pp 2"),
+    (["--tp", "2", "--pp", "2", "--nproc", "2"], "--nproc 2 must equal --tp 2 x --pp 2 = 4"),
     (["--tp", "2", "--nproc", "1"], "--nproc 1 must equal --tp 2"),
+    (["--pp", "5", "--nproc", "5"], "num_layers=4 < --pp 5"),
     (["--tp", "3", "--nproc", "3"],
      "num_heads=4, num_kv_heads=4, ffn_hidden_size=512 not divisible by --tp 3"),
-    (["--tp", "2", "--nproc", "2", "--checkpoint", "x"], "serve a checkpoint with --tp 1"),
+    (["--tp", "2", "--nproc", "2", "--checkpoint", "no/such/dir"], "no/such/dir"),
 ])
 def test_cli_refuses_unservable_layouts(argv, fragment, capsys):
     ap = argparse.ArgumentParser()

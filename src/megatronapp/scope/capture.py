@@ -91,13 +91,12 @@ def _glob_escape(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
 
 
-def collect_pipeline(records: dict[str, torch.Tensor], pp_group: Group, dst: int) -> dict[str, torch.Tensor] | None:
-    """Every stage's records, merged on global rank `dst` (None elsewhere). All stages must call this."""
+def collect_pipeline(records: dict[str, torch.Tensor], pp_group: Group, dst: int,
+                     me: int) -> dict[str, torch.Tensor] | None:
+    """Every stage's records, merged on global rank `dst` (None elsewhere); `me` is this rank. All stages must
+    call this, in the same order as their other collectives on `pp_group`."""
     if pp_group.size == 1:
         return records
-    import torch.distributed as dist
-
-    me = dist.get_rank()
     merged: dict[str, torch.Tensor] = {}
     for src in pp_group.ranks:
         # broadcast_object is the only object collective in comm; each stage takes its turn as the source

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from megatronapp.scope.generate import ScopeModel
+from megatronapp.scope.security import Guard, resolve_token
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -16,14 +17,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="serve the page (default: the embedded tiny model, no download)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=0, help="port (0: pick a free one)")
-    s.add_argument("--token", help="require this token (the printed URL carries it)")
+    s.add_argument("--token", help="require this token (the printed URL carries it); default: $MEGASCOPE_TOKEN, "
+                                   "else a random one when --host is not loopback")
+    s.add_argument("--no-token", action="store_true",
+                   help="require no token (refused off loopback unless --insecure)")
+    s.add_argument("--insecure", action="store_true",
+                   help="allow --no-token on a non-loopback --host (a trusted network only)")
+    s.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="also accept browser requests from this origin (e.g. https://notebook.example:8888)")
+    s.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also accept requests addressed to this host name (e.g. behind a reverse proxy)")
     src = s.add_mutually_exclusive_group()
     src.add_argument("--hf", metavar="DIR", help="a local Hugging Face GPT-2 or Llama directory")
     src.add_argument("--checkpoint", metavar="DIR",
                      help="a megatronapp checkpoint (any tp/pp layout: consolidated into one model)")
-    s.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1); needs --nproc equal to it")
-    s.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: only 1 is served")
-    s.add_argument("--nproc", type=int, default=1, help="local processes (gloo ranks) to serve from (= --tp)")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    s.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1): layers split in stages")
+    s.add_argument("--nproc", type=int, default=1, help="local processes (gloo ranks) to serve from (= tp x pp)")
+    s.add_argument("--max-request-mb", type=float, default=None, metavar="MB",
+                   help="refuse a generation whose captures would exceed this many MB (default 512)")
+    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where a model served by one process runs (default cpu; cuda: the current GPU)")
     s.set_defaults(func=cmd_serve)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
@@ -70,11 +84,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if getattr(args, "scope_command", None) != "serve":
         print("usage: megatronapp scope serve [--host H] [--port P] [--token T] [--hf DIR | --checkpoint DIR] "
-              "[--tp N --nproc N]",
+              "[--tp N] [--pp N] [--nproc TPxPP]",
               file=sys.stderr)
         return 2
     from megatronapp.train.checkpoint import CheckpointError
 
+    try:
+        args.token = resolve_token(args.token, args.host, args.insecure, no_token=args.no_token)
+        if args.max_request_mb is not None and args.max_request_mb <= 0:
+            raise ValueError(f"--max-request-mb {args.max_request_mb}: give a positive number of MB")
+    except ValueError as e:
+        print(f"megatronapp scope: {e}", file=sys.stderr)
+        return 2
+    device_error = _device_error(args)
+    if device_error:
+        print(f"megatronapp scope: {device_error}", file=sys.stderr)
+        return 2
     if args.tp != 1 or args.pp != 1 or args.nproc != 1:
         return _serve_parallel(args)
     try:
@@ -82,25 +107,61 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError, CheckpointError) as e:  # ConfigError (bad HF dir) is a ValueError
         print(f"megatronapp scope: {e}", file=sys.stderr)
         return 2
-    serve(sm, host=args.host, port=args.port, token=args.token, announce=lambda s: print(s, flush=True))
+    _apply_budget(sm, args)
+    _place(sm, getattr(args, "device", "cpu"))
+    serve(sm, host=args.host, port=args.port, token=args.token, announce=lambda s: print(s, flush=True),
+          insecure=args.insecure, guard=guard_of(args))
     return 0
+
+
+def guard_of(args: argparse.Namespace) -> Guard:
+    """The Host/Origin rules the flags ask for."""
+    return Guard(bind_host=args.host, allowed_hosts=args.allow_host, allowed_origins=args.allow_origin)
+
+
+def _apply_budget(sm: ScopeModel, args: argparse.Namespace) -> None:
+    if args.max_request_mb is not None:
+        sm.max_request_bytes = int(args.max_request_mb * 2**20)
+
+
+def _device_error(args: argparse.Namespace) -> str | None:
+    """Why --device cannot be honoured here, or None."""
+    if getattr(args, "device", "cpu") != "cuda":
+        return None
+    import torch
+
+    if args.tp != 1 or args.pp != 1 or args.nproc != 1:
+        return ("--device cuda serves the model from one process, while --tp/--pp/--nproc > 1 serve from gloo "
+                "CPU ranks: drop those flags or use --device cpu")
+    if not torch.cuda.is_available():
+        return "--device cuda: torch sees no CUDA GPU (torch.cuda.is_available() is False); use --device cpu"
+    return None
+
+
+def _place(sm: ScopeModel, device: str) -> None:
+    """Move the served model to `device`; its name then says where it runs (the page's `hello` shows it)."""
+    if device == "cpu":
+        return
+    sm.model.to(device)
+    sm.name = f"{sm.name} on {device}"
 
 
 def _serve_parallel(args: argparse.Namespace) -> int:
     """Check the layout and the model's divisibility, then serve from --nproc gloo ranks (rank 0 serves)."""
     from megatronapp.launch import spawn
     from megatronapp.scope import distributed
+    from megatronapp.train.checkpoint import CheckpointError
 
     try:
         distributed.check_parallel(args.tp, args.pp, args.nproc)
-        if args.checkpoint:
-            raise ValueError(f"--checkpoint {args.checkpoint}: tensor-parallel serving takes --hf DIR or the "
-                             f"embedded default model; serve a checkpoint with --tp 1")
-        cfg, source = distributed.model_config(args.hf)
-        distributed.check_divisible(cfg, args.tp, source)
-    except (OSError, ValueError) as e:
+        cfg, source = distributed.model_config(args.hf, args.checkpoint)
+        distributed.check_divisible(cfg, args.tp, source, args.pp)
+    except (OSError, ValueError, CheckpointError) as e:
         print(f"megatronapp scope: {e}", file=sys.stderr)
         return 2
     spawn(distributed.serve_rank, args.nproc,
-          {"hf": args.hf, "host": args.host, "port": args.port, "token": args.token})
+          {"hf": args.hf, "checkpoint": args.checkpoint, "tp": args.tp, "pp": args.pp, "host": args.host,
+           "port": args.port, "token": args.token, "insecure": args.insecure, "allow_host": args.allow_host,
+           "allow_origin": args.allow_origin,
+           "max_request_bytes": int(args.max_request_mb * 2**20) if args.max_request_mb else None})
     return 0

@@ -1,17 +1,23 @@
-"""MegaScope serving a tensor-parallel model from several ranks (`megatronapp scope serve --tp N --nproc N`).
+"""MegaScope serving a model split over several ranks: `megatronapp scope serve --tp T --pp P --nproc T*P`.
 
 Rank 0 runs the web server exactly as in one process. Every generation it accepts is broadcast to the other
-ranks, which wait in `worker_loop` and run the same `generate` in lockstep, so the TP collectives inside the
-model and the `Recorder` (which gathers sharded captures into full tensors) match up. Every rank samples with
-the same seed from the same gathered logits, so all pick the same tokens. Only rank 0 emits messages.
+ranks, which wait in `worker_loop` and run the same `generate` in lockstep. Each rank holds its TP shard of its
+pipeline stage's layers (a `TransformerChunk`) and a KV cache for those layers only. A step runs the stages in
+order: stage s receives the hidden state of the new positions from stage s-1 (`comm.recv` on the one-way
+`pp.act.up` channel: activations only ever flow up, so no receive can block a send, see pipeline/p2p.py),
+runs its layers and sends on; the last stage's TP ranks hold the gathered logits of the last position and the
+first of them broadcasts them to every rank, so every rank samples the same token with the same seed. Captures
+are gathered over TP by the `Recorder` and merged over the stages of rank 0's pipeline column onto rank 0
+(`collect_pipeline`), which alone builds and sends messages; the logit lens uses a full copy of the final norm
+and output weight held by rank 0.
 
-Lockstep is kept by one rule: every rank makes the same collective calls in the same order. So the decision to
-stop (the browser's `stop`, or a browser that went away) is taken by rank 0 and broadcast at the top of every
-step, and rank 0 never leaves a generation early on its own: a failed send is remembered and turned into that
-stop. Requests are validated identically on every rank before the first collective of a generation, so a bad
-request fails everywhere at the same point. Perturbations of TP-sharded values (weights, and q/k/v/probs) are
-refused under tp > 1: each rank would draw its random elements over its own shard, not the full tensor, which
-would not match the single-process result.
+Lockstep is kept by one rule: every rank makes the same collective calls in the same order. Once per step
+(`Lockstep.sync`) the ranks all-reduce a small flag vector: which ranks failed in the previous step (any
+exception: a bad request, NaN in sampling, a bug) and whether rank 0 wants to stop (the browser's `stop`, or a
+browser that went away). A failure on any rank then ends the generation on every rank at the same step; the
+first failed rank broadcasts its error, which rank 0 reports to the page, and the workers wait for the next
+request. Errors raised in the middle of a forward on one rank only (between two collectives of a step) cannot be
+caught this way: the others would wait in that collective (see docs/megascope.md, Not done).
 """
 from __future__ import annotations
 
@@ -23,28 +29,30 @@ from typing import Any
 import torch
 
 from megatronapp.config import ModelConfig
+from megatronapp.model.transformer import KVCache, TransformerChunk
 from megatronapp.parallel import comm
-from megatronapp.parallel.topology import Group, Topology
+from megatronapp.parallel.topology import Topology
+from megatronapp.scope.capture import collect_pipeline
 from megatronapp.scope.generate import Emit, ScopeModel, generate
 from megatronapp.scope.protocol import Generate
 
-SHARDED_POINTS = ("attn.q", "attn.k", "attn.v", "attn.probs")  # head-split across TP ranks
 _SHUTDOWN = ("shutdown", None)
 
 
+class RankError(RuntimeError):
+    """An error raised on another serving rank, reported by rank 0."""
+
+
 def check_parallel(tp: int, pp: int, nproc: int) -> None:
-    """Refuse layouts MegaScope cannot serve: only tensor parallelism, one rank per TP shard."""
-    if pp != 1:
-        raise ValueError(f"--pp {pp}: MegaScope serves tensor-parallel models only; use --pp 1 and "
-                         f"--tp N --nproc N")
-    if tp < 1 or nproc < 1:
-        raise ValueError(f"--tp {tp} --nproc {nproc}: both must be >= 1")
-    if nproc != tp:
-        raise ValueError(f"--nproc {nproc} must equal --tp {tp} (one process per tensor-parallel shard; "
-                         f"pipeline and data parallelism are not served)")
+    """Refuse layouts MegaScope cannot serve: one process per (tp, pp) shard, no data parallelism."""
+    if tp < 1 or pp < 1 or nproc < 1:
+        raise ValueError(f"--tp {tp} --pp {pp} --nproc {nproc}: all must be >= 1")
+    if nproc != tp * pp:
+        raise ValueError(f"--nproc {nproc} must equal --tp {tp} x --pp {pp} = {tp * pp} (one process per shard; "
+                         f"data parallelism is not served)")
 
 
-def check_divisible(cfg: ModelConfig, tp: int, source: str) -> None:
+def check_divisible(cfg: ModelConfig, tp: int, source: str, pp: int = 1) -> None:
     """Raise naming the field when `cfg` cannot be split `tp` ways (heads, kv heads, ffn; the vocabulary is
     padded to a multiple of tp)."""
     fields = {"num_heads": cfg.num_heads, "num_kv_heads": int(cfg.num_kv_heads),
@@ -52,14 +60,23 @@ def check_divisible(cfg: ModelConfig, tp: int, source: str) -> None:
     bad = [f"{k}={v}" for k, v in fields.items() if v % tp]
     if bad:
         raise ValueError(f"{source}: {', '.join(bad)} not divisible by --tp {tp}; choose a --tp dividing them")
+    if cfg.num_layers < pp:
+        raise ValueError(f"{source}: num_layers={cfg.num_layers} < --pp {pp}; every stage needs a layer, use a "
+                         f"--pp of at most {cfg.num_layers}")
 
 
-def model_config(hf: str | None) -> tuple[ModelConfig, str]:
-    """The config of the model to serve (an HF directory, else the embedded default) and a name for errors."""
+def model_config(hf: str | None, checkpoint: str | None = None) -> tuple[ModelConfig, str]:
+    """The config of the model to serve (an HF directory, a checkpoint, else the embedded default) and a name
+    for errors."""
     if hf:
         from megatronapp.model.hf import config_from_hf
 
         return config_from_hf(Path(hf)), f"--hf {hf}"
+    if checkpoint:
+        from megatronapp.train import checkpoint as ckpt
+
+        meta = ckpt.load_meta(ckpt.resolve(checkpoint))
+        return ModelConfig(**meta["config"]["model"]), f"--checkpoint {checkpoint}"
     import json
 
     from megatronapp.scope.default_model import ASSETS, META
@@ -67,62 +84,142 @@ def model_config(hf: str | None) -> tuple[ModelConfig, str]:
     return ModelConfig(**json.loads((ASSETS / META).read_text())["model"]), "the embedded default model"
 
 
-def load_shard(hf: str | None, topo: Topology) -> ScopeModel:
-    """This rank's TP shard of the model (HF directory or embedded default), with the logit-lens weight."""
+def load_shard(hf: str | None, topo: Topology, checkpoint: str | None = None) -> ScopeModel:
+    """This rank's shard (its TP slice of its stage's layers) of an HF directory, a checkpoint or the embedded
+    default model; rank 0 also gets the full final norm and output weight for the logit lens."""
     from megatronapp.data.tokenizer import ByteTokenizer, load_tokenizer
-    from megatronapp.model.transformer import TransformerChunk
-    from megatronapp.parallel.tensor_parallel import shard
+    from megatronapp.pipeline.partition import split_layers
 
-    cfg, _ = model_config(hf)
-    chunk = TransformerChunk(cfg, 0, cfg.num_layers, True, True, tp_group=topo.tp_group)
+    cfg, _ = model_config(hf, checkpoint)
+    stage = topo.coord.pp
+    lo, hi = split_layers(cfg.num_layers, topo.pp)[stage]
+    tp_group = topo.tp_group if topo.tp > 1 else None
+    chunk = TransformerChunk(cfg, lo, hi, stage == 0, stage == topo.pp - 1, tp_group=tp_group)
+    load = _loader(hf, checkpoint, topo)
+    load(chunk)
     if hf:
-        from megatronapp.model.hf import load_hf_weights
-
-        load_hf_weights(chunk, hf)
         tokenizer, name, meta = load_tokenizer(hf), Path(hf).name, {}
+    elif checkpoint:
+        tokenizer, name, meta = _checkpoint_tokenizer(checkpoint), str(checkpoint), {}
     else:
-        from safetensors.torch import load_file
-
-        from megatronapp.scope.default_model import ASSETS, WEIGHTS, load_default_model
+        from megatronapp.scope.default_model import load_default_model
 
         _, _, meta = load_default_model()  # checks the files and reads the training metadata
-        full = load_file(str(ASSETS / WEIGHTS))
-        with torch.no_grad():
-            for n, p in chunk.named_parameters():
-                p.copy_(shard(full[n].float(), p, topo.tp_group))
         tokenizer, name = ByteTokenizer(), "embedded gpt2-tiny"
     chunk.eval()
-    sm = ScopeModel(chunk, cfg, tokenizer, name=f"{name} (tp={topo.tp})", meta=meta)
-    if topo.tp > 1:
+    layout = f"tp={topo.tp}" + (f", pp={topo.pp}" if topo.pp > 1 else "")
+    sm = ScopeModel(chunk, cfg, tokenizer, name=f"{name} ({layout})", meta=meta)
+    if topo.world_size > 1:
+        sm.lockstep = Lockstep(topo, chunk)
+    if topo.pp > 1:
+        if topo.rank == 0:
+            # the logit lens runs on rank 0 (stage 0): it needs the last stage's final norm and whole output weight
+            head = TransformerChunk(cfg, cfg.num_layers, cfg.num_layers, False, True)
+            load(head)
+            sm.lens_weight, sm.lens_norm = head.output_weight().detach(), head.final_norm.eval()
+    elif topo.tp > 1:
         # the logit lens unembeds on one rank, so it needs every vocab slice of the output weight
         sm.lens_weight = comm.all_gather(chunk.output_weight().detach(), topo.tp_group, dim=0)
     return sm
 
 
-def refuse_sharded_perturbations(req: Generate, tp: int) -> None:
-    """Under tp > 1, refuse perturbations that would act on one shard instead of the full tensor."""
-    if tp == 1:
-        return
-    for p in req.perturbations:
-        if not p.enabled:
-            continue
-        if p.place == "weight":
-            raise ValueError(f"weight perturbations are not supported when serving with --tp {tp} (each rank "
-                             f"holds a slice); serve with --tp 1, or perturb an activation or the hidden state")
-        if p.place == "activation" and p.target in SHARDED_POINTS:
-            raise ValueError(f"perturbing {p.target} is not supported when serving with --tp {tp} (its heads are "
-                             f"split across ranks); serve with --tp 1, or perturb in, attn.out, mlp.out or out")
+def _loader(hf: str | None, checkpoint: str | None, topo: Topology) -> Any:
+    """A function filling a chunk's parameters (its TP slice when the chunk has a tp group) from the source."""
+    if hf:
+        from megatronapp.model.hf import load_hf_weights
+
+        return lambda chunk: load_hf_weights(chunk, hf)
+    if checkpoint:
+        from megatronapp.scope.checkpoint_shards import load_checkpoint_shard
+
+        return lambda chunk: load_checkpoint_shard(checkpoint, chunk, topo.coord.tp if chunk.tp_group else None)
+    from safetensors.torch import load_file
+
+    from megatronapp.parallel.tensor_parallel import shard
+    from megatronapp.scope.default_model import ASSETS, WEIGHTS
+
+    full = load_file(str(ASSETS / WEIGHTS))
+
+    def load(chunk: TransformerChunk) -> None:
+        with torch.no_grad():
+            for n, p in chunk.named_parameters():
+                src = full[n] if n in full else full[chunk.init_name(n)]  # a last stage's copy of tied weights
+                p.copy_(shard(src.float(), p, chunk.tp_group))
+    return load
 
 
-class _LockstepCancel:
-    """`is_set()` for generate's per-step check: rank 0 decides, every rank gets the same answer."""
+def _checkpoint_tokenizer(checkpoint: str) -> Any:
+    from megatronapp.config import RunConfig
+    from megatronapp.data.tokenizer import load_tokenizer
+    from megatronapp.train import checkpoint as ckpt
 
-    def __init__(self, world: Group, local: threading.Event | None = None, failed: list | None = None):
-        self.world, self.local, self.failed = world, local, failed
+    d = ckpt.resolve(checkpoint)
+    return load_tokenizer(RunConfig.from_dict(ckpt.load_meta(d)["config"]).train.tokenizer)
 
-    def is_set(self) -> bool:
-        mine = bool(self.failed) or (self.local is not None and self.local.is_set())
-        return bool(comm.broadcast_object(mine, 0, self.world))
+
+class Lockstep:
+    """How the ranks of a tp x pp serving job run one generation step together (see the module docstring)."""
+
+    def __init__(self, topo: Topology, chunk: TransformerChunk):
+        self.topo, self.world = topo, topo.groups["world"]
+        self.emitter = topo.rank == 0
+        ref = next(chunk.parameters())
+        self.device, self.dtype = ref.device, ref.dtype
+        self.logits_src = topo.rank_at(0, topo.pp - 1, 0)  # first TP rank of the last stage
+
+    def sync(self, err: BaseException | None, stop: bool) -> bool:
+        """Exchange failures and rank 0's stop wish; raise on every rank if any rank failed."""
+        n = self.topo.world_size
+        flags = torch.zeros(n + 1, device=self.device)  # on the backend's device (NCCL takes CUDA tensors)
+        if err is not None:
+            flags[self.topo.rank] = 1.0
+        if stop and self.emitter:
+            flags[n] = 1.0
+        comm.all_reduce(flags, self.world, op="max", label="scope step")
+        failed = [r for r in range(n) if flags[r] > 0]
+        if failed:
+            src = failed[0]
+            mine = None if err is None else (type(err).__name__, str(err)[:2000],
+                                             isinstance(err, ValueError | TypeError))
+            kind, text, user = comm.broadcast_object(mine if self.topo.rank == src else None, src,  # type: ignore[misc]
+                                                     self.world)
+            if self.topo.rank == src:
+                raise err  # type: ignore[misc]
+            if user:
+                raise ValueError(text)  # the same bad request on every rank: report it as such
+            raise RankError(f"rank {src} failed: {kind}: {text}")
+        return bool(flags[n] > 0)
+
+    def forward(self, model: TransformerChunk, ids: torch.Tensor, cache: KVCache, start_pos: int) -> torch.Tensor:
+        """Run this stage's layers on the new positions; every rank returns the last position's logits [b, v]."""
+        topo = self.topo
+        if topo.pp == 1:
+            return model(ids, kv_cache=cache, start_pos=start_pos)[:, -1]  # TP ranks all hold gathered logits
+        b, s = ids.shape
+        me, prev, nxt = topo.rank, topo.prev_rank(), topo.next_rank()
+        stage = topo.coord.pp
+        if stage == 0:
+            x = ids
+        else:
+            x = torch.empty(b, s, model.cfg.hidden_size, dtype=self.dtype, device=self.device)
+            comm.recv(x, prev, topo.channel("act", prev, me))  # type: ignore[arg-type]
+        out = model(x, kv_cache=cache, start_pos=start_pos)
+        if stage < topo.pp - 1:
+            comm.send(out.contiguous(), nxt, topo.channel("act", me, nxt))  # type: ignore[arg-type]
+            logits = torch.empty(b, model.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        else:
+            logits = out[:, -1].float().contiguous()
+        return comm.broadcast(logits, self.logits_src, self.world)
+
+    def collect(self, states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every stage's captures merged on rank 0 (its pipeline column only: other TP columns hold the same)."""
+        if self.topo.pp == 1 or self.topo.coord.tp != 0:
+            return states if self.emitter else {}
+        merged = collect_pipeline(states, self.topo.pp_group, 0, self.topo.rank)
+        return merged if merged is not None else {}
+
+    def attach(self, perturber: Any) -> None:
+        perturber.attach()
 
 
 def lockstep_runner(topo: Topology) -> Any:
@@ -130,23 +227,8 @@ def lockstep_runner(topo: Topology) -> Any:
     world = topo.groups["world"]
 
     def run(sm: ScopeModel, req: Generate, emit: Emit, cancel: threading.Event | None = None) -> dict[str, Any]:
-        refuse_sharded_perturbations(req, topo.tp)  # before the broadcast: the workers never see it
         comm.broadcast_object(("generate", req.model_dump(mode="json")), 0, world)
-        failed: list[BaseException] = []
-
-        def safe_emit(msg: dict[str, Any]) -> None:
-            # leaving mid-generation would strand the workers in a collective: remember the failure, stop next step
-            if failed:
-                return
-            try:
-                emit(msg)
-            except Exception as e:  # noqa: BLE001  (re-raised below, once every rank has stopped)
-                failed.append(e)
-
-        result = generate(sm, req, safe_emit, _LockstepCancel(world, cancel, failed))
-        if failed:
-            raise failed[0]
-        return result
+        return generate(sm, req, emit, cancel)
 
     return run
 
@@ -154,16 +236,15 @@ def lockstep_runner(topo: Topology) -> Any:
 def worker_loop(sm: ScopeModel, topo: Topology) -> int:
     """Ranks other than 0: run each broadcast generation in lockstep until shutdown; returns how many ran."""
     world, runs = topo.groups["world"], 0
-    cancel = _LockstepCancel(world)
     while True:
         kind, payload = comm.broadcast_object(None, 0, world)  # type: ignore[misc]
         if kind == "shutdown":
             return runs
         runs += 1
         try:
-            generate(sm, Generate.model_validate(payload), lambda msg: None, cancel)  # type: ignore[arg-type]
-        except (ValueError, TypeError):
-            pass  # rank 0 raised the same error at the same point and reported it to the browser
+            generate(sm, Generate.model_validate(payload), None)
+        except Exception:  # noqa: BLE001, S110  (every rank raised at the same step; rank 0 reported it)
+            pass
 
 
 def shutdown(topo: Topology) -> None:
@@ -174,10 +255,15 @@ def shutdown(topo: Topology) -> None:
 def serve_rank(rank: int, world_size: int, opts: dict[str, Any]) -> None:
     """`launch.spawn` target: rank 0 serves the page until interrupted, the others follow its generations."""
     from megatronapp.parallel import topology
+    from megatronapp.scope.security import Guard
     from megatronapp.scope.server import serve
 
-    topo = topology.build(world_size, 1, 1)
-    sm = load_shard(opts.get("hf"), topo)
+    if opts.get("semantics"):
+        comm.set_semantics(opts["semantics"])
+    topo = topology.build(opts.get("tp", world_size), opts.get("pp", 1), 1)
+    sm = load_shard(opts.get("hf"), topo, opts.get("checkpoint"))
+    if opts.get("max_request_bytes"):
+        sm.max_request_bytes = opts["max_request_bytes"]
     if rank != 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops rank 0's server, which then shuts us down
         worker_loop(sm, topo)
@@ -185,6 +271,7 @@ def serve_rank(rank: int, world_size: int, opts: dict[str, Any]) -> None:
     sm.runner = lockstep_runner(topo)
     try:
         serve(sm, host=opts["host"], port=opts["port"], token=opts.get("token"),
-              announce=lambda s: print(s, flush=True))
+              announce=lambda s: print(s, flush=True), insecure=opts.get("insecure", False),
+              guard=Guard(opts["host"], opts.get("allow_host", ()), opts.get("allow_origin", ())))
     finally:
         shutdown(topo)

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import zlib
 from pathlib import Path
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from megatronapp.config import ModelConfig
 from megatronapp.model.capture import Capture, HookHandle
+from megatronapp.parallel import comm
+from megatronapp.parallel.tensor_parallel import tp_rank
 
 ACTIVATION_POINTS = ("in", "attn.q", "attn.k", "attn.v", "attn.probs", "attn.out", "mlp.out", "out")
 HEAD_POINTS = ("attn.q", "attn.k", "attn.v", "attn.probs")
@@ -213,16 +215,21 @@ def apply(x: torch.Tensor, spec: Perturbation, gen: torch.Generator, head_dim: i
 
 
 class Perturber:
-    """Attaches a list of perturbations to one model: capture hooks for activations, in-place edits for weights."""
+    """Attaches a list of perturbations to one model: capture hooks for activations, in-place edits for weights.
+
+    Under tensor parallelism (`tp_group` of more than one rank) a perturbation of a sharded value (a sharded
+    weight, or q/k/v/probs) is applied to the full tensor, gathered from every TP rank, and each rank keeps its own
+    slice: random draws, flat `indices` and `heads` then mean what they mean in one process (a bit flip on global
+    index i lands on the rank that owns element i), and the results equal the one-process run. On a pipeline stage
+    (a chunk holding some layers), perturbations of other stages' layers are left to those stages."""
 
     def __init__(self, specs: list[Perturbation], model: torch.nn.Module, capture: Capture,
-                 cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1):
+                 cfg: ModelConfig, tp_group: Any = None):
         self.specs = [s for s in specs if s.enabled]
         self.model, self.capture, self.num_layers = model, capture, cfg.num_layers
-        # global head numbers map to local ones on a TP rank: rank r holds heads [r*H/tp, (r+1)*H/tp)
-        self.local_heads, self.local_kv = cfg.num_heads // tp_size, int(cfg.num_kv_heads) // tp_size
+        self.tp_group = tp_group if tp_group is not None and tp_group.size > 1 else None
+        self.local_heads, self.local_kv = cfg.num_heads, int(cfg.num_kv_heads)  # masks act on full tensors
         self.head_dim = cfg.head_dim
-        self.tp_rank = tp_rank
         self._handles: list[HookHandle] = []
         self._saved: dict[str, torch.Tensor] = {}
         self._calls: dict[str, int] = {}
@@ -274,16 +281,24 @@ class Perturber:
             call = self._calls.get(name, 0)
             self._calls[name] = call + 1
             head_dim = 1 if spec.place == "activation" and spec.target in HEAD_POINTS else None
-            local = self.local_kv if spec.target in ("attn.k", "attn.v") else self.local_heads
-            offset = self.tp_rank * local
-            return apply(x, spec, generator_for(spec.seed, name, call), head_dim, offset)
+            gen = generator_for(spec.seed, name, call)
+            tp_dim = info.get("tp_dim")
+            if self.tp_group is None or tp_dim is None:
+                return apply(x, spec, gen, head_dim)
+            # every TP rank reaches this point together: perturb the full tensor, keep this rank's slice
+            full = comm.all_gather(x.detach(), self.tp_group, dim=tp_dim)
+            new = apply(full, spec, gen, head_dim)
+            mine = new.chunk(self.tp_group.size, dim=tp_dim)[tp_rank(self.tp_group)]
+            return _StraightThrough.apply(x, mine.contiguous())
         return hook
 
     def _weight_names(self, spec: Perturbation) -> list[str]:
         params = dict(self.model.named_parameters())
         if spec.target in params and spec.layers is None:
             return [spec.target]
-        names = [f"layers.{L}.{spec.target}" for L in self._layers(spec)]
+        here = getattr(self.model, "layer_indices", None)  # a pipeline stage holds some layers only
+        layers = [L for L in self._layers(spec) if here is None or L in here]
+        names = [f"layers.{L}.{spec.target}" for L in layers]
         missing = [n for n in names if n not in params]
         if missing:
             inside = sorted({n.split(".", 2)[2] for n in params if n.startswith("layers.")})
@@ -299,16 +314,34 @@ class Perturber:
                 p = params[name]
                 if name not in self._saved:
                     self._saved[name] = p.detach().clone()
-                new = apply(p.detach(), spec.model_copy(update={"heads": None}), generator_for(spec.seed, name, 0))
+                full, sharded = self._full(p)
+                new = apply(full, spec.model_copy(update={"heads": None}), generator_for(spec.seed, name, 0))
                 if spec.heads is not None:
-                    new = torch.where(self._weight_head_mask(spec, p.shape).to(p.device), new, p.detach())
-                p.copy_(new)
+                    new = torch.where(self._weight_head_mask(spec, full.shape).to(p.device), new, full)
+                p.copy_(self._own(new, p) if sharded else new)
+
+    def _full(self, p: torch.nn.Parameter) -> tuple[torch.Tensor, bool]:
+        """The whole weight as one process holds it (gathered over TP; vocabulary padding rows dropped)."""
+        if self.tp_group is None or not getattr(p, "tensor_parallel", False):
+            return p.detach(), False
+        full = comm.all_gather(p.detach(), self.tp_group, dim=p.partition_dim)
+        vocab = getattr(p, "vocab_size", None)
+        return (full[:vocab] if vocab is not None else full), True
+
+    def _own(self, full: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's slice of a perturbed full weight (padding rows, which are not the model's, kept as they are)."""
+        local = p.shape[p.partition_dim]
+        start = tp_rank(self.tp_group) * local
+        part = full.narrow(p.partition_dim, start, max(0, min(local, full.shape[p.partition_dim] - start)))
+        if part.shape[p.partition_dim] == local:
+            return part
+        keep = p.detach().narrow(p.partition_dim, part.shape[p.partition_dim], local - part.shape[p.partition_dim])
+        return torch.cat([part, keep], dim=p.partition_dim)
 
     def _weight_head_mask(self, spec: Perturbation, shape: torch.Size) -> torch.Tensor:
         """Elements of a qkv/proj weight that belong to the chosen (global) query heads."""
         d, g = self.head_dim, self.local_heads // self.local_kv
-        local = [h - self.tp_rank * self.local_heads for h in spec.heads or []]
-        local = [h for h in local if 0 <= h < self.local_heads]
+        local = [h for h in spec.heads or [] if 0 <= h < self.local_heads]
         mask = torch.zeros(shape, dtype=torch.bool)
         for h in local:
             if spec.target == "attn.proj.weight":  # input columns of head h
@@ -317,3 +350,4 @@ class Perturber:
                 row = ((h // g) * (g + 2) + h % g) * d
                 mask[row:row + d] = True
         return mask
+

@@ -5,8 +5,9 @@ Client -> server (JSON objects, discriminated by "type"; unknown fields are refu
   info      {}                               model description (layers, heads, capture points)
   generate  {prompts, max_new_tokens, ...}   run one generation; steps stream back as they are computed
   stop      {}                               cancel the running generation after its current step
+  control   {action, every?}                 training console: pause | resume | step | every (interval)
   ping      {}
-Server -> client: hello, info, start, step, pca, done, busy, error {code, message}, pong.
+Server -> client: hello, info, start, step, pca, done, busy, train, train_state, error {code, message}, pong.
 
 Raw text is size-checked before it is parsed, so an oversized message costs no parsing. Nothing in a message
 is ever evaluated: point names, pooling kinds and perturbation kinds come from fixed menus (Literal types).
@@ -52,6 +53,14 @@ class Stop(_Msg):
     type: Literal["stop"]
 
 
+class Control(_Msg):
+    """Training console: pause after the current step, run one step, resume, or set the sampling interval."""
+
+    type: Literal["control"]
+    action: Literal["pause", "resume", "step", "every", "status"]
+    every: int | None = Field(None, ge=1, le=1_000_000)
+
+
 class CaptureSpec(_Msg):
     """Which states to stream per step, and how to shrink each."""
 
@@ -78,9 +87,9 @@ class Generate(_Msg):
     perturbations: list[Perturbation] = Field(default_factory=list, max_length=32)
 
 
-ClientMessage = Annotated[Auth | Info | Ping | Stop | Generate, Field(discriminator="type")]
+ClientMessage = Annotated[Auth | Info | Ping | Stop | Generate | Control, Field(discriminator="type")]
 _adapter: TypeAdapter = TypeAdapter(ClientMessage)
-KNOWN_TYPES = ("auth", "info", "ping", "stop", "generate")
+KNOWN_TYPES = ("auth", "info", "ping", "stop", "generate", "control")
 
 
 class ProtocolError(Exception):
@@ -109,7 +118,7 @@ def _summarise(e: ValidationError) -> str:
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 
 
-def parse(raw: str | bytes, limit: int = MAX_MESSAGE_BYTES) -> Auth | Info | Ping | Stop | Generate:
+def parse(raw: str | bytes, limit: int = MAX_MESSAGE_BYTES) -> Auth | Info | Ping | Stop | Generate | Control:
     """Check size, JSON, type and fields of one client message; raise ProtocolError with a clear reason."""
     size = len(raw.encode("utf-8") if isinstance(raw, str) else raw)
     if size > limit:

@@ -1,7 +1,8 @@
 """MegaScope's web server: the page, and one WebSocket per browser speaking the protocol in protocol.py.
 
-Safety: binds 127.0.0.1 unless told otherwise; an optional token (URL `?token=` or a first `auth` message,
-compared in constant time); every message size-checked and validated before use and never evaluated;
+Safety: binds 127.0.0.1 unless told otherwise; Host and Origin checked on every request (security.py); a token
+(URL `?token=` or a first `auth` message, compared in constant time), random by default off loopback; every
+message size-checked and validated before use and never evaluated;
 one generation at a time per model (others get `busy`); outgoing messages go through a bounded queue, so a
 slow browser slows the generation down (and after `send_timeout_s` stops it) instead of growing memory.
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import socket
 import threading
@@ -24,6 +24,7 @@ from fastapi.staticfiles import StaticFiles
 from megatronapp.scope import protocol
 from megatronapp.scope.generate import ScopeModel, generate
 from megatronapp.scope.protocol import Generate, ProtocolError
+from megatronapp.scope.security import Guard, GuardMiddleware, check_bind, page_url, token_ok
 
 STATIC = Path(__file__).resolve().parent / "static"
 MAX_ERRORS = 20  # a client that keeps sending bad messages is disconnected
@@ -34,14 +35,18 @@ class SlowClient(Exception):
 
 
 def create_app(sm: ScopeModel | None, token: str | None = None, queue_size: int = 64, send_timeout_s: float = 30.0,
-               max_message_bytes: int = protocol.MAX_MESSAGE_BYTES, read_only: bool = False) -> FastAPI:
+               max_message_bytes: int = protocol.MAX_MESSAGE_BYTES, read_only: bool = False,
+               guard: Guard | None = None) -> FastAPI:
     """The FastAPI app serving the page at / and the protocol at /ws.
 
-    read_only: browsers may watch (messages `publish`ed by the process, e.g. during training) but not generate."""
+    read_only: browsers may watch (messages `publish`ed by the process, e.g. during training) but not generate.
+    guard: Host/Origin rules (default: loopback names and the server's own origin only)."""
     app = FastAPI(title="MegaScope", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(GuardMiddleware, guard=guard or Guard())
     app.state.scope_model = sm
     app.state.read_only = read_only
     app.state.sessions = set()
+    app.state.control = None  # training console: callable(action, every) -> state dict (scope/training.py)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/")
@@ -63,10 +68,6 @@ def create_app(sm: ScopeModel | None, token: str | None = None, queue_size: int 
             app.state.sessions.discard(session)
 
     return app
-
-
-def _token_ok(given: object, expected: str) -> bool:
-    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
 
 
 class _Session:
@@ -101,8 +102,10 @@ class _Session:
         try:
             if self.token is not None and not await self._authenticate():
                 return
+            control = self.app.state.control
             await self.out.put({"type": "hello", "model": self.sm.describe() if self.sm else None,
-                                "read_only": self.app.state.read_only, "limits": {
+                                "read_only": self.app.state.read_only,
+                                "training": control("status", None) if control else None, "limits": {
                 "max_message_bytes": self.max_bytes, "max_prompts": protocol.MAX_PROMPTS,
                 "max_new_tokens": protocol.MAX_NEW_TOKENS}})
             await self._reader()
@@ -119,12 +122,12 @@ class _Session:
                 await writer
 
     async def _authenticate(self) -> bool:
-        if _token_ok(self.ws.query_params.get("token"), self.token):
+        if token_ok(self.ws.query_params.get("token"), self.token):
             return True
         try:
             raw = await asyncio.wait_for(self.ws.receive_text(), timeout=10.0)
             msg = protocol.parse(raw, self.max_bytes)
-            if isinstance(msg, protocol.Auth) and _token_ok(msg.token, self.token):
+            if isinstance(msg, protocol.Auth) and token_ok(msg.token, self.token):
                 return True
         except (TimeoutError, ProtocolError, KeyError):
             pass
@@ -168,10 +171,20 @@ class _Session:
         elif isinstance(msg, protocol.Info):
             await self.out.put({"type": "info", "model": self.sm.describe() if self.sm else None})
         elif isinstance(msg, protocol.Auth):
-            await self.out.put({"type": "auth_ok"} if self.token is None or _token_ok(msg.token, self.token)
+            await self.out.put({"type": "auth_ok"} if self.token is None or token_ok(msg.token, self.token)
                                else protocol.error("unauthorized", "wrong token"))
         elif isinstance(msg, protocol.Stop):
             self.cancel.set()
+        elif isinstance(msg, protocol.Control):
+            control = self.app.state.control
+            if control is None:
+                await self.out.put(protocol.error("not_training", "this server is not attached to a training "
+                                                                  "run; start one with --scope-port"))
+                return
+            if msg.action == "every" and msg.every is None:
+                await self.out.put(protocol.error("invalid", "control every: give `every` (steps between probes)"))
+                return
+            publish(self.app, control(msg.action, msg.every))  # every page sees the new state
         elif isinstance(msg, Generate) and (self.app.state.read_only or self.sm is None):
             await self.out.put(protocol.error("read_only", "this server only shows what its process publishes "
                                                            "(e.g. a training run); it does not take generations"))
@@ -288,15 +301,18 @@ class ServerThread:
 
 
 def serve(sm: ScopeModel, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-          announce: Any = print) -> None:
-    """Serve until interrupted; prints the URL (with the token) once the socket is bound."""
+          announce: Any = print, insecure: bool = False, guard: Guard | None = None) -> None:
+    """Serve until interrupted; prints the URL (with the token) once the socket is bound.
+
+    A non-loopback `host` without a token is refused unless `insecure` (see security.py)."""
     import uvicorn
 
+    check_bind(host, token, insecure)
     sock = bind_socket(host, port)
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    url = f"http://{shown}:{sock.getsockname()[1]}/" + (f"?token={token}" if token else "")
-    if host not in ("127.0.0.1", "localhost", "::1") and token is None:
-        announce(f"warning: serving on {host} without --token; anyone who can reach this port can drive the model")
-    announce(f"MegaScope serving {sm.name} at {url}")
-    server = uvicorn.Server(uvicorn.Config(create_app(sm, token), log_level="warning", ws_max_size=4 * 1024 * 1024))
+    if token is None and insecure and host not in ("127.0.0.1", "localhost", "::1"):
+        announce(f"warning: serving on {host} without a token (--insecure): anyone who can reach this port can "
+                 f"drive the model")
+    announce(f"MegaScope serving {sm.name} at {page_url(host, sock.getsockname()[1], token)}")
+    app = create_app(sm, token, guard=guard or Guard(bind_host=host))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws_max_size=4 * 1024 * 1024))
     server.run(sockets=[sock])

@@ -8,9 +8,14 @@ an interactive generation: attention, Q/K/V, MLP outputs, logit lens and PCA sho
 as it learns. The training forward itself carries no hooks, so training numerics are untouched. With tp or pp > 1
 rank 0 holds only a part of the model and cannot run it alone: the page then shows the metrics (loss, learning rate,
 gradient norm) only.
+
+The page is also a console (`control` messages, behind the same token as the page): pause after the current
+step, run one step, resume, and change the sampling interval. A pause blocks the trainer's step-end hook on rank 0,
+so the run stops between optimizer steps with nothing half done; other ranks wait in their next collective.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -25,7 +30,8 @@ class TrainingScope:
 
     def __init__(self, port: int, every: int = 25, host: str = "127.0.0.1", token: str | None = None,
                  probe: str = "After Monday comes ", probe_tokens: int = 16, tokenizer: Any = None,
-                 announce: Any = print):
+                 announce: Any = print, insecure: bool = False):
+        from megatronapp.scope.security import Guard, check_bind, page_url, resolve_token
         from megatronapp.scope.server import ServerThread, create_app
 
         if every < 1:
@@ -33,18 +39,71 @@ class TrainingScope:
         self.every, self.probe, self.probe_tokens = every, probe, probe_tokens
         self.tokenizer = tokenizer or ByteTokenizer()
         self.history: list[dict[str, float]] = []
-        self._sm: ScopeModel | None = None
-        self.app = create_app(None, token=token, read_only=True)
+        self.step = 0
+        # console state: `paused` stops the run at the next step end; `allowed` steps may still run while paused
+        self.paused, self.allowed, self.waiting = False, 0, False
+        self._cond = threading.Condition()
+        self._closed = False
+        token = resolve_token(token, host, insecure)  # $MEGASCOPE_TOKEN, or a random one off loopback
+        check_bind(host, token, insecure)
+        self.app = create_app(None, token=token, read_only=True, guard=Guard(bind_host=host))
+        self.app.state.control = self.control
         self.server = ServerThread(self.app, host, port).start()
-        announce(f"MegaScope (training) at {self.server.url}/" + (f"?token={token}" if token else ""))
+        announce(f"MegaScope (training) at {page_url(host, self.server.port, token)}")
+
+    def control(self, action: str, every: int | None) -> dict[str, Any]:
+        """Apply a console action (pause | resume | step | every | status); the new state, as the page sees it."""
+        with self._cond:
+            if action == "pause":
+                self.paused, self.allowed = True, 0
+            elif action == "resume":
+                self.paused, self.allowed = False, 0
+            elif action == "step":
+                self.paused, self.allowed = True, self.allowed + 1
+            elif action == "every" and every is not None:
+                self.every = every
+            self._cond.notify_all()
+            return self._state()
+
+    def _state(self) -> dict[str, Any]:
+        return {"type": "train_state", "step": self.step, "paused": self.paused, "waiting": self.waiting,
+                "every": self.every}
+
+    def _hold(self) -> None:
+        """Block the trainer while paused (after this step, before the next), unless a step was allowed."""
+        from megatronapp.scope.server import publish
+
+        if not self.paused:  # the common case costs one attribute read
+            return
+        with self._cond:
+            if self.paused and self.allowed > 0:
+                self.allowed -= 1
+                return
+            self.waiting = True
+            publish(self.app, self._state())
+            while self.paused and self.allowed == 0 and not self._closed:
+                self._cond.wait(timeout=1.0)
+            if self.paused and self.allowed > 0:
+                self.allowed -= 1
+            self.waiting = False
+        publish(self.app, self._state())
 
     def on_step(self, step: int, model_chunks: list[torch.nn.Module], metrics: dict[str, Any]) -> None:
         """Publish this step's metrics; on every `every`-th step also a probe generation (whole model only)."""
         from megatronapp.scope.server import publish
 
         point = {k: float(metrics[k]) for k in ("loss", "lr", "grad_norm") if isinstance(metrics.get(k), (int, float))}
+        self.step = step
         self.history.append({"step": step, **point})
         publish(self.app, {"type": "train", "step": step, **point})
+        try:
+            self._probe(step, model_chunks)
+        finally:
+            self._hold()
+
+    def _probe(self, step: int, model_chunks: list[torch.nn.Module]) -> None:
+        from megatronapp.scope.server import publish
+
         if step % self.every:
             return
         chunk = model_chunks[0] if len(model_chunks) == 1 else None
@@ -64,7 +123,10 @@ class TrainingScope:
             chunk.train(was_training)
 
     def close(self) -> None:
-        """Stop the server."""
+        """Stop the server (and release a paused trainer)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
         self.server.stop()
 
 
