@@ -1,5 +1,6 @@
-"""MegaDPP policies: completion on every shape, the memory cap from the view's own accounting, no idling while an
-allowed task is ready, the minimum-cap error, determinism, and a property test over random costs and delays."""
+"""MegaDPP policies: completion on every shape, the memory cap from the view's own accounting (with a split
+backward a microbatch's memory is held until its W), no idling while an allowed task (a W included) is ready, the
+minimum-cap error, determinism, and a property test over random costs and delays."""
 from __future__ import annotations
 
 import itertools
@@ -12,6 +13,7 @@ from megatronapp.dpp.policies import (
     AdaptivePolicy,
     BFSPolicy,
     DFSPolicy,
+    ZBPolicy,
     default_target,
     make_policy,
     min_inflight_cap,
@@ -20,7 +22,24 @@ from megatronapp.dpp.simulator import SimConfig, simulate
 from megatronapp.pipeline.schedules import StaticPolicy
 from megatronapp.pipeline.tasks import StageView, Task
 
-DYNAMIC = {"dfs": DFSPolicy, "bfs": BFSPolicy, "adaptive": AdaptivePolicy}
+DYNAMIC = {"dfs": DFSPolicy, "bfs": BFSPolicy, "adaptive": AdaptivePolicy, "zb": ZBPolicy}
+
+
+def effective_cap(policy: str, view: StageView) -> int | None:
+    """The cap a policy keeps: the user's, or for dpp-zb by default interleaved 1F1B's stage-0 peak (docs)."""
+    if view.max_inflight is not None or policy != "zb":
+        return view.max_inflight
+    first = StageView(stage=0, pp=view.pp, vpp=view.vpp, microbatches=view.microbatches)
+    return max(default_target(first), min_inflight_cap(view.vpp))
+
+
+def cfg_cap(policy: str, cfg: SimConfig) -> int | None:
+    view = StageView(stage=0, pp=cfg.pp, vpp=cfg.vpp, microbatches=cfg.microbatches, max_inflight=cfg.max_inflight)
+    return effective_cap(policy, view)
+
+
+def tasks_per_step(policy: str, cfg: SimConfig) -> int:
+    return (3 if policy == "zb" else 2) * cfg.pp * cfg.vpp * cfg.microbatches
 
 
 class Checked:
@@ -29,6 +48,8 @@ class Checked:
     def __init__(self, inner):
         self.inner = inner
         self.name = inner.name
+        self.policy = next(k for k, cls in DYNAMIC.items() if type(inner) is cls)
+        self.split_backward = getattr(inner, "split_backward", False)  # the simulator runs W tasks for it
         self.decisions = 0
         self.views: list[StageView] = []
 
@@ -37,7 +58,7 @@ class Checked:
         self.views.append(view)
 
     def next_task(self, ready, view):
-        cap = view.max_inflight
+        cap = effective_cap(self.policy, view)
         assert cap is None or view.inflight <= cap, f"{self.name}: stage {view.stage} holds {view.inflight} > cap {cap}"
         task = self.inner.next_task(ready, view)
         allowed = [t for t in ready if self.inner.allowed(t, view)]
@@ -72,6 +93,7 @@ def test_make_policy_maps_schedules():
     assert isinstance(make_policy("dpp", "dfs"), DFSPolicy)
     assert isinstance(make_policy("dpp", "bfs"), BFSPolicy)
     assert isinstance(make_policy("dpp"), AdaptivePolicy)
+    assert isinstance(make_policy("dpp", "zb"), ZBPolicy) and make_policy("dpp", "zb").split_backward
     with pytest.raises(ValueError, match="dpp_policy='deep'"):
         make_policy("dpp", "deep")
     with pytest.raises(ValueError, match="schedule='zigzag'"):
@@ -97,11 +119,12 @@ def test_every_shape_completes_within_the_cap(policy):
         for cap in (None, vpp, vpp + 1, 2 * vpp + 3):
             cfg = SimConfig(pp=pp, vpp=vpp, microbatches=m, fwd=1.0, bwd=2.0, latency=0.3, max_inflight=cap)
             result, made = _run_checked(policy, cfg)
-            assert len(result.timeline) == 2 * pp * vpp * m
+            assert len(result.timeline) == tasks_per_step(policy, cfg)
+            limit = cfg_cap(policy, cfg)
             for checked in made:
                 view = checked.views[-1]
-                assert view.finished() and view.inflight == 0
-                assert cap is None or view.peak_inflight <= cap, (pp, vpp, m, cap, view.peak_inflight)
+                assert view.finished() and view.inflight == 0 and view.pending_w == 0
+                assert limit is None or view.peak_inflight <= limit, (pp, vpp, m, limit, view.peak_inflight)
             assert result.peak_inflight == [c.views[-1].peak_inflight for c in made]
 
 
@@ -203,4 +226,5 @@ def test_random_costs_and_delays_never_deadlock(pp, vpp, m, policy, fwd, bwd, fa
                     bandwidth=1e3, act_bytes=100.0)
     result, made = _run_checked(policy, cfg)  # simulate raises RuntimeError on a deadlock
     assert all(c.views[-1].finished() for c in made)
-    assert cap is None or max(result.peak_inflight) <= cap
+    limit = cfg_cap(policy, cfg)
+    assert limit is None or max(result.peak_inflight) <= limit
