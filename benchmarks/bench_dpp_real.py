@@ -1,19 +1,27 @@
-"""MegaDPP on real ranks: dpp-adaptive vs interleaved 1F1B step time, with and without injected link delays, and
-the discrete-event simulator calibrated from the same run, predicted vs measured.
+"""MegaDPP on real ranks: dpp-zb and dpp-adaptive vs interleaved 1F1B and ZB-H1 step time, with and without
+injected link faults, and the discrete-event simulator calibrated from the same run, predicted vs measured.
 
-4 gloo ranks on CPU, pp=4 vpp=2, 8 microbatches (a small GPT-2). Both schedules live in the same rank processes
-(one Trainer each) and alternate step by step (interleaved first on even repetitions, dpp first on odd ones),
-each step fenced by barriers, so machine noise falls on both alike. dpp runs with its cap at interleaved 1F1B's
-peak (the same memory). Link delays go through the engine's comm seam:
-  slow-link  `megatronapp.faults` slow-link=A-B:MS: every send over the link sleeps MS on the sender's thread
-             before it is issued (the sending stage is blocked, the message leaves late);
+4 gloo ranks on CPU, pp=4, 8 microbatches (a small GPT-2). interleaved 1F1B, dpp-adaptive and dpp-zb run it cut in
+vpp=2 chunks per stage; ZB-H1 runs one chunk per stage (it needs vpp=1), i.e. the same model with each stage's two
+chunks merged. All four live in the same rank processes (one Trainer each) and take turns step by step (the order
+rotates every repetition), each step fenced by barriers, so machine noise falls on all alike. The dynamic policies
+run with their cap at interleaved 1F1B's peak (the same memory); ZB-H1 holds 1F1B's (less). Faults go through the
+engine's comm seam (`megatronapp.faults`):
+  slow-link  slow-link=A-B:MS: every send over the link sleeps MS on the sender's thread before it is issued (the
+             sending stage is blocked, the message leaves late);
   spike      the same kind of delay, but only on a random share of the sends (drawn from the step, the two ranks
-             and the message tag, so both schedules meet the same slow messages); faults.py has no jitter mode.
-Every rank records its compute spans (and the time blocked before each send) through `megatronapp.tracing`;
-`megatronapp.dpp.calibrate` turns them into simulator inputs. Reported per case: median step times and the
-paired ratio dpp/interleaved, and for each schedule the simulator's predicted pipeline time against the measured
-one (three ways: the public SimConfig model calibrated from the schedule's own run, the same calibrated from the
-interleaved run of the case (a true prediction for dpp), and a replay of each step's own task costs).
+             and the message tag, so every schedule meets the same slow messages); this benchmark's interceptor;
+  slow-wire  slow-wire=A-B:FACTOR: delivery is late by (FACTOR-1) nominal wire times, the sender goes on;
+  jitter     jitter=A-B:lognormal:SIGMA: delivery is late by a nominal wire time times a lognormal draw (mean 1).
+The nominal wire time is a message's bytes at `faults.WIRE_GBPS`; at its 1 GB/s an activation of this tiny model
+(33 KB) takes 33 us against a chunk's 5 ms forward, so the workers model a slower wire (`wire_ms` per
+activation, about half a forward), the ratio of a real activation on an inter-node link to a layer's compute.
+Every rank records its compute spans ("forward", "backward", "weight_grad" for W) and the time blocked before each
+send through `megatronapp.tracing`; `megatronapp.dpp.calibrate` turns them into simulator inputs, and the injected
+wire faults become the simulator's per-link latency and link jitter. Reported per case: median step times, paired
+ratios, and for each schedule the simulator's predicted pipeline time against the measured one (the public
+SimConfig model calibrated from the schedule's own run, the same calibrated from the interleaved run (a true
+prediction), and a replay of each step's own task costs).
 
 Run: python -m benchmarks.bench_dpp_real           (writes benchmarks/results/dpp_real.json)
      python -m benchmarks.bench_dpp_real --quick   (tiny model, 2 ranks, 1 step; writes nothing)
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import os
@@ -37,9 +46,9 @@ from typing import Any
 import torch
 
 from megatronapp.config import RunConfig
-from megatronapp.dpp.calibrate import StepTimings, TaskTiming, calibrate, replay
+from megatronapp.dpp.calibrate import StepTimings, TaskTiming, calibrate
 from megatronapp.dpp.policies import default_target
-from megatronapp.dpp.simulator import simulate
+from megatronapp.dpp.simulator import SimConfig, simulate
 from megatronapp.launch import spawn
 from megatronapp.pipeline.tasks import StageView
 
@@ -48,34 +57,56 @@ RESULTS = ROOT / "benchmarks" / "results" / "dpp_real.json"
 TARGET_SIM_ERROR = 0.15  # the issue's bar: simulator within 15% of the measured step
 
 # name -> (faults specs, spike links "A-B,C-D" or "", spike probability, spike ms)
+ALL_LINKS_JITTER = [f"jitter={a}-{(a + 1) % 4}:lognormal:0.5" for a in range(4)]  # 3-0: chunk 0 -> chunk 1
 FULL_CASES: dict[str, tuple[list[str], str, float, float]] = {
     "none": ([], "", 0.0, 0.0),
     "slow-link 1-2 10ms": (["slow-link=1-2:10"], "", 0.0, 0.0),
     "slow-link 0-1,2-3 5ms": (["slow-link=0-1:5", "slow-link=2-3:5"], "", 0.0, 0.0),
     "spike 1-2 p=0.25 20ms": ([], "1-2", 0.25, 20.0),
+    "slow-wire 1-2 x4": (["slow-wire=1-2:4"], "", 0.0, 0.0),
+    "jitter all links lognormal 0.5": (ALL_LINKS_JITTER, "", 0.0, 0.0),
 }
 QUICK_CASES = {"none": ([], "", 0.0, 0.0), "slow-link 0-1 2ms": (["slow-link=0-1:2"], "", 0.0, 0.0),
-               "spike 0-1 p=0.5 2ms": ([], "0-1", 0.5, 2.0)}
+               "spike 0-1 p=0.5 2ms": ([], "0-1", 0.5, 2.0), "slow-wire 0-1 x4": (["slow-wire=0-1:4"], "", 0.0, 0.0),
+               "jitter 0-1 lognormal 0.5": (["jitter=0-1:lognormal:0.5"], "", 0.0, 0.0)}
+# wire_ms: nominal wire time of one activation (see the docstring)
 FULL = {"pp": 4, "vpp": 2, "microbatches": 8, "hidden": 128, "layers": 8, "heads": 4, "seq": 64, "warmup": 2,
-        "steps": 20}
+        "steps": 20, "wire_ms": 2.5}
 QUICK = {"pp": 2, "vpp": 2, "microbatches": 4, "hidden": 32, "layers": 4, "heads": 4, "seq": 16, "warmup": 0,
-         "steps": 1}
+         "steps": 1, "wire_ms": 0.5}
 FIRST_WARMUP = 3  # extra warm-up repetitions before the first case
-SCHEDULES = ("interleaved-1f1b", "dpp")
-SIM_NAME = {"interleaved-1f1b": "interleaved-1f1b", "dpp": "dpp-adaptive"}
+SCHEDULES = ("interleaved-1f1b", "dpp-adaptive", "dpp-zb", "zb-h1")  # the simulator's names too
+DYNAMIC = ("dpp-adaptive", "dpp-zb")
+PAIRS = (("dpp-adaptive", "interleaved-1f1b"), ("dpp-zb", "interleaved-1f1b"), ("dpp-zb", "zb-h1"),
+         ("zb-h1", "interleaved-1f1b"))
+SIM_SEEDS = 5  # link-jitter draws averaged for a SimConfig prediction
+
+
+def pair_name(a: str, b: str) -> str:
+    return f"{a}/{b}"
 
 
 def dpp_cap(size: dict[str, int]) -> int:
-    """Interleaved 1F1B's peak activations (stage 0): dpp gets the same memory."""
+    """Interleaved 1F1B's peak activations (stage 0): the dynamic policies get the same memory."""
     return default_target(StageView(stage=0, pp=size["pp"], vpp=size["vpp"], microbatches=size["microbatches"]))
 
 
+def act_bytes(size: dict[str, Any]) -> int:
+    """Bytes of one pipeline message: a microbatch of one sample's activation (fp32) and the 16-byte header."""
+    return size["seq"] * size["hidden"] * 4 + 16
+
+
+def wire_gbps(size: dict[str, Any]) -> float:
+    """The modelled wire speed at which one activation takes `wire_ms`."""
+    return act_bytes(size) / (size["wire_ms"] / 1e3) / 1e9
+
+
 def run_config(schedule: str, size: dict[str, int]) -> dict[str, Any]:
-    """The run config of one schedule: a small untied GPT-2, one sample per microbatch."""
-    parallel = {"tp": 1, "pp": size["pp"], "dp": 1, "vpp": size["vpp"], "microbatches": size["microbatches"],
-                "schedule": schedule}
-    if schedule == "dpp":
-        parallel.update(dpp_policy="adaptive", dpp_max_inflight=dpp_cap(size))
+    """The run config of one schedule: a small untied GPT-2, one sample per microbatch (ZB-H1: one chunk a stage)."""
+    parallel = {"tp": 1, "pp": size["pp"], "dp": 1, "vpp": 1 if schedule == "zb-h1" else size["vpp"],
+                "microbatches": size["microbatches"], "schedule": "dpp" if schedule in DYNAMIC else schedule}
+    if schedule in DYNAMIC:
+        parallel.update(dpp_policy=schedule.removeprefix("dpp-"), dpp_max_inflight=dpp_cap(size))
     return {
         "model": {"family": "gpt2", "vocab_size": 256, "hidden_size": size["hidden"], "num_layers": size["layers"],
                   "num_heads": size["heads"], "max_seq_len": size["seq"], "tie_embeddings": False},
@@ -84,6 +115,31 @@ def run_config(schedule: str, size: dict[str, int]) -> dict[str, Any]:
                   "warmup_steps": 0, "grad_clip": 1.0, "seed": 5, "progress": False, "peak_tflops": 1.0,
                   "out": str(Path(tempfile.gettempdir()) / "megatronapp-bench-dpp-real")},
     }
+
+
+def link_model(specs: list[str], size: dict[str, Any]) -> dict[str, Any]:
+    """The injected wire faults as SimConfig fields: per-link late delivery (entry s: stages s and s+1) and link
+    jitter; {} when the case has none. Ranks are stages here (tp = dp = 1)."""
+    from megatronapp import faults
+
+    pp, nominal = size["pp"], size["wire_ms"] / 1e3
+    extra, sigma = [0.0] * pp, None
+    for f in map(faults.parse, specs):
+        if f.kind not in ("slow-wire", "jitter"):
+            continue
+        a, b = f.ranks
+        link = a if b == (a + 1) % pp else b
+        if f.kind == "slow-wire":
+            extra[link] += (f.factor - 1.0) * nominal
+        else:
+            extra[link] += nominal
+            sigma = f.sigma  # the simulator has one link-jitter law: these cases jitter every link alike
+    if not any(extra):
+        return {}
+    return {"link_latency": extra, "latency": 0.0, "link_jitter": f"lognormal:{sigma}" if sigma else "none"}
+
+
+KIND = {"forward": "F", "backward": "B", "weight_grad": "W"}  # the executor's compute spans
 
 
 class TaskRecorder:
@@ -107,8 +163,7 @@ class TaskRecorder:
     def close(self, token: Any) -> None:
         if token is not None:
             name, meta, t0 = token
-            self._last = ["F" if name == "forward" else "B", meta["chunk"], meta["microbatch"], t0,
-                          time.perf_counter(), 0.0]
+            self._last = [KIND[name], meta["chunk"], meta["microbatch"], t0, time.perf_counter(), 0.0]
 
     def step(self, iteration: int, begin: bool) -> None:
         return None
@@ -140,14 +195,15 @@ class LinkSpikes:
             time.sleep(self.ms / 1000.0)
 
 
-def worker(rank: int, world: int, size: dict[str, int], cases: dict[str, tuple], outdir: str) -> None:
-    """Spawned entry: both schedules' Trainers, every case alternating them; each rank saves its records."""
+def worker(rank: int, world: int, size: dict[str, Any], cases: dict[str, tuple], outdir: str) -> None:
+    """Spawned entry: every schedule's Trainer, every case taking turns; each rank saves its records."""
     import torch.distributed as dist
 
     from megatronapp import faults, tracing
     from megatronapp.parallel import comm
     from megatronapp.train.trainer import Trainer
 
+    faults.WIRE_GBPS = wire_gbps(size)  # see the module docstring: a wire as slow, relative to compute, as a real one
     comm.reset()
     trainers = {}
     for sched in SCHEDULES:
@@ -166,10 +222,12 @@ def worker(rank: int, world: int, size: dict[str, int], cases: dict[str, tuple],
         tr.executor.step = timed_step
     recorder = TaskRecorder()
     tracing.install(recorder)
-    out: dict[str, Any] = {"stage": trainers["dpp"].topo.coord.pp, "cases": {}}
+    topo = trainers["interleaved-1f1b"].topo
+    out: dict[str, Any] = {"stage": topo.coord.pp, "cases": {}}
+    n = len(SCHEDULES)
     try:
         for case, (specs, spike_links, p, ms) in cases.items():
-            injector = faults.install(specs, trainers["dpp"].topo) if specs else None
+            injector = faults.install(specs, topo) if specs else None
             spikes = LinkSpikes(rank, spike_links, p, ms) if spike_links else None
             if spikes is not None:
                 comm.add_interceptor(spikes)
@@ -179,7 +237,7 @@ def worker(rank: int, world: int, size: dict[str, int], cases: dict[str, tuple],
             for rep in range(warmup + size["steps"]):
                 if spikes is not None:
                     spikes.rep = rep
-                for sched in (SCHEDULES if rep % 2 == 0 else SCHEDULES[::-1]):
+                for sched in SCHEDULES[rep % n:] + SCHEDULES[:rep % n]:  # each goes first as often as the others
                     dist.barrier()
                     recorder.take()
                     windows.clear()
@@ -189,7 +247,8 @@ def worker(rank: int, world: int, size: dict[str, int], cases: dict[str, tuple],
                     wall = time.perf_counter() - t0
                     if rep >= warmup:
                         recs[sched].append({"wall": wall, "step_time": rec["step_time"], "wait_s": rec["wait_s"],
-                                            "executor_s": windows[0], "tasks": recorder.take()})
+                                            "executor_s": windows[0], "peak_inflight": rec["peak_inflight"],
+                                            "tasks": recorder.take()})
             if spikes is not None:
                 comm.remove_interceptor(spikes)
             if injector is not None:
@@ -201,22 +260,31 @@ def worker(rank: int, world: int, size: dict[str, int], cases: dict[str, tuple],
     (Path(outdir) / f"rank{rank}.json").write_text(json.dumps(out))
 
 
-def step_timings(per_rank: list[dict], case: str, sched: str, i: int, size: dict[str, int]) -> StepTimings:
+def step_timings(per_rank: list[dict], case: str, sched: str, i: int, size: dict[str, Any]) -> StepTimings:
     """Step i of one schedule in one case, merged over ranks."""
     tasks, execs, waits = [], [0.0] * size["pp"], [0.0] * size["pp"]
     for r in per_rank:
         s, rec = r["stage"], r["cases"][case][sched][i]
         tasks += [TaskTiming(s, *t) for t in rec["tasks"]]
         execs[s], waits[s] = rec["executor_s"], rec["wait_s"]
-    return StepTimings(size["pp"], size["vpp"], size["microbatches"], tasks, execs, waits)
+    vpp = 1 if sched == "zb-h1" else size["vpp"]
+    return StepTimings(size["pp"], vpp, size["microbatches"], tasks, execs, waits)
 
 
 def _err(pred: float, real: float) -> float:
     return pred / real - 1.0
 
 
-def summarise(per_rank: list[dict], case: str, size: dict[str, int]) -> dict[str, Any]:
-    """Times, ratios and simulator predictions of one case."""
+def predict(name: str, cfg: SimConfig, seeds: int) -> float:
+    """Mean simulated pipeline time over link-jitter seeds (one run when nothing is random)."""
+    if cfg.link_jitter == "none" and cfg.compute_jitter == "none":
+        seeds = 1
+    return statistics.fmean(simulate(name, dataclasses.replace(cfg, seed=k), timeline=False).step_time
+                            for k in range(seeds))
+
+
+def summarise(per_rank: list[dict], case: str, size: dict[str, Any], specs: list[str]) -> dict[str, Any]:
+    """Times, paired ratios and simulator predictions of one case."""
     n = size["steps"]
     lead = next(r for r in per_rank if r["stage"] == 0)["cases"][case]
     walls = {s: [rec["wall"] for rec in lead[s]] for s in SCHEDULES}
@@ -224,37 +292,49 @@ def summarise(per_rank: list[dict], case: str, size: dict[str, int]) -> dict[str
     spans = {s: [st.makespan() for st in steps[s]] for s in SCHEDULES}
     cals = {s: calibrate(steps[s]) for s in SCHEDULES}
     cap = dpp_cap(size)
+    links = link_model(specs, size)
     row: dict[str, Any] = {
-        "case": case, "median_step_s": {s: statistics.median(walls[s]) for s in SCHEDULES},
+        "case": case, "inject": specs, "sim_links": links,
+        "median_step_s": {s: statistics.median(walls[s]) for s in SCHEDULES},
         "median_pipeline_s": {s: statistics.median(spans[s]) for s in SCHEDULES},
-        "paired_ratio": statistics.median(a / b for a, b in zip(walls["dpp"], walls["interleaved-1f1b"])),
-        "paired_pipeline_ratio": statistics.median(a / b for a, b in zip(spans["dpp"], spans["interleaved-1f1b"])),
+        # busiest stage's activations held at once, in whole-stage units (ZB-H1's chunk is a whole stage)
+        "peak_activation": {s: max(rec["peak_inflight"] for r in per_rank for rec in r["cases"][case][s])
+                            / (1 if s == "zb-h1" else size["vpp"]) for s in SCHEDULES},
+        "ratio": {}, "paired_ratio": {}, "paired_pipeline_ratio": {}, "predicted_ratio": {},
         "calibration": {s: cals[s].to_dict() for s in SCHEDULES}, "sim": {},
         "times_s": walls, "pipeline_s": spans,
     }
+    for a, b in PAIRS:
+        k = pair_name(a, b)
+        row["ratio"][k] = row["median_step_s"][a] / row["median_step_s"][b]
+        row["paired_ratio"][k] = statistics.median(x / y for x, y in zip(walls[a], walls[b]))
+        row["paired_pipeline_ratio"][k] = statistics.median(x / y for x, y in zip(spans[a], spans[b]))
     # median seconds each stage stayed blocked after a task (payload copy, injected delay), by task kind
     row["blocked_s"] = {s: [{k: statistics.median([t.blocked for st in steps[s] for t in st.tasks
-                                                    if t.stage == stage and t.kind == k]) for k in "FB"}
+                                                    if t.stage == stage and t.kind == k] or [0.0]) for k in "FBW"}
                             for stage in range(size["pp"])] for s in SCHEDULES}
-    row["ratio"] = row["median_step_s"]["dpp"] / row["median_step_s"]["interleaved-1f1b"]
+    own = {}
     for s in SCHEDULES:
         real_pipe, real_step = row["median_pipeline_s"][s], row["median_step_s"][s]
         outside = real_step - real_pipe  # data, optimizer, loss and norm all-reduces, barriers: not simulated
-        mi = cap if s == "dpp" else None
-        own = simulate(SIM_NAME[s], cals[s].sim_config(mi), timeline=False).step_time
-        cross = simulate(SIM_NAME[s], cals["interleaved-1f1b"].sim_config(mi), timeline=False).step_time
+        mi = cap if s in DYNAMIC else None
         cal = cals[s]
-        replays = [replay(SIM_NAME[s], st, cal.overhead, cal.latency, mi).step_time for st in steps[s]]
-        row["sim"][s] = {
-            "own_config_s": own, "own_config_err": _err(own, real_pipe),
-            "from_interleaved_s": cross, "from_interleaved_err": _err(cross, real_pipe),
-            "replay_median_err": statistics.median(_err(p, m) for p, m in zip(replays, spans[s])),
-            "replay_max_abs_err": max(abs(_err(p, m)) for p, m in zip(replays, spans[s])),
-            "step_err_own_config": _err(own + outside, real_step),
-        }
-    sim_i = simulate("interleaved-1f1b", cals["interleaved-1f1b"].sim_config(), timeline=False).step_time
-    sim_d = simulate("dpp-adaptive", cals["interleaved-1f1b"].sim_config(cap), timeline=False).step_time
-    row["predicted_ratio_from_interleaved"] = sim_d / sim_i
+        own[s] = predict(s, dataclasses.replace(cal.sim_config(mi), **links), SIM_SEEDS)
+        entry = {"own_config_s": own[s], "own_config_err": _err(own[s], real_pipe),
+                 "step_err_own_config": _err(own[s] + outside, real_step)}
+        if s != "zb-h1":  # the interleaved run's costs are per chunk of vpp=2; ZB-H1 runs whole stages
+            cross = predict(s, dataclasses.replace(cals["interleaved-1f1b"].sim_config(mi), **links), SIM_SEEDS)
+            entry.update(from_interleaved_s=cross, from_interleaved_err=_err(cross, real_pipe))
+        replays = []
+        for i, st in enumerate(steps[s]):  # every task at its own measured cost
+            cfg = SimConfig(pp=st.pp, vpp=st.vpp, microbatches=st.microbatches, latency=cal.latency,
+                            max_inflight=mi, task_costs=st.task_costs(cal.overhead), seed=i)
+            replays.append(simulate(s, dataclasses.replace(cfg, **links), timeline=False).step_time)
+        errs = [_err(p, m) for p, m in zip(replays, spans[s])]
+        entry.update(replay_median_err=statistics.median(errs), replay_max_abs_err=max(map(abs, errs)))
+        row["sim"][s] = entry
+    for a, b in PAIRS:
+        row["predicted_ratio"][pair_name(a, b)] = own[a] / own[b]
     return row
 
 
@@ -267,39 +347,45 @@ def run(quick: bool = False, steps: int | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         spawn(worker, size["pp"], size, cases, tmp)
         per_rank = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(size["pp"])]
-    rows = [summarise(per_rank, c, size) for c in cases]
-    cfg = RunConfig.from_dict(run_config("dpp", size))
+    rows = [summarise(per_rank, c, size, cases[c][0]) for c in cases]
+    cfg = RunConfig.from_dict(run_config("dpp-zb", size))
     return {
-        "benchmark": "MegaDPP on real ranks: dpp-adaptive vs interleaved 1F1B, simulator calibrated and checked",
+        "benchmark": "MegaDPP on real ranks: dpp-zb and dpp-adaptive vs interleaved 1F1B and ZB-H1, simulator "
+                     "calibrated and checked",
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": round(time.perf_counter() - t0, 1),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg(),
                     "python": platform.python_version(), "torch": torch.__version__, "threads_per_rank": 1,
                     "backend": "gloo"},
         "config": {"size": size, "dpp_max_inflight": dpp_cap(size), "params": cfg.model.num_params(),
+                   "message_bytes": act_bytes(size), "wire_gbps": wire_gbps(size),
                    "cases": {c: {"inject": v[0], "spike_links": v[1], "spike_p": v[2], "spike_ms": v[3]}
                              for c, v in cases.items()},
-                   "protocol": "both schedules in the same rank processes, alternating step by step, "
-                               "barrier-fenced; medians over the measured steps after warm-up (2 per case, 3 more "
-                               "before the first); pipeline time: first task start to last task end over all ranks"},
+                   "protocol": "all schedules in the same rank processes, taking turns step by step (the order "
+                               "rotates every repetition), barrier-fenced; medians over the measured steps after "
+                               "warm-up (2 per case, 3 more before the first); pipeline time: first task start to "
+                               "last task end over all ranks; zb-h1 runs the same model as one chunk per stage"},
         "target_sim_error": TARGET_SIM_ERROR, "cases": rows,
     }
 
 
 def table(result: dict[str, Any]) -> str:
-    """Two Markdown tables: step times and ratios, then simulator errors (pipeline time, predicted/measured - 1)."""
-    lines = ["| case | interleaved (s/step) | dpp (s/step) | dpp/int | paired | pipeline paired | sim dpp/int |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    """Two Markdown tables: step times and paired ratios (measured, and predicted by the simulator from each run's
+    own calibration), then simulator errors (pipeline time, predicted/measured - 1)."""
+    lines = ["| case | interleaved | dpp-adaptive | dpp-zb | zb-h1 (s/step) | ada/int | zb/int | dpp-zb/int "
+             "| dpp-zb/zb-h1 | sim dpp-zb/int | sim dpp-zb/zb-h1 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["cases"]:
-        med = r["median_step_s"]
-        lines.append(f"| {r['case']} | {med['interleaved-1f1b']:.4f} | {med['dpp']:.4f} | {r['ratio']:.3f} "
-                     f"| {r['paired_ratio']:.3f} | {r['paired_pipeline_ratio']:.3f} "
-                     f"| {r['predicted_ratio_from_interleaved']:.3f} |")
+        med, pr, pred = r["median_step_s"], r["paired_ratio"], r["predicted_ratio"]
+        lines.append(f"| {r['case']} | " + " | ".join(f"{med[s]:.4f}" for s in SCHEDULES) + " | "
+                     + " | ".join(f"{pr[pair_name(*p)]:.3f}" for p in (PAIRS[0], PAIRS[3], PAIRS[1], PAIRS[2]))
+                     + f" | {pred[pair_name(*PAIRS[1])]:.3f} | {pred[pair_name(*PAIRS[2])]:.3f} |")
     lines += ["", "| case | schedule | SimConfig (own run) | SimConfig (from interleaved) | replay median "
               "| replay worst | whole step (own) |", "|---|---|---:|---:|---:|---:|---:|"]
     for r in result["cases"]:
         for s in SCHEDULES:
             e = r["sim"][s]
-            lines.append(f"| {r['case']} | {s} | {e['own_config_err']:+.1%} | {e['from_interleaved_err']:+.1%} "
+            cross = f"{e['from_interleaved_err']:+.1%}" if "from_interleaved_err" in e else "-"
+            lines.append(f"| {r['case']} | {s} | {e['own_config_err']:+.1%} | {cross} "
                          f"| {e['replay_median_err']:+.1%} | {e['replay_max_abs_err']:.1%} "
                          f"| {e['step_err_own_config']:+.1%} |")
     return "\n".join(lines)
