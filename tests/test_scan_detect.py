@@ -1,10 +1,11 @@
 """Root-cause detection on simulated jobs: each fault kind, several positions, several at once, none at all."""
 import json
 
+import numpy as np
 import pytest
 
-from megatronapp.scan.detect import detect
-from megatronapp.scan.format import read_dir
+from megatronapp.scan.detect import Thresholds, detect, join, match_p2p
+from megatronapp.scan.format import RankWriter, read_dir
 from megatronapp.scan.simulate import simulate
 
 # 32 ranks: tp=2, pp=4, dp=4. rank = tp + 2*(dp + 4*pp).
@@ -87,3 +88,38 @@ def test_report_json_round_trip(tmp_path):
 def test_empty_input_is_a_clear_error():
     with pytest.raises(ValueError, match="no rank traces"):
         detect([])
+
+
+def test_z_needed_grows_with_the_number_of_comparisons():
+    th = Thresholds()
+    assert th.z_for(4.0, 160) == 4.0  # a 32-rank run keeps its threshold (the subtle cases above)
+    z_big = th.z_for(4.0, 12_288 * 5)
+    assert 5.0 < z_big < 5.5
+    # Healthy noise at 12,288 ranks x 5 iterations: a fixed z of 4 lets a few cells through, the scaled z none.
+    rng = np.random.default_rng(0)
+    passes_fixed = passes_scaled = 0
+    for _ in range(5):
+        x = rng.standard_normal(12_288 * 5)
+        passes_fixed += int((x >= 4.0).sum())
+        passes_scaled += int((x >= z_big).sum())
+    assert passes_fixed >= 2 and passes_scaled == 0
+
+
+def test_p2p_channels_between_the_same_ranks_are_matched_apart(tmp_path):
+    # Two channels from rank 0 to rank 1 (as pp.act.up / pp.grad.up with interleaved chunks) both number their
+    # transfers 0, 1, ...: a send must meet the receive of ITS channel, not the other's.
+    hdr = {"world": 2, "topo": [1, 2, 1]}
+    with RankWriter(tmp_path / "rank00000.mst", {**hdr, "rank": 0, "coord": [0, 0, 0]}) as w:
+        w.write("send", "comm", 100, 10, 0, "pp.act.up", [0, 1], 0, 1, 64)
+        w.write("send", "comm", 200, 10, 0, "pp.grad.up", [0, 1], 0, 1, 64)
+    with RankWriter(tmp_path / "rank00001.mst", {**hdr, "rank": 1, "coord": [0, 1, 0]}) as w:
+        w.write("recv", "comm", 190, 30, 0, "pp.grad.up", [0, 1], 0, 0, 64)
+        w.write("recv", "comm", 90, 30, 0, "pp.act.up", [0, 1], 0, 0, 64)
+    traces, _ = read_dir(tmp_path)
+    tb = join(traces)
+    send = np.flatnonzero(tb.name == tb.names.index("send"))
+    recv = np.flatnonzero(tb.name == tb.names.index("recv"))
+    si, ri = match_p2p(tb, send, recv)
+    gname = [tb.groups[g][0] for g in tb.gkey]
+    assert sorted((gname[a], gname[b]) for a, b in zip(si, ri)) == [("pp.act.up", "pp.act.up"),
+                                                                    ("pp.grad.up", "pp.grad.up")]

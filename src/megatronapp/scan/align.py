@@ -83,10 +83,12 @@ def _collective_samples(traces: list[RankTrace]) -> tuple[np.ndarray, ...]:
 def _p2p_samples(traces: list[RankTrace]) -> tuple[np.ndarray, ...]:
     """NTP-style pair samples from send/recv pairs seen in both directions, one per pair and iteration."""
     sends, recvs = [], []
+    channels: dict[str, int] = {}  # sequence numbers count per channel (group name): part of the match key
     for t in traces:
         if not len(t):
             continue
         ids = {n: i for i, n in enumerate(t.names)}
+        chan = np.array([channels.setdefault(g, len(channels)) for g, _ in t.groups] + [-1], np.int64)
         for name, out in (("send", sends), ("recv", recvs)):
             m = (t.name == ids.get(name, -2)) & (t.peer >= 0) & (t.seq >= 0)
             if m.any():
@@ -94,7 +96,8 @@ def _p2p_samples(traces: list[RankTrace]) -> tuple[np.ndarray, ...]:
                 me = np.full(int(m.sum()), t.rank)
                 pair = (me, t.peer[m]) if name == "send" else (t.peer[m], me)
                 tt = t.ts[m] if name == "send" else t.ts[m] + t.dur[m]
-                out.append(np.stack([*pair, t.seq[m], t.it[m], tt]).astype(np.int64))
+                out.append(np.stack([*pair, (t.seq[m] << 10) + chan[t.gid[m]] + 1,  # < 1023 channel names
+                                     t.it[m], tt]).astype(np.int64))
     empty = tuple(np.zeros(0, np.int64) for _ in range(4))
     if not sends or not recvs:
         return empty

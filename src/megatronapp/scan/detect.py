@@ -228,10 +228,11 @@ def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool
     noise = excursion_noise(st, present)
     ref, exc, z = robust_excess(st, groups, th.scale_floor, noise / 2)
     n_it = st.shape[1]
+    zmin = th.z_for(th.z, int(present.sum()) * n_it)  # every (rank, iteration) cell is one comparison
     with np.errstate(invalid="ignore"):
         rel = exc / ref
-        base = (z >= th.z) & (rel >= th.rel) & (exc >= max(th.abs_ms, th.persistent_noise * noise))
-        big = (z >= th.z) & (rel >= th.transient_rel) & (exc >= max(th.transient_abs_ms, th.transient_noise * noise))
+        base = (z >= zmin) & (rel >= th.rel) & (exc >= max(th.abs_ms, th.persistent_noise * noise))
+        big = (z >= zmin) & (rel >= th.transient_rel) & (exc >= max(th.transient_abs_ms, th.transient_noise * noise))
     out = []
     for r in np.flatnonzero((base | big).any(axis=1)):
         hit = np.flatnonzero(base[r])
@@ -251,7 +252,7 @@ def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool
                       excess_ms_by_part={k: round(v, 3) for k, v in parts.items()},
                       ops=op_excess(tb, ph, [int(r)])[int(r)])
             excess = float(np.nanmedian(exc[r, hit]))
-            conf = _confidence(zr, frac, th.z) * (0.85 if len(peers) == 1 else 1.0)
+            conf = _confidence(zr, frac, zmin) * (0.85 if len(peers) == 1 else 1.0)
             if not host and parts["compute"] >= parts["data"] + parts["gap"]:
                 peer_c = np.nanmedian(ph.compute[peers], axis=0)
                 factor = float(np.nanmedian(ph.compute[r, hit] / peer_c[hit]))
@@ -275,7 +276,7 @@ def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool
                   ops=op_excess(tb, ph, [int(r)])[int(r)])
         factor = float(np.nanmedian(ph.self_time[r, hb] / np.nanmedian(ph.self_time[peers][:, hb], axis=0)))
         # A single iteration on a busy machine could be the machine; a repeated one is a pattern.
-        conf = _confidence(float(np.nanmedian(z[r, hb])), 1.0, th.z) * (1.0 if len(hb) > 1 else 0.7)
+        conf = _confidence(float(np.nanmedian(z[r, hb])), 1.0, zmin) * (1.0 if len(hb) > 1 else 0.7)
         out.append(Finding("transient-pause", (int(r),), [_coord(tb, r)],
                            f"+{excess:.1f} ms in {len(hb)} of {n_it} iterations", round(factor, 3),
                            round(excess, 3), round(conf, 3), ev))
@@ -322,6 +323,31 @@ def _lookup(uk: np.ndarray, values: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return values[np.searchsorted(uk, keys)]
 
 
+def group_name_ids(tb: Table) -> np.ndarray:
+    """Per group key (plus -1 at the end): an id of the group's NAME, shared by every column's copy of it."""
+    ids: dict[str, int] = {}
+    return np.array([ids.setdefault(g, len(ids)) for g, _ in tb.groups] + [-1], np.int64)
+
+
+def match_p2p(tb: Table, send: np.ndarray, recv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row indices (send, recv) of matched P2P transfers: same channel, sender, receiver and sequence number.
+
+    Sequence numbers count per channel (the engine's pp.act.up, pp.grad.down, ... or a user's groups), so two
+    channels between the same ranks both have a transfer number k: the channel is part of the key."""
+    name = group_name_ids(tb)
+    src = np.r_[tb.rank[send], tb.peer[recv]]
+    dst = np.r_[tb.peer[send], tb.rank[recv]]
+    chan = np.r_[name[tb.gkey[send]], name[tb.gkey[recv]]]
+    _, pid = np.unique(np.stack([chan, src, dst]), axis=1, return_inverse=True)
+    S = int(tb.seq[np.r_[send, recv]].max()) + 1
+    key = pid.ravel() * S + tb.seq[np.r_[send, recv]]
+    ks, kr = key[:len(send)], key[len(send):]
+    o = np.argsort(ks)
+    pos = np.searchsorted(ks[o], kr).clip(0, len(ks) - 1)
+    hit = ks[o][pos] == kr
+    return send[o][pos][hit], recv[hit]
+
+
 @dataclass
 class Waits:
     """Wait analysis: per (rank, iteration) ms waited and ms others waited for the rank (direct, victims out)."""
@@ -362,12 +388,7 @@ def links_and_waits(tb: Table, ph: Phases, th: Thresholds, offsets: dict[int, in
     recv = np.flatnonzero(comm & (tb.peer >= 0) & (tb.name == nid.get("recv", -2)) & (tb.seq >= 0))
     if len(send) and len(recv):
         S = int(max(tb.seq[send].max(), tb.seq[recv].max())) + 1
-        ks = (tb.rank[send] * W + tb.peer[send]) * S + tb.seq[send]
-        kr = (tb.peer[recv] * W + tb.rank[recv]) * S + tb.seq[recv]
-        o = np.argsort(ks)
-        pos = np.searchsorted(ks[o], kr).clip(0, len(ks) - 1)
-        hit = ks[o][pos] == kr
-        si, ri = send[o][pos][hit], recv[hit]
+        si, ri = match_p2p(tb, send, recv)
         pair = tb.rank[si] * W + tb.rank[ri]
         if offsets is None:
             # No global clock: the two ends of a transfer finish together, which fixes each pair's offset.
@@ -380,8 +401,9 @@ def links_and_waits(tb: Table, ph: Phases, th: Thresholds, offsets: dict[int, in
         w = np.maximum(s_at - r_at, 0).astype(float)
         xfer = (r_end - np.maximum(s_at, r_at)).astype(float)
         wait[ri] = w
+        # Same transfer on other columns: same stages, same channel (group name) and size.
         cls = (pp[tb.rank[si]] * (tb.coords[:, 1].max() + 1) + pp[tb.rank[ri]]) * (1 << 20) + \
-            np.unique(tb.nbytes[si], return_inverse=True)[1]
+            np.unique(group_name_ids(tb)[tb.gkey[si]] * (1 << 40) + tb.nbytes[si], return_inverse=True)[1]
         inst = cls * S + tb.seq[si]
         ui, imed, _ = group_median(inst, xfer)
         ratio = xfer / np.maximum(_lookup(ui, imed, inst), 1.0)
@@ -464,6 +486,7 @@ def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray,
     _, dev, _ = group_median(unit, np.abs(t - _lookup(uu, tmed, unit)))
     jitter = 1.4826 * float(np.median(dev)) if len(dev) else 0.0
     ucls = cls[np.unique(unit, return_index=True)[1]]
+    zmin = th.z_for(th.link_z, len(uu))
     out = []
     for c in np.unique(ucls):
         rows = np.flatnonzero(ucls == c)
@@ -472,7 +495,7 @@ def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray,
         ref, exc, z = robust_excess(rmed[rows, None], np.zeros(len(rows), np.int64), th.scale_floor)
         for i, k in enumerate(rows):
             peer_t = tmed[k] / rmed[k] * ref[i, 0]
-            if not (exc[i, 0] >= th.link_rel and z[i, 0] >= th.link_z
+            if not (exc[i, 0] >= th.link_rel and z[i, 0] >= zmin
                     and tmed[k] - peer_t >= max(th.link_abs_ms * MS, th.link_noise * jitter)):
                 continue
             rks = tuple(int(x) for x in ranks_of(uu[k]))
@@ -482,7 +505,7 @@ def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray,
             label = f"{rks[0]}-{rks[1]}" if len(rks) == 2 else f"group {list(rks)}"
             out.append(Finding("slow-link", rks, [_coord(tb, r) for r in rks],
                                f"{factor:.2f}x transfer time on {what} {label}", round(factor, 3),
-                               round((tmed[k] - peer_t) / MS, 4), _confidence(float(z[i, 0]), 1.0, th.link_z), ev))
+                               round((tmed[k] - peer_t) / MS, 4), _confidence(float(z[i, 0]), 1.0, zmin), ev))
     return out
 
 

@@ -184,7 +184,10 @@ def stall_link_findings(tb: Table, stall: np.ndarray, iters: np.ndarray, th: Thr
     src, dst = tb.rank[send], tb.peer[send]
     pair = src * W + dst
     # The same send on other columns: same stages, size and sequence number.
-    cls = (stage[src] * (stage.max() + 1) + stage[dst]) * (1 << 40) + tb.nbytes[send]
+    names: dict[str, int] = {}
+    chan = np.array([names.setdefault(g, len(names)) for g, _ in tb.groups] + [-1], np.int64)[tb.gkey[send]]
+    cls = np.unique(np.stack([stage[src], stage[dst], chan, tb.nbytes[send]]), axis=1, return_inverse=True)[1]
+    cls = cls.ravel().astype(np.int64)  # same stages, channel (group name: act/grad, up/down) and size
     inst = cls * (int(tb.seq[send].max()) + 1) + tb.seq[send]
     v = stall[send].astype(float) / MS
     excess = v - loo_median(inst, v)

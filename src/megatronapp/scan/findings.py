@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from statistics import NormalDist
 
 KINDS = ("slow-compute", "slow-link", "transient-pause", "late-arrival")
 
@@ -29,6 +30,16 @@ class Thresholds:
     floor_rel: float = 0.4  # floors above peers' by 40% (measured: healthy ranks on a 2-core box at load 20 reach 1.3x)
     stall_abs_ms: float = 2.0  # stall before posting a send, beyond the same send on other columns
     stall_floor_ms: float = 0.1  # a healthy posting delay is taken as at least this (for the ratio)
+    # False alarms at scale: thousands of comparisons at a fixed z make some noise pass it. The z needed grows
+    # with the number of comparisons so the chance of ANY false alarm in a healthy run stays near this (a
+    # Bonferroni bound; with almost every comparison healthy, Benjamini-Hochberg asks for the same z).
+    family_alpha: float = 0.01
+
+    def z_for(self, base: float, comparisons: int) -> float:
+        """The z a comparison must reach when `comparisons` are made at once: `base`, or more at scale."""
+        if comparisons <= 1:
+            return base
+        return max(base, NormalDist().inv_cdf(1.0 - self.family_alpha / comparisons))
 
 
 @dataclass

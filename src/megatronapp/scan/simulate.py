@@ -314,16 +314,14 @@ def simulate(out_dir: str | Path, ranks: int, tp: int, pp: int, dp: int | None =
                        [t + tp * (q + dp * s) for q in range(dp)])
         header = {"rank": r, "world": ranks, "coord": [d, s, t], "topo": [tp, pp, dp], "host": f"node{r // 8}",
                   "pid": 10_000 + r, "clock": "monotonic_ns", "simulated": True}
-        w = RankWriter(rank_file(out, r), header, buffer_records=1 << 16)
         a, b = bounds[r], bounds[r + 1]
-        rows = zip(cols["name"][a:b].tolist(), cols["cat"][a:b].tolist(), ts_local[a:b].tolist(),
-                   dur[a:b].tolist(), cols["it"][a:b].tolist(), cols["group"][a:b].tolist(),
-                   cols["seq"][a:b].tolist(), cols["peer"][a:b].tolist(), cols["nbytes"][a:b].tolist(),
-                   cols["mb"][a:b].tolist())
-        for name, cat, ts, du, it, g, seq, peer, nb, mb in rows:
-            w.write(NAMES[name], cat, ts, du, it, _Spans.GROUPS[g] or None, group_ranks[g], seq, peer, nb,
-                    0 if cat == 0 else -1, mb)
-        w.close()
+        g = cols["group"][a:b]
+        with RankWriter(rank_file(out, r), header) as w:
+            w.write_columns(NAMES, [(_Spans.GROUPS[k], group_ranks[k]) for k in (1, 2, 3)],
+                            {"name": cols["name"][a:b], "cat": cols["cat"][a:b], "ts": ts_local[a:b],
+                             "dur": dur[a:b], "it": cols["it"][a:b], "gid": np.where(g > 0, g - 1, -1),
+                             "seq": cols["seq"][a:b], "peer": cols["peer"][a:b], "nbytes": cols["nbytes"][a:b],
+                             "chunk": np.where(cols["cat"][a:b] == 0, 0, -1), "mb": cols["mb"][a:b]})
     res = SimResult(str(out), ranks, tp, pp, dp, iterations, m, flist, offsets.tolist(), len(dur))
     truth = {**asdict(res), "faults": [{**asdict(f), "label": f.label()} for f in flist]}
     (out / "ground_truth.json").write_text(json.dumps(truth))
