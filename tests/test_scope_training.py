@@ -31,7 +31,7 @@ def test_training_scope_publishes_metrics_and_probe_generations():
             while not got or got[-1]["type"] != "done":
                 got.append(json.loads(ws.recv(timeout=30)))
             kinds = [m["type"] for m in got]
-            assert kinds[:3] == ["train", "train", "start"] and kinds.count("step") == 4 and "pca" in kinds
+            assert kinds[:4] == ["train", "train", "info", "start"] and kinds.count("step") == 4 and "pca" in kinds
             assert got[0] == {"type": "train", "step": 1, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.7}
             steps = [m for m in got if m["type"] == "step"]
             assert "layers.1.attn.probs" in steps[0]["states"] and "lens" in steps[0]
@@ -40,4 +40,59 @@ def test_training_scope_publishes_metrics_and_probe_generations():
         assert not model.capture.active  # no hooks left on the training model
         assert [h["step"] for h in scope.history] == [1, 2]
     finally:
+        scope.close()
+
+
+def test_console_pauses_steps_once_and_resumes():
+    import threading
+
+    cfg = ModelConfig(family="gpt2", vocab_size=256, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=64)
+    model = build_model(cfg, seed=0)
+    scope = TrainingScope(0, every=1000, announce=lambda s: None)
+    done: list[int] = []
+    stop = threading.Event()
+
+    def trainer() -> None:  # what the trainer's step-end hook does, as fast as it can
+        step = 0
+        while not stop.is_set() and step < 10_000:
+            step += 1
+            scope.on_step(step, [model], {"loss": 1.0})
+            done.append(step)
+
+    def state(ws) -> dict:
+        while True:
+            m = json.loads(ws.recv(timeout=30))
+            if m["type"] == "train_state":
+                return m
+
+    try:
+        with connect(f"ws://127.0.0.1:{scope.server.port}/ws", open_timeout=30) as ws:
+            hello = json.loads(ws.recv(timeout=30))
+            assert hello["training"] == {"type": "train_state", "step": 0, "paused": False, "waiting": False,
+                                         "every": 1000}
+            ws.send(json.dumps({"type": "control", "action": "pause"}))
+            assert state(ws)["paused"] is True
+            runner = threading.Thread(target=trainer, daemon=True)
+            runner.start()
+            waiting = state(ws)  # the trainer stopped after the step it was in
+            while not waiting["waiting"]:
+                waiting = state(ws)
+            held = waiting["step"]
+            assert done == list(range(1, held))  # on_step(held) has not returned: step held+1 never began
+            ws.send(json.dumps({"type": "control", "action": "step"}))
+            m = state(ws)
+            while not (m["waiting"] and m["step"] == held + 1):
+                m = state(ws)
+            assert done == list(range(1, held + 1))  # exactly one more step ran
+            ws.send(json.dumps({"type": "control", "action": "every", "every": 7}))
+            assert state(ws)["every"] == 7 and scope.every == 7
+            ws.send(json.dumps({"type": "control", "action": "resume"}))
+            m = state(ws)
+            while m["paused"] or m["waiting"]:
+                m = state(ws)
+            stop.set()
+            runner.join(timeout=60)
+            assert len(done) > held + 1
+    finally:
+        stop.set()
         scope.close()

@@ -112,6 +112,7 @@ class TrainingScope:
             return
         sm = ScopeModel(chunk, chunk.cfg, self.tokenizer, name=f"training step {step}")
         self.app.state.scope_model = sm
+        publish(self.app, {"type": "info", "model": sm.describe()})  # the page builds its layer/head selectors
         req = Generate(type="generate", prompts=[self.probe], max_new_tokens=self.probe_tokens, greedy=True,
                        capture={"points": ["attn.q", "attn.k", "attn.v", "attn.probs", "mlp.out"], "logit_lens": True,
                                 "pca_layer": chunk.cfg.num_layers - 1})

@@ -20,7 +20,7 @@ function connect() {
     (token ? "?token=" + encodeURIComponent(token) : "");
   ws = new WebSocket(url);
   ws.onopen = () => setStatus("connected", "ok");
-  ws.onclose = () => { setStatus("offline", "err"); $("generate").disabled = true; };
+  ws.onclose = (ev) => { setStatus("offline" + (ev.reason ? ": " + ev.reason : ""), "err"); $("generate").disabled = true; };
   ws.onmessage = (ev) => handle(JSON.parse(ev.data));
 }
 
@@ -28,9 +28,12 @@ function setStatus(text, cls) { const s = $("status"); s.textContent = text; s.c
 
 function handle(msg) {
   switch (msg.type) {
-    case "hello": readOnly = !!msg.read_only; if (msg.model) setModel(msg.model); updateReadOnly(); break;
+    case "hello": readOnly = !!msg.read_only; if (msg.model) setModel(msg.model); updateReadOnly();
+      if (msg.training) { $("console").hidden = false; trainState(msg.training); } break;
+    case "train_state": $("console").hidden = false; trainState(msg); break;
     case "info": if (msg.model) setModel(msg.model); updateReadOnly(); break;
-    case "train": $("train-info").textContent = `training step ${msg.step}` +
+    case "train": if (lastTrain) trainState({ ...lastTrain, step: msg.step });
+      $("train-info").textContent = `training step ${msg.step}` +
       (msg.loss !== undefined ? `, loss ${msg.loss.toFixed(3)}` : "") + (msg.lr !== undefined ? `, lr ${msg.lr.toExponential(1)}` : ""); break;
     case "start": startRun(msg); break;
     case "step": addStep(msg); break;
@@ -40,6 +43,16 @@ function handle(msg) {
     case "error": showError(msg); break;
   }
 }
+
+let lastTrain = null;
+function trainState(m) {
+  lastTrain = m;
+  $("train-state").textContent = `step ${m.step}: ` + (m.waiting ? "paused (waiting)" : m.paused ? "pausing after this step" : "running") +
+    `, probe every ${m.every} steps`;
+  $("train-state").dataset.step = m.step; $("train-state").dataset.waiting = m.waiting; $("train-state").dataset.every = m.every;
+}
+
+function control(action, every) { if (ws && ws.readyState === 1) ws.send(JSON.stringify({ type: "control", action, every })); }
 
 function showError(msg) {
   setStatus("error: " + msg.code, "err");
@@ -157,7 +170,7 @@ function storeState(name, c, p0) {
 function startRun(msg) {
   run = { rows: msg.rows, start: msg.start, total: msg.total, promptLens: msg.prompt_lens,
     tokens: msg.tokens.map((t) => t.slice()), newToks: msg.tokens.map(() => []), states: {}, lens: {},
-    last: null, pca: null, t0: performance.now() };
+    last: null, pca: null, grid: null, t0: performance.now() };
   fillSelect($("row"), [...Array(msg.rows).keys()], msg.tokens.map((t, i) => `${i}: ${t.join("").slice(0, 18)}`));
   const out = $("output"); out.innerHTML = "";
   msg.tokens.forEach((t, r) => {
@@ -174,6 +187,7 @@ function addStep(msg) {
   if (!run) return;
   const [p0, p1] = msg.positions;
   for (const [name, c] of Object.entries(msg.states || {})) storeState(name, c, p0);
+  if (msg.grid) run.grid = msg.grid;
   if (msg.lens) msg.lens.forEach((rowsL, L) => rowsL.forEach((cells, r) => cells.forEach((cell, i) => {
     ((run.lens[L] || (run.lens[L] = {}))[r] || (run.lens[L][r] = []))[p0 + i] = cell;
   })));
@@ -182,8 +196,8 @@ function addStep(msg) {
       run.tokens[r][p1] = t.text;
       if (!t.new) return;
       run.newToks[r].push(t);
-      const s = document.createElement("span"); s.className = "tok" + (t.prob === null || t.prob < 0.2 ? " low" : "");
-      s.textContent = t.text; s.title = `p=${fmt(t.prob)}`;
+      const s = document.createElement("span"); s.className = "tok" + (t.prob === null || t.prob < 0.2 ? " low" : "") + (t.non_finite ? " nonfinite" : "");
+      s.textContent = t.text; s.title = `p=${fmt(t.prob)}` + (t.non_finite ? `, ${t.non_finite} NaN/inf logits masked` : "");
       $("row-" + r).appendChild(s);
     });
     run.last = msg.next;
@@ -223,7 +237,41 @@ function draw() {
   if (!run) return;
   drawTopk(); drawAttention(); drawHeat("attn.q", "heat-q", "q-caption", "Q");
   drawHeat("attn.k", "heat-k", "k-caption", "K"); drawHeat("attn.v", "heat-v", "v-caption", "V");
-  drawHeat("mlp.out", "heat-mlp", "mlp-caption", "MLP out"); drawPca(); drawLens();
+  drawHeat("mlp.out", "heat-mlp", "mlp-caption", "MLP out"); drawPca(); drawLens(); drawGrid();
+}
+
+// Layer x head grid of the last step (entropy of each head's attention, or its query norm), one row per layer.
+const GRID = { left: 56, top: 16, cw: 40, ch: 22 };
+function drawGrid() {
+  const cv = $("grid"), g = cv.getContext("2d"), metric = $("grid-metric").value, { r, L: selL, h: selH } = selected();
+  const d = run.grid && run.grid[metric];
+  if (!d) { g.clearRect(0, 0, cv.width, cv.height); $("grid-caption").textContent = `layer × head: ${metric === "entropy" ? "attention" : "Q"} not streamed`; return; }
+  const vals = d.values[r] || [], H = vals.length ? vals[0].length : 0;
+  cv.width = GRID.left + H * GRID.cw + 4; cv.height = GRID.top + d.layers.length * GRID.ch + 4;
+  let vmax = 1e-6;
+  vals.forEach((row) => row.forEach((v) => { if (v !== null && isFinite(v)) vmax = Math.max(vmax, v); }));
+  g.font = "11px monospace"; g.fillStyle = "#334";
+  for (let h = 0; h < H; h++) g.fillText(`h${h}`, GRID.left + h * GRID.cw + 10, GRID.top - 4);
+  d.layers.forEach((L, i) => {
+    g.fillStyle = "#334"; g.fillText(`layer ${L}`, 2, GRID.top + i * GRID.ch + 15);
+    for (let h = 0; h < H; h++) {
+      const v = vals[i][h];
+      g.fillStyle = sequential(v === null ? NaN : v / vmax);
+      g.fillRect(GRID.left + h * GRID.cw, GRID.top + i * GRID.ch, GRID.cw - 2, GRID.ch - 2);
+      if (L === selL && h === selH) { g.strokeStyle = "#d1495b"; g.lineWidth = 2; g.strokeRect(GRID.left + h * GRID.cw + 1, GRID.top + i * GRID.ch + 1, GRID.cw - 4, GRID.ch - 4); }
+    }
+  });
+  $("grid-caption").textContent = `layer × head, ${metric === "entropy" ? "attention entropy (nats)" : "query norm"} at the last position, row ${r}, max ${fmt(vmax, 2)} (click a cell to open it below)`;
+  cv.dataset.layers = d.layers.join(","); cv.dataset.heads = H;
+}
+
+function gridClick(ev) {
+  const d = run && run.grid && run.grid[$("grid-metric").value];
+  if (!d) return;
+  const rect = $("grid").getBoundingClientRect();
+  const h = Math.floor((ev.clientX - rect.left - GRID.left) / GRID.cw), i = Math.floor((ev.clientY - rect.top - GRID.top) / GRID.ch);
+  if (h < 0 || i < 0 || i >= d.layers.length || h >= model.num_heads) return;
+  $("layer").value = String(d.layers[i]); $("head").value = String(h); schedule();
 }
 
 function drawTopk() {
@@ -231,7 +279,8 @@ function drawTopk() {
   let html = "<table><tr><th>row</th><th>token</th><th>prob</th><th>top candidates</th></tr>";
   run.last.forEach((t, r) => {
     const cands = t.top.map(([txt, p]) => `<span class="bar" style="width:${Math.max(1, (p || 0) * 60)}px"></span><span class="mono">${esc(label(txt))}</span> ${fmt(p)}`).join("&nbsp; ");
-    html += `<tr><td>${r}</td><td class="mono">${esc(label(t.text))}${t.forced ? " (prompt)" : ""}</td><td>${fmt(t.prob)}</td><td>${cands}</td></tr>`;
+    const nf = t.non_finite ? ` <span class="warn">${t.non_finite} NaN/inf logits masked</span>` : "";
+    html += `<tr><td>${r}</td><td class="mono">${esc(label(t.text))}${t.forced ? " (prompt)" : ""}</td><td>${fmt(t.prob)}${nf}</td><td>${cands}</td></tr>`;
   });
   $("topk-view").innerHTML = html + "</table>";
 }
@@ -332,6 +381,11 @@ $("generate").onclick = () => {
 };
 $("stop").onclick = () => ws && ws.send(JSON.stringify({ type: "stop" }));
 $("pert-place").onchange = updateTargets;
-["row", "layer", "head"].forEach((id) => { $(id).onchange = schedule; });
+["row", "layer", "head", "grid-metric"].forEach((id) => { $(id).onchange = schedule; });
+$("grid").onclick = gridClick;
+$("train-pause").onclick = () => control("pause");
+$("train-step").onclick = () => control("step");
+$("train-resume").onclick = () => control("resume");
+$("train-every-set").onclick = () => control("every", Number($("train-every").value));
 $("generate").disabled = true;
 connect();
