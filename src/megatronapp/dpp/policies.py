@@ -208,8 +208,9 @@ class AdaptivePolicy(_DynamicPolicy):
 class ZBPolicy(AdaptivePolicy):
     """Dynamic zero-bubble: the backward is split into B (input gradient, which the previous stage waits for)
     and W (weight gradient, which nobody waits for). Among F and B the choice is the adaptive policy's; W runs
-    whenever no F or B is allowed and ready, so the stage never idles while a W is pending, and W goes first when
-    memory is at the cap (a microbatch's memory is held from F until its W).
+    whenever no F or B is allowed and ready, so the stage never idles while a W is pending. At the cap (a
+    microbatch's memory is held from F until its W) no F is allowed, so W runs then unless a B is ready: B goes
+    first because the previous stage waits for it.
 
     Memory: unless the user sets `dpp_max_inflight`, the cap is interleaved 1F1B's peak (its first stage's, the
     largest), on every stage: later stages may hold W work longer than in 1F1B, which is where zero-bubble
