@@ -102,6 +102,15 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="fault drill, repeatable: slow-compute=RANK:FACTOR, slow-link=A-B:MS, pause=RANK:MS:EVERY, "
                         "hang=RANK:STEP, slow-wire=A-B:FACTOR, jitter=A-B:lognormal:SIGMA")
     g.add_argument("--scope-port", type=int, help="MegaScope: serve the live page while training")
+    g = p.add_argument_group("resilience (--supervise)")
+    g.add_argument("--supervise", action="store_true",
+                   help="run under a driver: heartbeats, crash and hang detection naming the cause, automatic "
+                        "restart from the newest intact checkpoint (docs/resilience.md)")
+    g.add_argument("--hang-timeout", type=float, metavar="S",
+                   help="seconds without step progress that make a hang (default: 10x the slowest step, >= 30)")
+    g.add_argument("--max-restarts", type=int, default=3, help="restarts before the driver gives up (default 3)")
+    g.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between a rank's heartbeats (default 1)")
     g.add_argument("--attach", action="append", default=[], metavar="MODULE:FUNCTION",
                    help="plug-in by import path, repeatable: FUNCTION(trainer) is called in every rank and may "
                         "register lifecycle hooks (see docs/architecture.md, 'Plug-ins')")
@@ -167,10 +176,32 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         for spec in cfg.inject:
             faults.parse(spec)
+    if getattr(args, "supervise", False):
+        return _train_supervised(cfg, args)
     summary = train(cfg)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # under torchrun every rank returns here; rank 0 speaks for the job
     print(f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps; run files in {summary['out']}")
+    return 0
+
+
+def _train_supervised(cfg: RunConfig, args: argparse.Namespace) -> int:
+    supervisor = importlib.import_module("megatronapp.resilience.supervisor")  # a module, not engine code
+    if args.hang_timeout is not None and args.hang_timeout <= 0:
+        raise ConfigError(f"--hang-timeout {args.hang_timeout}: must be > 0 seconds")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts}: must be >= 0")
+    if args.heartbeat_interval <= 0:
+        raise ConfigError(f"--heartbeat-interval {args.heartbeat_interval}: must be > 0 seconds")
+    opts = supervisor.Options(hang_timeout_s=args.hang_timeout, max_restarts=args.max_restarts,
+                              heartbeat_s=args.heartbeat_interval)
+    try:
+        summary = supervisor.supervise(cfg, opts)
+    except supervisor.SupervisorGaveUp as e:
+        print(f"megatronapp: {e}", file=sys.stderr)
+        return 1
+    print(f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps, {summary['restarts']} "
+          f"restart(s); run files in {summary['out']}")
     return 0
 
 

@@ -2,7 +2,9 @@
 
 Each op gets a `CommOp` record (name, group, per-group sequence number, bytes, peer). It is recorded as a span
 (category "comm") when tracing is on, and handed to interceptors (fault injection: slow links, hangs) before it
-is issued. Nothing else in the engine calls torch.distributed for communication.
+is issued. Nothing else in the engine calls torch.distributed for communication. Every op is also entered in
+the flight recorder (`flight_recorder.py`) and stays in flight there until its completion is seen, so a hang can
+be attributed to the rank everyone waits for.
 
 Asynchronous ops return a `Handle`. Its readiness (`is_completed()`) means the same thing on every backend:
 on NCCL it is the work's own `is_completed()` (its CUDA event), because `Work.wait()` there only orders streams
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatronapp import tracing
+from megatronapp.parallel.flight_recorder import RECORDER as _flight
 from megatronapp.parallel.nccl_semantics import Strict
 from megatronapp.parallel.topology import Group
 
@@ -67,6 +70,7 @@ def reset() -> None:
     global _strict, _epoch
     _seq.clear()
     _interceptors.clear()
+    _flight.clear()
     _strict = None
     _epoch += 1
 
@@ -126,6 +130,7 @@ def _op_delayed(name: str, group: Group, t: torch.Tensor | None, peer: int | Non
     if _strict is not None and peer is None:
         dtype = "" if t is None else str(t.dtype).removeprefix("torch.")
         _strict.check_collective(group.name, group.ranks, op.seq, f"{name}[{label}]({nbytes} B {dtype})")
+    _flight.issue(op)  # the flight recorder: done() when the op is seen to complete
     return op, delay
 
 
@@ -139,6 +144,7 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", label: str = "") 
     rec = _op("all_reduce", group, t, label=label)
     with tracing.span("all_reduce", "comm", **rec.meta()):
         dist.all_reduce(t, op=_REDUCE_OPS[op], group=group.pg)
+    _flight.done(rec)
     return t
 
 
@@ -149,7 +155,7 @@ def all_reduce_async(t: torch.Tensor, group: Group, op: str = "sum", label: str 
     rec = _op("all_reduce", group, t, label=label)
     sp = tracing.open_span("all_reduce", "comm", **rec.meta())
     return Handle(dist.all_reduce(t, op=_REDUCE_OPS[op], group=group.pg, async_op=True), sp,
-                  nccl=_backend(group) == "nccl")
+                  nccl=_backend(group) == "nccl", op=rec)
 
 
 def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
@@ -160,6 +166,7 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(group.size)]
     with tracing.span("all_gather", "comm", **rec.meta()):
         dist.all_gather(parts, t.contiguous(), group=group.pg)
+    _flight.done(rec)
     return torch.cat(parts, dim=dim)
 
 
@@ -178,6 +185,7 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
             out.copy_(full.chunk(group.size, dim=dim)[group.rank_in(dist.get_rank())])
         else:
             dist.reduce_scatter(out, chunks, group=group.pg)
+    _flight.done(rec)
     return out
 
 
@@ -188,6 +196,7 @@ def broadcast(t: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     rec = _op("broadcast", group, t, label=f"src {src}")
     with tracing.span("broadcast", "comm", src=src, **rec.meta()):
         dist.broadcast(t, src=src, group=group.pg)
+    _flight.done(rec)
     return t
 
 
@@ -201,6 +210,7 @@ def broadcast_object(obj: object, src: int, group: Group) -> object:
         # NCCL moves the pickled bytes through a tensor on the current CUDA device; gloo through a CPU one.
         device = torch.device("cuda", torch.cuda.current_device()) if _backend(group) == "nccl" else None
         dist.broadcast_object_list(box, src=src, group=group.pg, device=device)
+    _flight.done(rec)
     return box[0]
 
 
@@ -210,6 +220,7 @@ def barrier(group: Group) -> None:
     rec = _op("barrier", group, None)
     with tracing.span("barrier", "comm", **rec.meta()):
         dist.barrier(group=group.pg)
+    _flight.done(rec)
 
 
 # -- completion --------------------------------------------------------------------------------------------
@@ -247,10 +258,11 @@ class Handle:
     """An outstanding async op. `is_completed()` never blocks; `wait()` completes it (on NCCL: orders the current
     stream after it) and closes its span. Safe to use from several threads."""
 
-    __slots__ = ("work", "span", "keep", "error", "desc", "_event", "_driven", "_closed", "_lock", "_nccl")
+    __slots__ = ("work", "span", "keep", "error", "desc", "_event", "_driven", "_closed", "_lock", "_nccl", "_op")
 
     def __init__(self, work: object, sp: object, keep: torch.Tensor | None = None, driven: bool = False,
-                 nccl: bool = False):
+                 nccl: bool = False, op: CommOp | None = None):
+        self._op = op  # the flight recorder's record, completed with the handle
         self.work, self.span, self.keep = work, sp, keep  # keep: the buffer must live until the op completes
         self._nccl = nccl  # NCCL works answer is_completed() themselves, and wait() does not block the host
         self.error: BaseException | None = None
@@ -267,9 +279,14 @@ class Handle:
         someone looks), then wake whoever waits."""
         self.error = err
         self._close_span()
-        self._event.set()
+        self._set_done()
         with _progress:
             _progress.notify_all()
+
+    def _set_done(self) -> None:
+        if self._op is not None and self.error is None:
+            _flight.done(self._op)
+        self._event.set()
 
     def _close_span(self) -> None:
         with self._lock:
@@ -302,7 +319,7 @@ class Handle:
         if not self._driven:
             if self._nccl:
                 if self.work.is_completed():
-                    self._event.set()
+                    self._set_done()
                     return True
                 return False
             self._watch()
@@ -324,7 +341,7 @@ class Handle:
                                            f"itself blocked (see that rank's error)")
             else:
                 self.work.wait()
-                self._event.set()
+                self._set_done()
         if self.error is not None:
             raise RuntimeError(f"communication failed: {self.error}") from self.error
         if self.work is not None and self._driven and self._nccl:
@@ -381,8 +398,8 @@ def _p2p(op: str, t: torch.Tensor, peer: int, group: Group, tag: int) -> Handle:
     sp = tracing.open_span(op, "comm", **rec.meta())
     wired = op == "send" and (delay > 0 or (group.name, peer) in _wires)  # once late, a stream stays in order
     if _strict is None and not wired:
-        return Handle(_issue(op, t, peer, group, tag), sp, keep=t, nccl=_backend(group) == "nccl")
-    h = Handle(None, sp, keep=t, driven=True)
+        return Handle(_issue(op, t, peer, group, tag), sp, keep=t, nccl=_backend(group) == "nccl", op=rec)
+    h = Handle(None, sp, keep=t, driven=True, op=rec)
     h.desc = f"{op} {'to' if op == 'send' else 'from'} rank {peer} (group {group.name}, #{rec.seq})"
     if _strict is None:  # a slow wire: the message leaves late, in order, and the sender goes on
         _wire(group, peer).put(time.monotonic() + delay, lambda: [_issue(op, t, peer, group, tag)], h._finish)
@@ -449,8 +466,8 @@ def batch_isend_irecv(ops: Sequence[P2P]) -> list[Handle]:
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend if o.op == "send" else dist.irecv, t, o.peer,
                                                    o.group.pg, o.tag) for o, t in zip(ops, tensors)])
         nccl = _backend(ops[0].group) == "nccl"
-        return [Handle(w, sp, keep=t, nccl=nccl) for w, sp, t in zip(works, spans, tensors)]
-    handles = [Handle(None, sp, keep=t, driven=True) for sp, t in zip(spans, tensors)]
+        return [Handle(w, sp, keep=t, nccl=nccl, op=r) for w, sp, t, r in zip(works, spans, tensors, recs)]
+    handles = [Handle(None, sp, keep=t, driven=True, op=r) for sp, t, r in zip(spans, tensors, recs)]
 
     def done(err: BaseException | None) -> None:
         for h in handles:

@@ -1,0 +1,92 @@
+"""The in-rank half of the supervisor: a heartbeat every few seconds, over files, independent of the process groups.
+
+Attached by the supervisor as a plug-in (`megatronapp.resilience.agent:plugin`); it reads where to write from
+`MEGATRONAPP_HEARTBEAT_DIR` (and the period from `MEGATRONAPP_HEARTBEAT_S`) and does nothing without it. A daemon
+thread writes `rank00003.json` atomically: step, phase and since when, tokens/s, memory, and the flight
+recorder's snapshot (the open and last completed comm ops with group and sequence number). The thread keeps
+beating while the training thread is blocked in a collective or an injected hang (both release the GIL), so the
+driver sees a hung rank's state; a rank that stops beating is stopped or dead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from megatronapp.parallel.flight_recorder import RECORDER
+
+DIR_ENV, PERIOD_ENV = "MEGATRONAPP_HEARTBEAT_DIR", "MEGATRONAPP_HEARTBEAT_S"
+
+
+class Heartbeat:
+    """This rank's state, written to `<dir>/rank%05d.json` every `period_s` by a daemon thread."""
+
+    def __init__(self, directory: Path, trainer: Any, period_s: float):
+        self.path = directory / f"rank{trainer.rank:05d}.json"
+        self.period_s = period_s
+        self.state: dict[str, Any] = {
+            "rank": trainer.rank, "pid": os.getpid(), "coord": dataclasses.asdict(trainer.topo.coord),
+            "label": trainer.topo.coord.label(), "step": trainer.step, "phase": "start",
+            "phase_since": time.time(), "tokens_per_s": None, "step_time_s": None, "mem_bytes": None,
+            "checkpoint": None}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self, _trainer: Any = None) -> None:
+        self.write()
+        self._thread.start()
+
+    def _phase(self, phase: str) -> None:
+        self.state.update(phase=phase, phase_since=time.time())
+
+    def step_start(self, step: int) -> None:
+        self._phase(f"step {step + 1}")
+
+    def step_end(self, step: int, record: dict[str, Any]) -> None:
+        self.state.update(step=step, tokens_per_s=record.get("tokens_per_s"), step_time_s=record.get("step_time"),
+                          mem_bytes=record.get("mem_bytes"))
+        self._phase("after step")
+
+    def saved(self, step: int, path: Path) -> None:
+        self.state["checkpoint"] = str(path)
+
+    def write(self) -> None:
+        flight = RECORDER.snapshot()
+        beat = {**self.state, "time": time.time(), "flight": flight,
+                "open_op": flight["open"][0] if flight["open"] else None,
+                "last_op": flight["recent"][-1] if flight["recent"] else None}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(beat))
+        os.replace(tmp, self.path)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.write()
+            except OSError:  # the driver removed the directory: the run is being torn down
+                return
+
+    def stop(self) -> None:
+        self._phase("shutdown")
+        self._stop.set()
+        try:
+            self.write()
+        except OSError:
+            pass
+
+
+def plugin(trainer: Any) -> None:
+    """Plug-in entry: beat to the supervisor's directory, if this rank was started by one."""
+    directory = os.environ.get(DIR_ENV)
+    if not directory:
+        return
+    hb = Heartbeat(Path(directory), trainer, float(os.environ.get(PERIOD_ENV, "1.0")))
+    trainer.hooks.on("rank_start", hb.start)
+    trainer.hooks.on("step_start", hb.step_start)
+    trainer.hooks.on("step_end", hb.step_end)
+    trainer.hooks.on("checkpoint_saved", hb.saved)
+    trainer.hooks.on("shutdown", hb.stop)

@@ -1,0 +1,239 @@
+"""The driver of `megatronapp train --supervise`: launch the ranks, watch their heartbeats, detect a rank that
+exits or is killed and a hang, name the cause, stop the rest, and resume from the newest intact checkpoint.
+
+One attempt = one launch of every rank. The driver polls the ranks' exit status and their heartbeat files
+(`<out>/.heartbeat/rank*.json`, written by `resilience.agent`). An attempt fails when a rank exits non-zero (the
+one killed by a signal, else the earliest error, is named with its grid coordinates) or when no rank's step
+advances for the hang timeout (the cause is named from the flight recorders, see `attribution.py`). Then every
+rank is stopped and the next attempt resumes from the newest complete checkpoint whose files pass their checksums,
+with fault drills (`--inject`) left out, up to `max_restarts` times. Events go to `<out>/resilience.jsonl`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatronapp import launch
+from megatronapp.config import RunConfig, plugin_entries, validate
+from megatronapp.parallel.topology import coord_of
+from megatronapp.resilience import agent
+from megatronapp.resilience.attribution import culprits, op_text, wait_edges, wait_tree
+from megatronapp.train import checkpoint as ckpt
+from megatronapp.train import plugins
+from megatronapp.train.trainer import run_rank
+
+AGENT_PLUGIN = "megatronapp.resilience.agent:plugin"
+
+
+@dataclass
+class Options:
+    hang_timeout_s: float | None = None  # None: 10x the slowest step seen, at least 30 s
+    max_restarts: int = 3
+    heartbeat_s: float = 1.0
+    startup_timeout_s: float = 300.0  # before the first step of an attempt (imports, model build, resume)
+    threads: int | None = None
+
+
+@dataclass
+class Failure:
+    kind: str  # exit | hang
+    rank: int
+    label: str
+    message: str
+    step: int
+    detected_at: float
+    tree: str = ""
+    signal: str | None = None
+    waits: list[dict[str, Any]] = field(default_factory=list)
+
+
+class SupervisorGaveUp(RuntimeError):
+    pass
+
+
+def _log(msg: str) -> None:
+    print(f"megatronapp supervisor: {msg}", file=sys.stderr, flush=True)
+
+
+def default_hang_timeout(step_times: list[float]) -> float:
+    """Sized from measured step times: 10x the slowest seen, at least 30 s."""
+    return max(30.0, 10.0 * max(step_times)) if step_times else 30.0
+
+
+def _process_state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+class Attempt:
+    """One launch of every rank, watched until it succeeds or fails."""
+
+    def __init__(self, cfg: RunConfig, number: int, opts: Options, log: Callable[[str], None]):
+        self.cfg, self.number, self.opts, self.log = cfg, number, opts, log
+        self.out = Path(cfg.train.out)
+        self.hb_dir = self.out / ".heartbeat"
+        p = cfg.parallel
+        self.world = p.world_size
+        self.labels = {r: coord_of(r, p.tp, p.pp, p.dp).label() for r in range(self.world)}
+        self.step_times: list[float] = []
+        self.first_step_at: float | None = None
+
+    def beats(self) -> dict[int, dict[str, Any]]:
+        out = {}
+        for r in range(self.world):
+            try:
+                out[r] = json.loads((self.hb_dir / f"rank{r:05d}.json").read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+        return out
+
+    def run(self) -> dict[str, Any] | Failure:
+        shutil.rmtree(self.hb_dir, ignore_errors=True)
+        self.hb_dir.mkdir(parents=True)
+        result = self.out / ".result.json"
+        result.unlink(missing_ok=True)
+        threads = self.opts.threads or max(1, (os.cpu_count() or 1) // self.world)
+        job = launch.start(run_rank, self.world, self.cfg.to_dict(), str(result),
+                           backend=launch.pick_backend(self.cfg.parallel.backend), threads=threads,
+                           env={agent.DIR_ENV: str(self.hb_dir), agent.PERIOD_ENV: str(self.opts.heartbeat_s)})
+        try:
+            return self._watch(job, result)
+        finally:
+            job.close()
+
+    def _watch(self, job: launch.LocalJob, result: Path) -> dict[str, Any] | Failure:
+        start_step = None
+        progress: tuple | None = None
+        last_progress = time.time()
+        while True:
+            job.wait(0.2)
+            if job.exits():
+                time.sleep(0.5)  # let the victims of a dead rank fail too, so the cause is told from them
+                return self._exit_failure(job)
+            if not job.running():
+                if not result.is_file():
+                    return Failure("exit", 0, self.labels[0], "the ranks exited without a result", -1, time.time())
+                return json.loads(result.read_text())
+            beats = self.beats()
+            steps = tuple(beats.get(r, {}).get("step", -1) for r in range(self.world))
+            if start_step is None and len(beats) == self.world:
+                start_step = min(steps)
+            if steps != progress:
+                progress, last_progress = steps, time.time()
+                self.step_times += [b["step_time_s"] for b in beats.values() if b.get("step_time_s")]
+                if self.first_step_at is None and start_step is not None and min(steps) > start_step:
+                    self.first_step_at = time.time()
+            started = self.first_step_at is not None
+            # ranks past their last step stop beating and make no progress while they exit: not a hang
+            finishing = len(beats) == self.world and all(b["phase"] == "shutdown" for b in beats.values())
+            timeout = self.opts.hang_timeout_s or default_hang_timeout(self.step_times)
+            limit = timeout if started and not finishing else max(timeout, self.opts.startup_timeout_s)
+            if time.time() - last_progress > limit:
+                failure = self._hang_failure(beats, job, time.time() - last_progress, timeout)
+                job.stop(grace_s=1.0)
+                return failure
+
+    def _exit_failure(self, job: launch.LocalJob) -> Failure:
+        cause = launch.first_failure(job.exits())
+        job.stop()
+        step = self.beats().get(cause.rank, {}).get("step", -1)
+        sig = launch.signal_name(cause.signum) if cause.signum else None
+        return Failure("exit", cause.rank, self.labels[cause.rank], cause.message, step, time.time(), signal=sig)
+
+    def _hang_failure(self, beats: dict[int, dict[str, Any]], job: launch.LocalJob, idle_s: float,
+                      timeout: float) -> Failure:
+        now = time.time()
+        stale_after = max(3 * self.opts.heartbeat_s, 2.0)
+        notes: dict[int, str] = {}
+        unresponsive = []
+        for r in range(self.world):
+            b = beats.get(r)
+            state = _process_state(job.pids[r])
+            if b is None or now - b["time"] > stale_after:
+                unresponsive.append(r)
+                age = "never" if b is None else f"not for {now - b['time']:.1f} s"
+                what = {"T": "stopped (SIGSTOP?)", "Z": "dead", None: "gone"}.get(state, f"state {state}")
+                notes[r] = f"process {what}; heartbeat {age}"
+            elif b.get("open_op") is None:
+                notes[r] = f"not in a communication op: in phase '{b['phase']}' for {now - b['phase_since']:.1f} s"
+        flights = {r: b["flight"] for r, b in beats.items()}
+        steps = {r: b["step"] for r, b in beats.items()}
+        names = culprits(flights, unresponsive, steps) or [min(steps, key=steps.get, default=0)]
+        cause = names[0]
+        tree = wait_tree(names, flights, self.labels, notes)
+        waits = [{"waiter": e.waiter, "target": e.target, "op": op_text(e.op), "why": e.why}
+                 for e in wait_edges(flights)]
+        msg = (f"hang: no step progress for {idle_s:.1f} s (hang timeout {timeout:.0f} s); the job waits for "
+               f"rank {cause} ({self.labels[cause]}): {notes.get(cause, 'waits for no one')}")
+        return Failure("hang", cause, self.labels[cause], msg, steps.get(cause, -1), now, tree=tree, waits=waits)
+
+
+def attempt_config(cfg: RunConfig, number: int, log: Callable[[str], None]) -> RunConfig:
+    """The config of attempt `number`: the heartbeat agent attached; after a failure, resume from the newest intact
+    checkpoint of the run (or the original --resume, or scratch) with fault drills off (they must not re-arm)."""
+    run = dataclasses.replace(cfg, attach=list(dict.fromkeys([*cfg.attach, AGENT_PLUGIN])))
+    resume = cfg.train.resume
+    if number > 0:
+        run.inject = []
+        newest, notes = ckpt.newest_usable(Path(cfg.train.out) / "checkpoints")
+        for note in notes:
+            log(f"checkpoint {note}")
+        if newest is not None:
+            resume = str(newest)
+        log(f"restart {number}: resuming from {newest.name if newest else resume or 'scratch (no checkpoint yet)'}")
+    if resume:
+        resume = str(ckpt.resolve(resume, verify_files=True))
+    run.train = dataclasses.replace(cfg.train, resume=resume)
+    return run
+
+
+def supervise(cfg: RunConfig, opts: Options | None = None, log: Callable[[str], None] = _log) -> dict[str, Any]:
+    """Run the job under the driver; returns the final run summary plus `restarts`, `failures` and
+    `recovery_s` (failure detected -> first step of the resumed run done)."""
+    opts = opts or Options()
+    validate(cfg)
+    plugins.resolve_all([*plugin_entries(cfg), AGENT_PLUGIN])
+    out = Path(cfg.train.out)
+    out.mkdir(parents=True, exist_ok=True)
+    events = out / "resilience.jsonl"
+    failures: list[Failure] = []
+    recovery: list[float] = []
+    with ckpt.OutLock(out):
+        number = 0
+        while True:
+            att = Attempt(attempt_config(cfg, number, log), number, opts, log)
+            outcome = att.run()
+            if failures and att.first_step_at is not None:
+                recovery.append(att.first_step_at - failures[-1].detected_at)
+                _event(events, {"event": "recovered", "attempt": number, "recovery_s": recovery[-1]})
+            if not isinstance(outcome, Failure):
+                outcome.update(restarts=number, failures=[dataclasses.asdict(f) for f in failures],
+                               recovery_s=recovery)
+                _event(events, {"event": "completed", "attempt": number, "steps": outcome.get("steps")})
+                return outcome
+            failures.append(outcome)
+            _event(events, {"event": "failure", "attempt": number, **dataclasses.asdict(outcome)})
+            if outcome.kind == "exit":
+                log(f"rank {outcome.rank} ({outcome.label}) failed at step {outcome.step}: {outcome.message}")
+            else:
+                log(outcome.message)
+                log("waits (who waits for whom, in which op):\n" + outcome.tree)
+            number += 1
+            if number > opts.max_restarts:
+                raise SupervisorGaveUp(f"gave up after {opts.max_restarts} restart(s); last failure: rank "
+                                       f"{outcome.rank} ({outcome.label}): {outcome.message}")
+
+
+def _event(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps({"time": time.time(), **record}) + "\n")

@@ -1,0 +1,82 @@
+"""Hang attribution and the flight recorder, without processes: wait edges from recorder snapshots, the cause
+(not its victims) named, the wait tree printed, and the recorder's open/completed bookkeeping."""
+from __future__ import annotations
+
+from megatronapp.parallel.comm import CommOp
+from megatronapp.parallel.flight_recorder import FlightRecorder, stream_key
+from megatronapp.resilience.attribution import culprits, wait_edges, wait_tree
+from megatronapp.resilience.supervisor import default_hang_timeout
+
+
+def _op(op, key, seq, ranks, peer=None):
+    return {"op": op, "key": key, "seq": seq, "ranks": ranks, "peer": peer, "group": key.split()[0]}
+
+
+def _tp2_pp2_hang() -> dict[int, dict]:
+    """Rank 2 (stage 1, tp 0) hung at the start of a step: rank 3 waits in their TP all-reduce, stage 0 waits for
+    gradients. Rank 3 also has a receive posted for an activation rank 1 has not sent yet (a receive window)."""
+    return {
+        0: {"open": [_op("recv", "pp.grad.down 2->0", 6, [0, 2], peer=2)],
+            "issued": {"pp.act.up 0->2": 7, "pp.grad.down 2->0": 6}},
+        1: {"open": [_op("recv", "pp.grad.down 3->1", 6, [1, 3], peer=3)],
+            "issued": {"pp.act.up 1->3": 7, "pp.grad.down 3->1": 6}},
+        2: {"open": [], "issued": {"tp[2, 3]": 50, "pp.grad.down 2->0": 5, "pp.act.up 0->2": 5}},
+        3: {"open": [_op("all_reduce", "tp[2, 3]", 51, [2, 3]), _op("recv", "pp.act.up 1->3", 8, [1, 3], peer=1)],
+            "issued": {"tp[2, 3]": 51, "pp.grad.down 3->1": 5, "pp.act.up 1->3": 8}},
+    }
+
+
+def test_the_rank_everyone_waits_for_is_named_not_its_victims():
+    flights = _tp2_pp2_hang()
+    edges = {(e.waiter, e.target): e for e in wait_edges(flights)}
+    assert set(edges) == {(0, 2), (1, 3), (3, 2), (3, 1)}
+    assert edges[(3, 2)].why == "rank 2 never entered it"
+    assert edges[(0, 2)].why == "rank 2 never sent it"
+    assert culprits(flights) == [2]  # 1 and 3 wait for each other's later messages, but both wait for 2
+    tree = wait_tree([2], flights, {r: f"R{r}" for r in range(4)}, {2: "not in a communication op"})
+    lines = tree.splitlines()
+    assert lines[0] == "rank 2 (R2): not in a communication op   <- the cause"
+    assert any("rank 3 (R3) waits in all_reduce tp[2, 3] #51 (rank 2 never entered it)" in ln for ln in lines)
+    assert any("rank 0 (R0) waits in recv pp.grad.down 2->0 #6 (rank 2 never sent it)" in ln for ln in lines)
+    assert len(lines) == 4  # every rank once
+
+
+def test_a_member_that_issued_the_op_is_not_waited_for():
+    flights = {0: {"open": [_op("all_reduce", "dp[0, 1]", 3, [0, 1])], "issued": {"dp[0, 1]": 3}},
+               1: {"open": [_op("all_reduce", "dp[0, 1]", 3, [0, 1])], "issued": {"dp[0, 1]": 3}}}
+    assert wait_edges(flights) == []  # both entered: the collective is slow, nobody is missing
+    assert culprits(flights, steps={0: 4, 1: 4}) == [0, 1]
+
+
+def test_unresponsive_rank_is_the_cause_whatever_its_frozen_recorder_says():
+    flights = _tp2_pp2_hang()
+    assert culprits(flights, unresponsive=[1]) == [1]
+
+
+def test_cycles_only_fall_back_to_the_rank_furthest_behind():
+    flights = {0: {"open": [_op("recv", "x 1->0", 0, [0, 1], peer=1)], "issued": {"x 1->0": 0}},
+               1: {"open": [_op("recv", "x 0->1", 0, [0, 1], peer=0)], "issued": {"x 0->1": 0}}}
+    assert {(e.waiter, e.target) for e in wait_edges(flights)} == {(0, 1), (1, 0)}
+    assert culprits(flights, steps={0: 5, 1: 4}) == [1]
+
+
+def test_flight_recorder_tracks_open_and_completed_ops():
+    fr = FlightRecorder(capacity=2)
+    ops = [CommOp("all_reduce", "tp", (0, 1), s, 16) for s in range(3)]
+    send = CommOp("send", "pp.act.up", (0, 1), 0, 64, peer=1)
+    for op in [*ops, send]:
+        fr.issue(op)
+    for op in ops:
+        fr.done(op)
+    snap = fr.snapshot()
+    assert [r["key"] for r in snap["open"]] == ["pp.act.up 0->1"]
+    assert [r["seq"] for r in snap["recent"]] == [1, 2]  # capacity 2: the oldest completed op dropped
+    assert snap["issued"] == {"tp[0, 1]": 2, "pp.act.up 0->1": 0} and snap["completed"] == {"tp[0, 1]": 2}
+    assert snap["open"][0]["t_done"] is None and snap["recent"][0]["t_done"] >= snap["recent"][0]["t_issue"]
+    assert stream_key("recv", "pp.act.up", (0, 1), 0, me=1) == "pp.act.up 0->1"  # both ends name one stream
+
+
+def test_default_hang_timeout_is_sized_from_step_time():
+    assert default_hang_timeout([]) == 30.0
+    assert default_hang_timeout([0.1, 0.2]) == 30.0
+    assert default_hang_timeout([2.0, 7.5]) == 75.0
