@@ -17,6 +17,8 @@ _TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "sequence_parallel": ("parallel", "sequence_parallel"), "dpp_policy": ("parallel", "dpp_policy"),
     "dpp_max_inflight": ("parallel", "dpp_max_inflight"), "backend": ("parallel", "backend"),
     "comm_semantics": ("parallel", "comm_semantics"),
+    "fbd": ("parallel", "fbd"), "fbd_forward_tp": ("parallel", "fbd_forward_tp"),
+    "fbd_forward_pp": ("parallel", "fbd_forward_pp"), "fbd_forward_instances": ("parallel", "fbd_forward_instances"),
     "steps": ("train", "steps"), "global_batch": ("train", "global_batch_size"), "seq_len": ("train", "seq_len"),
     "lr": ("train", "lr"), "min_lr": ("train", "min_lr"), "warmup": ("train", "warmup_steps"),
     "optimizer": ("train", "optimizer"), "weight_decay": ("train", "weight_decay"),
@@ -39,7 +41,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     """Flags of `megatronapp train` (each overrides the YAML config)."""
     g = p.add_argument_group("run")
     g.add_argument("--config", help="YAML file with sections model/parallel/train/trace")
-    g.add_argument("--nproc", type=int, help="local ranks to spawn (must equal dp*pp*tp; default: that product)")
+    g.add_argument("--nproc", type=int, help="local ranks to spawn (must equal dp*pp*tp, plus the forward "
+                   "ranks with --fbd; default: that number)")
     g.add_argument("--out", help="run directory: metrics.jsonl, summary.json, checkpoints/, trace/")
     g.add_argument("--resume", help="checkpoint to resume: a step directory, .../checkpoints/latest or a run dir")
     g.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live bar")
@@ -73,6 +76,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=["auto", "gloo", "nccl"])
     g.add_argument("--comm-semantics", choices=["native", "nccl"],
                    help="nccl: make gloo enforce NCCL's communication rules (catches what would hang on GPUs)")
+    g = p.add_argument_group("MegaFBD (forward and backward on separate ranks; docs/megafbd.md)")
+    g.add_argument("--fbd", action="store_true", default=None,
+                   help="forward instances on extra ranks; --tp/--pp/--dp are the backward layout")
+    g.add_argument("--fbd-forward-tp", type=int, help="tensor-parallel size of a forward instance (1 or --tp)")
+    g.add_argument("--fbd-forward-pp", type=int, help="pipeline stages of a forward instance (divides --pp)")
+    g.add_argument("--fbd-forward-instances", type=int, help="forward instances (microbatch i goes to i %% n)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int)
     g.add_argument("--global-batch", type=int, help="samples per optimizer step over all DP replicas")

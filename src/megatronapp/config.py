@@ -100,10 +100,21 @@ class ParallelConfig:
     # native: the backend's own rules; nccl: gloo enforces NCCL's (order-matched P2P, one stream per pair,
     # identical collective order), so a CPU run fails where a GPU job would hang
     comm_semantics: str = "native"
+    # MegaFBD (docs/megafbd.md): forward instances on extra ranks; tp/pp/dp above are the backward layout
+    fbd: bool = False
+    fbd_forward_tp: int = 1
+    fbd_forward_pp: int = 1
+    fbd_forward_instances: int = 1
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def total_ranks(self) -> int:
+        """Ranks a job starts: the engine layout, plus MegaFBD's forward instances when fbd is on."""
+        forward = self.fbd_forward_instances * self.fbd_forward_tp * self.fbd_forward_pp if self.fbd else 0
+        return self.world_size + forward
 
 
 @dataclass
@@ -247,7 +258,13 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
                         ("parallel.vpp", p.vpp), ("parallel.microbatches", p.microbatches)):
         if value < 1:
             raise ConfigError(f"{name}={value} must be >= 1")
-    if world_size is not None and world_size != p.world_size:
+    if p.fbd:
+        _validate_fbd(p)
+    if world_size is not None and p.fbd and world_size != p.total_ranks:
+        raise ConfigError(f"world size {world_size} != {p.total_ranks} ranks = dp*pp*tp = {p.world_size} backward + "
+                          f"fbd_forward_instances*fbd_forward_pp*fbd_forward_tp = {p.total_ranks - p.world_size} "
+                          f"forward; set --nproc {p.total_ranks}")
+    if world_size is not None and not p.fbd and world_size != p.world_size:
         raise ConfigError(f"world size {world_size} != dp*pp*tp = {p.dp}*{p.pp}*{p.tp} = {p.world_size}; "
                           f"set --nproc {p.world_size} or change --dp/--pp/--tp")
     if m.hidden_size % m.num_heads:
@@ -309,6 +326,25 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
 TRACE_PLUGIN = "megatronapp.scan.tracer:plugin"
 INJECT_PLUGIN = "megatronapp.faults:plugin"
 SCOPE_PLUGIN = "megatronapp.scope.training:plugin"
+FBD_TRAIN = "megatronapp.fbd.run:train"  # `train()` of a parallel.fbd job (forward/backward decoupling)
+
+
+def _validate_fbd(p: ParallelConfig) -> None:
+    """MegaFBD layout pairs that are built (docs/megafbd.md); others are refused naming the field."""
+    for name in ("fbd_forward_tp", "fbd_forward_pp", "fbd_forward_instances"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
+    if p.fbd_forward_tp not in (1, p.tp):
+        raise ConfigError(f"parallel.fbd_forward_tp={p.fbd_forward_tp}: the forward tensor-parallel size must be 1 "
+                          f"or parallel.tp={p.tp}")
+    if p.pp % p.fbd_forward_pp:
+        raise ConfigError(f"parallel.fbd_forward_pp={p.fbd_forward_pp} must divide parallel.pp={p.pp} (forward "
+                          f"stages are groups of whole backward stages); choose from "
+                          f"{[d for d in range(1, p.pp + 1) if p.pp % d == 0]}")
+    if p.schedule in ("zb-h1", "dpp"):
+        raise ConfigError(f"parallel.schedule={p.schedule!r} does not apply with parallel.fbd: the backward side "
+                          f"runs each microbatch's recompute and backward in order; use 1f1b (or interleaved-1f1b "
+                          f"with --vpp)")
 
 
 def plugin_entries(cfg: RunConfig) -> list[str]:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatronapp import tracing
-from megatronapp.config import RunConfig, micro_batch_size, plugin_entries, validate
+from megatronapp.config import FBD_TRAIN, RunConfig, micro_batch_size, plugin_entries, validate
 from megatronapp.data.dataset import build_batch_source, split_microbatches
 from megatronapp.model.transformer import TransformerChunk, sync_sequence_parallel_grads
 from megatronapp.parallel import comm
@@ -271,6 +271,8 @@ def train(cfg: RunConfig, threads: int | None = None) -> dict[str, Any]:
     from megatronapp.launch import init_distributed
 
     validate(cfg)
+    if cfg.parallel.fbd:  # MegaFBD owns its run loop; reached by import path, so the engine imports no module
+        return plugins.resolve(FBD_TRAIN, "parallel.fbd")(cfg, threads)
     plugins.resolve_all(plugin_entries(cfg))  # a bad --attach fails here, once, not in every spawned rank
     Path(cfg.train.out).mkdir(parents=True, exist_ok=True)
     if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
