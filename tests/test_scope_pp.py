@@ -9,7 +9,7 @@ import torch
 from megatronapp.launch import spawn
 from megatronapp.scope import distributed
 from megatronapp.scope import generate as gen_mod
-from tests.test_scope_tp import CAPTURE, _compare, _reference
+from tests.test_scope_tp import CAPTURE, _compare, _reference, _same_as_checkpoint, write_checkpoint
 
 REQUESTS = [
     {"type": "generate", "prompts": ["Hello", "The quick"], "max_new_tokens": 3, "greedy": True,
@@ -25,12 +25,14 @@ REQUESTS = [
 FAULT_SEED = 666  # rank 1 raises while sampling for this seed (a failure on a worker only)
 
 
-def _rank(rank: int, world: int, tp: int, pp: int, out: str) -> None:
+def _rank(rank: int, world: int, tp: int, pp: int, out: str, checkpoint: str) -> None:
     from megatronapp.parallel import comm, topology
 
     comm.set_semantics("nccl", stall_timeout_s=60)
     topo = topology.build(tp, pp, 1)
     sm = distributed.load_shard(None, topo)
+    # a checkpoint trained without pipeline parallelism, cut into these stages (the last takes the tied weight)
+    same = _same_as_checkpoint(sm, topo, checkpoint)
     weights = {n: p.detach().clone() for n, p in sm.model.named_parameters()}
     if rank == 1:
         real = gen_mod._sample
@@ -43,7 +45,7 @@ def _rank(rank: int, world: int, tp: int, pp: int, out: str) -> None:
     if rank != 0:
         distributed.worker_loop(sm, topo)
         restored = all(torch.equal(p, weights[n]) for n, p in sm.model.named_parameters())
-        torch.save({"restored": restored}, f"{out}.{rank}")
+        torch.save({"restored": restored, "checkpoint": same}, f"{out}.{rank}")
         return
     run = distributed.lockstep_runner(topo)
     res: dict = {"runs": [], "describe": sm.describe()}
@@ -63,17 +65,20 @@ def _rank(rank: int, world: int, tp: int, pp: int, out: str) -> None:
     finally:
         distributed.shutdown(topo)
     res["restored"] = all(torch.equal(p, weights[n]) for n, p in sm.model.named_parameters())
+    res["checkpoint"] = same
     torch.save(res, f"{out}.0")
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
 def test_pipeline_serving_matches_single_process(tmp_path, tp, pp):
     out = str(tmp_path / "res")
-    spawn(_rank, tp * pp, tp, pp, out)
+    spawn(_rank, tp * pp, tp, pp, out, write_checkpoint(str(tmp_path / "ckpt"), tp))
     res = torch.load(f"{out}.0")
     assert res["describe"]["name"] == f"embedded gpt2-tiny (tp={tp}, pp={pp})"
     for got, req in zip(res["runs"], REQUESTS):
         _compare(got, _reference(req))
     assert "rank 1 failed: RuntimeError: injected fault on rank 1" in res["fault"]
     _compare(res["after_fault"], _reference(REQUESTS[0]))
-    assert res["restored"] and all(torch.load(f"{out}.{r}")["restored"] for r in range(1, tp * pp))
+    workers = [torch.load(f"{out}.{r}") for r in range(1, tp * pp)]
+    assert res["restored"] and all(w["restored"] for w in workers)
+    assert res["checkpoint"] and all(w["checkpoint"] for w in workers)

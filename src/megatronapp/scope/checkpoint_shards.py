@@ -45,17 +45,12 @@ def load_checkpoint_shard(path: str | Path, chunk: TransformerChunk, tp_index: i
     dims = _partition_dims(d)
     with torch.no_grad():
         for name, p in params.items():
-            src = _source_name(name, parts[0], chunk)
-            dim = dims.get(src)
+            dim = dims.get(name, dims.get(chunk.init_name(name)))  # a tied output weight splits as the embedding
             full = torch.cat([x[name] for x in parts], dim=dim) if dim is not None else parts[0][name]
             vocab = getattr(p, "vocab_size", None)
             if vocab is not None:
                 full = full[:vocab]
             p.copy_(shard(full, p, chunk.tp_group).to(dtype=p.dtype, device=p.device))
-
-
-def _source_name(name: str, have: dict, chunk: TransformerChunk) -> str:
-    return name if name in have else chunk.init_name(name)
 
 
 def _tensors(states: list[dict], params: dict, chunk: TransformerChunk) -> dict[str, torch.Tensor]:
