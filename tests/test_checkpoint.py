@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -129,3 +130,42 @@ def test_two_jobs_cannot_write_one_run_directory(tmp_path):
     finally:
         child.communicate("", timeout=60)
     ckpt.OutLock(out).acquire().release()  # free again once the other job is gone
+
+
+def test_async_save_writes_what_a_sync_save_writes_and_keeps_the_newest(tmp_path):
+    base = _cfg(tmp_path / "sync", **{"train.steps": 3})
+    sync = Trainer(RunConfig.from_dict(base))
+    asyn = Trainer(RunConfig.from_dict({**base, "train": {**base["train"], "out": str(tmp_path / "async"),
+                                                          "async_save": True, "keep_checkpoints": 2}}))
+    announced = []
+    asyn.hooks.on("checkpoint_saved", lambda step, path: announced.append(step))
+    for _ in range(3):
+        sync.train_step()
+        asyn.train_step()
+        d_sync = sync.save()
+        d_async = asyn.save()  # returns after the snapshot; the next train_step changes the live tensors
+    asyn.finish_saves()
+    assert announced == [1, 2, 3]
+    root = d_async.parent
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000003"]  # keep 2
+    assert ckpt.resolve(root, verify_files=True) == d_async
+    a, s = ckpt.load_rank(d_async, 0), ckpt.load_rank(d_sync, 0)
+    for ca, cs in zip(a["chunks"], s["chunks"]):
+        assert all(torch.equal(ca[k], cs[k]) for k in cs)
+    assert a["step"] == s["step"] == 3
+
+
+def test_async_savers_of_several_ranks_complete_a_step_only_when_all_files_are_durable(tmp_path):
+    from megatronapp.train.async_checkpoint import AsyncSaver
+
+    root = tmp_path / "checkpoints"
+    rank0, rank1 = AsyncSaver(root, 0, 2), AsyncSaver(root, 1, 2)
+    meta = {"step": 5, "world_size": 2}
+    rank0.save(5, {"w": torch.ones(3)}, meta)
+    time.sleep(0.3)  # rank 1 is late: rank 0's background thread must wait for its file
+    assert not ckpt.step_dir(root, 5).exists()
+    rank1.save(5, {"w": torch.zeros(3)}, meta)
+    assert rank0.wait() == 5 and rank1.wait() == 5
+    d = ckpt.step_dir(root, 5)
+    assert ckpt.verify(d) is None and sorted(ckpt.load_meta(d)["files"]) == ["rank00000.pt", "rank00001.pt"]
+    assert torch.equal(ckpt.load_rank(d, 1)["w"], torch.zeros(3))

@@ -27,6 +27,7 @@ _TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "resume": ("train", "resume"), "data": ("train", "data"), "tokenizer": ("train", "tokenizer"),
     "hf": ("train", "hf_checkpoint"), "peak_tflops": ("train", "peak_tflops"),
     "log_interval": ("train", "log_interval"),
+    "async_save": ("train", "async_save"), "keep_checkpoints": ("train", "keep_checkpoints"),
     "family": ("model", "family"), "layers": ("model", "num_layers"), "hidden": ("model", "hidden_size"),
     "heads": ("model", "num_heads"), "kv_heads": ("model", "num_kv_heads"), "ffn_hidden": ("model", "ffn_hidden_size"),
     "vocab": ("model", "vocab_size"), "max_seq_len": ("model", "max_seq_len"),
@@ -96,6 +97,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["fp32", "bf16"])
     g.add_argument("--recompute", choices=["none", "selective", "full"])
     g.add_argument("--save-interval", type=int, help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--async-save", action="store_true", default=None,
+                   help="two-stage checkpoints: training stalls only for a host-memory copy, files are written "
+                        "in the background")
+    g.add_argument("--keep-checkpoints", type=int, help="keep the newest N complete checkpoints (0: all)")
     g.add_argument("--log-interval", type=int)
     g.add_argument("--data", help="a .txt/.jsonl file or directory (default: the embedded corpus)")
     g.add_argument("--tokenizer", help="'byte' (default) or a path to tokenizer.json")

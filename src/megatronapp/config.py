@@ -145,6 +145,8 @@ class TrainConfig:
     recompute: str = "none"  # none | selective | full
     log_interval: int = 1
     save_interval: int = 0  # 0: only at the end
+    async_save: bool = False  # two-stage: snapshot to host memory, write in the background
+    keep_checkpoints: int = 0  # keep the newest N complete steps (0: all)
     out: str = "runs/default"
     resume: str | None = None
     data: str | None = None  # None: embedded corpus; else a .txt / .jsonl file or directory
@@ -315,6 +317,8 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"train.dtype={t.dtype!r}: choose fp32 or bf16")
     if t.recompute not in ("none", "selective", "full"):
         raise ConfigError(f"train.recompute={t.recompute!r}: choose none, selective or full")
+    if t.keep_checkpoints < 0:
+        raise ConfigError(f"train.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0 keeps every checkpoint)")
     if t.steps < 1:
         raise ConfigError(f"train.steps={t.steps} must be >= 1")
     if cfg.trace.granularity not in ("coarse", "full"):

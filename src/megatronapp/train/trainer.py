@@ -32,6 +32,7 @@ from megatronapp.pipeline.executor import PipelineExecutor
 from megatronapp.pipeline.partition import stage_chunks
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train import plugins
+from megatronapp.train.async_checkpoint import AsyncSaver
 from megatronapp.train.metrics import MetricsLog, Progress, measure_peak_flops, mfu, peak_memory_bytes, read_metrics
 from megatronapp.train.optim import build_optimizer, lr_at, set_lr
 
@@ -94,6 +95,9 @@ class Trainer:
                                          max_inflight=p.dpp_max_inflight, grad_sync=self.reducer)
         self.step = 0
         self.hooks = plugins.Hooks()
+        self.saver = AsyncSaver(self.out / "checkpoints", self.rank, self.topo.world_size,
+                                keep=t.keep_checkpoints) if t.async_save else None
+        self.save_stalls: list[float] = []  # seconds each save held up training
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.dtype == "bf16"
                          else nullcontext())
         if t.resume:
@@ -156,22 +160,36 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save(self) -> Path:
+        """Checkpoint this step: synchronously, or (async_save) snapshot now and write in the background."""
+        t0 = time.perf_counter()
         root = self.out / "checkpoints"
+        meta = {"step": self.step, "world_size": self.topo.world_size, "config": self.cfg.to_dict()}
         state = {"step": self.step, "chunks": [c.state_dict() for c in self.chunks],
                  "optimizer": self.optimizer.state_dict(), "rng": ckpt.rng_state(),
                  "coord": dataclasses.asdict(self.topo.coord),
                  # which dimension each TP shard splits, so `consolidate` can rebuild full tensors
                  "partition_dims": [{n: q.partition_dim for n, q in c.named_parameters()
                                      if getattr(q, "tensor_parallel", False)} for c in self.chunks]}
+        if self.saver is not None:
+            self.finish_saves()  # at most one save in flight
+            self.saver.save(self.step, state, meta)
+            self.save_stalls.append(time.perf_counter() - t0)
+            return ckpt.step_dir(root, self.step)
         ckpt.save_rank(root, self.step, self.rank, state)
         comm.barrier(self.topo.groups["world"])
         d = ckpt.step_dir(root, self.step)
         if self.rank == 0:
-            d = ckpt.finalize(root, self.step, {"step": self.step, "world_size": self.topo.world_size,
-                                                "config": self.cfg.to_dict()})
+            d = ckpt.finalize(root, self.step, meta, keep=self.cfg.train.keep_checkpoints)
         comm.barrier(self.topo.groups["world"])
+        self.save_stalls.append(time.perf_counter() - t0)
         self.hooks.fire("checkpoint_saved", self.step, d)
         return d
+
+    def finish_saves(self) -> None:
+        """Wait for a background save (and announce it); a no-op for synchronous checkpoints."""
+        done = self.saver.wait() if self.saver is not None else None
+        if done is not None:
+            self.hooks.fire("checkpoint_saved", done, ckpt.step_dir(self.out / "checkpoints", done))
 
     def load(self, d: Path) -> None:
         meta = ckpt.load_meta(d)
@@ -230,6 +248,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
             if t.save_interval and tr.step % t.save_interval == 0 and tr.step < t.steps:
                 tr.save()
         ckpt_dir = tr.save()
+        tr.finish_saves()
     except BaseException as e:
         failed = True
         tr.hooks.teardown("failure", e, raise_errors=False)  # the run's own error is what propagates
@@ -249,10 +268,10 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
         "mfu": sum(h["mfu"] for h in timed) / max(1, len(timed)),
         "peak_mem_bytes": max((h["mem_bytes"] for h in history), default=0),
         "checkpoint": str(ckpt_dir), "out": str(tr.out), "world_size": world,
-        "losses": [h["loss"] for h in history],
+        "losses": [h["loss"] for h in history], "save_stall_s": tr.save_stalls,
     }
     if lead:
-        progress.close({k: v for k, v in summary.items() if k not in ("losses",)})
+        progress.close({k: v for k, v in summary.items() if k not in ("losses", "save_stall_s")})
         (tr.out / "summary.json").write_text(json.dumps(summary, indent=2))
         if result_path:
             Path(result_path).write_text(json.dumps(summary))
