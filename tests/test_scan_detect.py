@@ -6,7 +6,7 @@ import pytest
 
 from megatronapp.scan.detect import Thresholds, detect, join, match_p2p
 from megatronapp.scan.format import RankWriter, read_dir
-from megatronapp.scan.simulate import simulate
+from megatronapp.scan.simulate import Costs, simulate
 
 # 32 ranks: tp=2, pp=4, dp=4. rank = tp + 2*(dp + 4*pp).
 
@@ -123,3 +123,33 @@ def test_p2p_channels_between_the_same_ranks_are_matched_apart(tmp_path):
     gname = [tb.groups[g][0] for g in tb.gkey]
     assert sorted((gname[a], gname[b]) for a, b in zip(si, ri)) == [("pp.act.up", "pp.act.up"),
                                                                     ("pp.grad.up", "pp.grad.up")]
+
+
+# ----------------------------------------------------------------------------- lone and heterogeneous stages
+def _pipeline(tmp_path, faults, seed=0, costs=None):
+    simulate(tmp_path, 4, 1, 4, iterations=6, faults=faults, seed=seed, microbatches=8, costs=costs)
+    traces, _ = read_dir(tmp_path)
+    return detect(traces)
+
+
+@pytest.mark.parametrize("rank,factor", [(3, 1.3), (1, 1.2)])
+def test_lone_stage_of_a_pure_pipeline_is_named_through_the_wait_structure(tmp_path, rank, factor):
+    report = _pipeline(tmp_path, [f"slow-compute={rank}:{factor}"], seed=rank)
+    assert _named(report) == {("slow-compute", (rank,))}, report.to_text()
+    ev = report.findings[0].evidence
+    assert ev["method"] == "wait structure" and ev["others_waited_beyond_it_ms"] > 0
+
+
+def test_healthy_pure_pipeline_is_quiet(tmp_path):
+    report = _pipeline(tmp_path, [], seed=3)
+    assert report.findings == [], report.to_text()
+    assert "wait structure" in report.to_text()
+
+
+def test_heterogeneous_stages_compare_work_beyond_the_cost_model(tmp_path):
+    # The last stage carries the LM head (1.4x the work), declared by the cost model: not a fault by itself;
+    # a 1.25x slow rank of stage 1 still is.
+    costs = Costs(stage_work=(1.0, 1.0, 1.0, 1.4))
+    assert _pipeline(tmp_path / "ok", [], costs=costs).findings == []
+    report = _pipeline(tmp_path / "slow", ["slow-compute=1:1.25"], costs=costs)
+    assert _named(report) == {("slow-compute", (1,))}, report.to_text()

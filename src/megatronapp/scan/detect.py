@@ -29,6 +29,8 @@ import numpy as np
 from megatronapp.scan.evidence import excursion_noise, floor_findings, posting_stall, stall_link_findings
 from megatronapp.scan.findings import KINDS, Finding, Report, Thresholds
 from megatronapp.scan.format import CAT_INDEX, RankTrace
+from megatronapp.scan.hang import hang_findings
+from megatronapp.scan.structure import collective_stall_findings, lone_stage_findings
 
 __all__ = ["KINDS", "Analysis", "Finding", "Report", "Thresholds", "analyse", "detect"]
 
@@ -574,12 +576,15 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     ph = phases(tb)
     findings = _combine(rank_findings(tb, ph, th), floor_findings(tb, ph.excl, ph.iters, th))
     link_f, waits = links_and_waits(tb, ph, th, offsets)
-    stall_f = stall_link_findings(tb, posting_stall(tb), ph.iters, th)
+    findings += lone_stage_findings(tb, ph, waits, th, _stage_work(traces))
+    stall = posting_stall(tb)
+    stall_f = stall_link_findings(tb, stall, ph.iters, th) + collective_stall_findings(tb, stall, ph.iters, th)
     findings = _explained_by_links(findings, stall_f) + _merge_directions(link_f + stall_f)
     caused_total = waits.caused.sum(axis=1)
     for f in findings:
         f.evidence["others_waited_ms"] = round(float(caused_total[list(f.ranks)].sum()), 3)
     findings.sort(key=lambda f: (-f.confidence, -f.evidence["others_waited_ms"], f.ranks))
+    findings = hang_findings(traces) + findings  # a hung job: what it hangs in comes before how it was slow
     top = np.argsort(-caused_total)[:10]
     waited_for = [{"rank": int(r), "ms": round(float(caused_total[r]), 3), "instances": int(waits.caused_count[r])}
                   for r in top if caused_total[r] > 0]
@@ -590,10 +595,21 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
                      "its peers: waits alone follow whichever rank the machine happened to delay, not a fault")
     lonely = [int(s) for s in np.unique(tb.coords[:, 1]) if (tb.coords[:, 1] == s).sum() < 2]
     if lonely:
-        notes.append(f"stages {lonely} have a single rank (dp*tp == 1): their compute has no peer to compare with")
+        notes.append(f"stages {lonely} have a single rank (dp*tp == 1): judged through the wait structure against "
+                     "the other stages" + (" (scaled by the headers' stage_work)" if _stage_work(traces) else
+                                           ", assuming stages do equal work (no stage_work in the headers)"))
     step_ms = float(np.nanmedian(ph.window)) if np.isfinite(ph.window).any() else 0.0
     report = Report(findings, tb.world, len(ph.iters), round(step_ms, 3), waited_for, notes)
     return Analysis(tb, ph, waits, report)
+
+
+def _stage_work(traces: list[RankTrace]) -> dict[int, float] | None:
+    """Expected relative cost of each pipeline stage, when a header carries one (a cost model's output)."""
+    for t in traces:
+        w = t.header.get("stage_work")
+        if w:
+            return {int(k): float(v) for k, v in (w.items() if isinstance(w, dict) else enumerate(w))}
+    return None
 
 
 def detect(traces: list[RankTrace], offsets: dict[int, int] | None = None,

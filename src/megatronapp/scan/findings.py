@@ -5,7 +5,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from statistics import NormalDist
 
-KINDS = ("slow-compute", "slow-link", "transient-pause", "late-arrival")
+KINDS = ("hang", "slow-compute", "slow-link", "transient-pause", "late-arrival")
 
 
 @dataclass

@@ -6,6 +6,8 @@ Layout: an 8-byte magic, then blocks `tag(4s) length(u32) crc32(u32) payload`. T
   GRPS  JSON list of new [group name, [global ranks]] appended to the group table
   SPAN  packed fixed-size span records (`RECORD` dtype), read with one `np.frombuffer`
   FOOT  JSON footer (records written, records dropped), merged into the header under "footer"
+A SPAN record with `dur` = -1 marks an op OPENED (written when a comm op starts, before it completes): a rank
+that hangs leaves its in-flight ops on disk. Readers put those in `RankTrace.opened`, apart from the spans.
 A string or group is always written before the first SPAN block that refers to it, so any prefix of a file is
 a valid trace: a truncated file reads up to its last complete record. A block whose checksum fails is skipped
 and named in `problems`; reading stops at an unknown tag (the framing is lost).
@@ -33,6 +35,7 @@ FILE_PATTERN = re.compile(r"rank(\d{5,})\.mst$")
 RECORD = np.dtype([("ts", "<i8"), ("dur", "<i8"), ("seq", "<i8"), ("nbytes", "<i8"),
                    ("name", "<i4"), ("it", "<i4"), ("gid", "<i4"), ("peer", "<i4"), ("mb", "<i4"),
                    ("chunk", "<i2"), ("cat", "i1"), ("_pad", "u1")])
+OPENED = -1  # `dur` of a record that marks an op as opened (not a finished span)
 COLUMNS = ("name", "cat", "ts", "dur", "it", "gid", "seq", "peer", "nbytes", "chunk", "mb")
 
 
@@ -68,6 +71,7 @@ class RankTrace:
     chunk: np.ndarray
     mb: np.ndarray
     problems: list[str] = field(default_factory=list)
+    opened: dict[str, np.ndarray] = field(default_factory=dict)  # ops written when opened (dur = -1): COLUMNS
 
     def __len__(self) -> int:
         return len(self.ts)
@@ -278,8 +282,11 @@ def read_rank(path: str | Path) -> RankTrace:
         topo = tuple(int(x) for x in header["topo"])
     except (KeyError, TypeError, ValueError):
         raise TraceFormatError(f"{p.name}: header lacks rank/world/coord/topo") from None
+    is_open = cols["dur"] == OPENED
+    opened = {c: v[is_open] for c, v in cols.items()}
+    cols = {c: v[~is_open] for c, v in cols.items()}
     return RankTrace(rank=rank, world=world, coord=coord, topo=topo, header=header, names=names, groups=groups,
-                     problems=problems, **cols)
+                     problems=problems, opened=opened, **cols)
 
 
 def read_dir(path: str | Path) -> tuple[list[RankTrace], list[str]]:

@@ -80,6 +80,7 @@ class Costs:
     compute_noise: float = 0.03
     comm_noise: float = 0.04
     rank_spread: float = 0.01  # persistent per-rank speed differences of healthy hardware
+    stage_work: tuple[float, ...] | None = None  # heterogeneous stages: relative work of each (written to headers)
     act_bytes: int = 8 << 20
     grad_bytes: int = 256 << 20
 
@@ -181,6 +182,10 @@ def simulate_spans(world: int, tp: int, pp: int, dp: int, iterations: int, micro
     rng = np.random.default_rng(seed)
     R = np.arange(world).reshape(pp, dp, tp)  # rank = tp + tp*(dp + dp*pp), Megatron order
     speed = np.exp(rng.normal(0.0, costs.rank_spread, (pp, dp, tp)))
+    if costs.stage_work is not None:
+        if len(costs.stage_work) != pp:
+            raise ValueError(f"stage_work has {len(costs.stage_work)} entries for pp={pp} stages")
+        speed = speed * np.asarray(costs.stage_work, float)[:, None, None]
     pause = np.zeros((pp, dp, tp))
     pause_every = np.ones((pp, dp, tp), np.int64)
     late = np.zeros((pp, dp, tp))
@@ -314,6 +319,8 @@ def simulate(out_dir: str | Path, ranks: int, tp: int, pp: int, dp: int | None =
                        [t + tp * (q + dp * s) for q in range(dp)])
         header = {"rank": r, "world": ranks, "coord": [d, s, t], "topo": [tp, pp, dp], "host": f"node{r // 8}",
                   "pid": 10_000 + r, "clock": "monotonic_ns", "simulated": True}
+        if costs.stage_work is not None:
+            header["stage_work"] = list(costs.stage_work)  # what a cost model of the job would say
         a, b = bounds[r], bounds[r + 1]
         g = cols["group"][a:b]
         with RankWriter(rank_file(out, r), header) as w:

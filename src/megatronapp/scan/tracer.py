@@ -9,7 +9,9 @@ No barrier anywhere: clock alignment uses a start-up handshake plus the collecti
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
+import signal
 import socket
 import threading
 import time
@@ -19,7 +21,7 @@ from typing import Any
 
 from megatronapp import tracing
 from megatronapp.config import ConfigError
-from megatronapp.scan.format import RankWriter, rank_file
+from megatronapp.scan.format import OPENED, RankWriter, rank_file
 
 _FINISH = object()  # `close()` without a token ends the tracer (SpanSink.close(token) ends one span)
 _SKIP_ON_COARSE = frozenset({"layer"})
@@ -60,14 +62,20 @@ class Tracer:
         self._stop = False
         self._flush_s = flush_s
         self._error: BaseException | None = None
+        self._flush_lock = threading.RLock()  # the writer thread and a signal handler both flush
         self._thread = threading.Thread(target=self._drain_loop, name="megascan-writer", daemon=True)
         self._thread.start()
+        self._previous: dict[int, Any] = {}
+        self._install_signal_flush()
 
     # ---- SpanSink ---------------------------------------------------------------------------------------
     def open(self, name: str, cat: str, meta: dict[str, Any]) -> Any:
         """Start a span (None when outside a trace window or filtered by granularity)."""
         if not self.active or cat in self._skip:
             return None
+        if (cat == "comm" or cat == "step") and len(self._q) < self._limit:
+            # Written as soon as the writer wakes (every flush_s): if this op never completes, the file says so.
+            self._q.append(((name, cat, meta, self._it, None), self._clock()))
         if self._cuda and cat not in _HOST_TIMED_ON_CUDA:
             return (name, cat, meta, self._it, self._event())
         return (name, cat, meta, self._it, self._clock())
@@ -105,6 +113,45 @@ class Tracer:
             self.active = False
             self._wake.set()  # write the finished iteration now: a crash later keeps it on disk
 
+    # ---- flushing on demand ------------------------------------------------------------------------------
+    def flush_now(self) -> None:
+        """Write everything recorded so far (opened ops included) to the file now."""
+        self._drain(final=False)
+        self._writer.flush()
+
+    def _install_signal_flush(self) -> None:
+        # SIGUSR1: dump now and go on (an operator asking a stuck job "where are you?"); SIGTERM: dump, then do
+        # what the process did before (a launcher killing a hung job). A rank blocked inside a C++ collective
+        # runs no Python handler; the writer thread's periodic flush (flush_s) covers it.
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+            except (ValueError, OSError):
+                pass
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        try:
+            with self._flush_lock:
+                self.flush_now()
+        except Exception:  # noqa: BLE001 (a dump must never turn a signal into a crash of its own)
+            pass
+        prev = self._previous.get(signum)
+        if signum == signal.SIGTERM:
+            if callable(prev):
+                prev(signum, frame)
+            else:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+    def _restore_signals(self) -> None:
+        for sig, prev in self._previous.items():
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                if signal.getsignal(sig) == self._on_signal:
+                    signal.signal(sig, prev)
+        self._previous = {}
+
     # ---- timing -----------------------------------------------------------------------------------------
     def _event(self) -> Any:
         import torch
@@ -126,6 +173,8 @@ class Tracer:
     def _resolve(self, token: tuple, end: Any) -> tuple[int, int] | None:
         """(ts, dur) in ns for a closed span; None if its CUDA end event has not completed."""
         start = token[4]
+        if start is None:
+            return end, OPENED  # an op-opened marker: host time of the opening
         if isinstance(start, int):
             return start, end - start
         if not end.query():
@@ -141,8 +190,9 @@ class Tracer:
                 self._wake.wait(self._flush_s)
                 self._wake.clear()
                 stopping = self._stop
-                self._drain(final=stopping)
-                self._writer.flush()
+                with self._flush_lock:
+                    self._drain(final=stopping)
+                    self._writer.flush()
                 if stopping:
                     return
         except Exception as e:  # noqa: BLE001 (keep the job alive; close() reports it)
@@ -174,6 +224,7 @@ class Tracer:
         if self._stop:
             return
         tracing.uninstall(self)
+        self._restore_signals()
         self.active = False
         self._stop = True
         self._wake.set()

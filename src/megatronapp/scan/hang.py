@@ -1,0 +1,121 @@
+"""Hang attribution: from the ops each rank had opened and never finished, name the rank everyone waits for.
+
+The tracer writes every comm op when it is opened (a `dur = -1` record), and flushes on a timer, on SIGTERM and
+on SIGUSR1, so a job that hung and was killed leaves its in-flight ops on disk. An op opened and never closed is
+in flight. For a collective (group, sequence number), the members that never opened that instance are the ones
+the others wait for; for a receive, it is the sender, if it never opened the matching send. Following "waits
+for" from the stuck ranks ends at a rank that is not stuck in any comm op (it hangs in its own code: a dead
+loop, a deadlock, a device that stopped), or at an instance every member opened (the hang is inside the
+collective: a link or the library), which is named by its group.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from megatronapp.scan.findings import Finding
+from megatronapp.scan.format import CAT_INDEX, RankTrace
+
+_COMM = CAT_INDEX["comm"]
+
+
+def _key(t: RankTrace, cols: dict, i: int) -> tuple:
+    """(op name, group name, group ranks, seq, sender, receiver) of row i of `cols` on rank t."""
+    g = int(cols["gid"][i])
+    gname, granks = t.groups[g] if g >= 0 else ("", ())
+    peer = int(cols["peer"][i])
+    name = t.names[int(cols["name"][i])]
+    src, dst = (t.rank, peer) if name == "send" else (peer, t.rank) if name == "recv" else (-1, -1)
+    return name, gname, tuple(granks), int(cols["seq"][i]), src, dst
+
+
+def in_flight(traces: list[RankTrace]) -> dict[int, list[tuple]]:
+    """Per rank: comm ops opened and never closed, oldest first, as (key, opened-at ns) with `_key` keys."""
+    out: dict[int, list[tuple]] = {}
+    for t in traces:
+        op = t.opened
+        if not op or not len(op.get("ts", ())):
+            continue
+        cols = {c: np.asarray(getattr(t, c)) for c in ("name", "gid", "seq", "peer", "cat")}
+        done = {_key(t, cols, i) for i in np.flatnonzero(cols["cat"] == _COMM)}
+        stuck = []
+        for i in np.argsort(op["ts"], kind="stable"):
+            if int(op["cat"][i]) != _COMM:
+                continue
+            k = _key(t, op, i)
+            if k not in done:
+                stuck.append((k, int(op["ts"][i])))
+        if stuck:
+            out[t.rank] = stuck
+    return out
+
+
+def _opened_anything(traces: list[RankTrace]) -> dict[int, set]:
+    """Per rank: every comm op key it opened (finished or not)."""
+    seen: dict[int, set] = {}
+    for t in traces:
+        keys = set()
+        for cols in (t.opened, {c: getattr(t, c) for c in ("name", "gid", "seq", "peer", "cat")}):
+            if not cols or not len(cols.get("cat", ())):
+                continue
+            for i in np.flatnonzero(np.asarray(cols["cat"]) == _COMM):
+                keys.add(_key(t, cols, i))
+        seen[t.rank] = keys
+    return seen
+
+
+def hang_findings(traces: list[RankTrace]) -> list[Finding]:
+    """`hang` findings: the rank(s) the stuck ranks wait for, and the op they wait in."""
+    stuck = in_flight(traces)
+    if not stuck:
+        return []
+    opened = _opened_anything(traces)
+    coords = {t.rank: t.coord for t in traces}
+    waits_for: dict[int, tuple[set, tuple]] = {}
+    for r, ops in stuck.items():
+        key = ops[0][0]  # the oldest op in flight is the one the rank is blocked in
+        name, gname, granks, seq, src, dst = key
+        if name == "recv":
+            missing = {src} if ("send", gname, granks, seq, src, dst) not in opened.get(src, set()) else set()
+        elif name == "send":
+            missing = {dst} if ("recv", gname, granks, seq, src, dst) not in opened.get(dst, set()) else set()
+        else:
+            missing = {m for m in granks if m != r and key not in opened.get(m, set())}
+        waits_for[r] = (missing, key)
+    # Roots: waited for by someone, and not themselves stuck in a comm op waiting for another rank.
+    blamed: dict[int, list[int]] = {}
+    for r, (missing, _) in waits_for.items():
+        for m in missing:
+            if not waits_for.get(m, (set(),))[0]:
+                blamed.setdefault(m, []).append(r)
+    out = []
+    for root, victims in sorted(blamed.items(), key=lambda kv: -len(kv[1])):
+        key = waits_for[victims[0]][1]
+        where = "not in any communication (hung in its own work)" if root not in stuck else \
+            f"itself in {stuck[root][0][0][0]} on {stuck[root][0][0][1]}"
+        out.append(_finding(root, coords, victims, key, f"{len(victims)} rank(s) wait for it in "
+                            f"{key[0]} on group {key[1]} (seq {key[3]}); it is {where}"))
+    inside = [r for r, (missing, _) in waits_for.items() if not missing]
+    if inside and not out:
+        key = waits_for[inside[0]][1]
+        members = tuple(sorted(key[2])) or tuple(sorted(inside))
+        out.append(Finding("hang", members, [_coord(coords, m) for m in members],
+                           f"every member opened {key[0]} on group {key[1]} (seq {key[3]}) and none finished: "
+                           "the hang is inside the collective (a link or the communication library)",
+                           1.0, 0.0, 0.8, {"op": _op(key), "stuck_ranks": sorted(inside)}))
+    return out
+
+
+def _coord(coords: dict, r: int) -> dict:
+    dp, pp, tp = coords.get(r, (-1, -1, -1))
+    return {"rank": int(r), "dp": int(dp), "pp": int(pp), "tp": int(tp)}
+
+
+def _op(key: tuple) -> dict:
+    name, gname, granks, seq, src, dst = key
+    return {"name": name, "group": gname, "group_ranks": list(granks), "seq": seq,
+            **({"src": src, "dst": dst} if src >= 0 else {})}
+
+
+def _finding(root: int, coords: dict, victims: list[int], key: tuple, text: str) -> Finding:
+    return Finding("hang", (int(root),), [_coord(coords, root)], text, 1.0, 0.0, 0.95,
+                   {"op": _op(key), "waiting_ranks": sorted(victims)})

@@ -1,0 +1,122 @@
+"""Evidence from the wait structure: lone pipeline stages, and links inside collective groups.
+
+Lone stages. A stage with a single rank (dp = tp = 1) has no peer doing the same work, so the self-time views
+cannot judge it. The wait structure can: in a pipeline every stage waits for the slowest one, and the slowest
+one waits for nobody beyond the pipeline's fill. A rank is the bottleneck when, in most iterations, (a) its own
+work exceeds the other stages' by a real margin and (b) the other stages wait for it: their waiting exceeds
+its own by at least half that margin. Stages may legitimately differ (embedding on the first, LM head and loss
+on the last): when the trace headers carry `stage_work` (the expected cost of each stage relative to the
+others, from a cost model or a measured healthy run), compute is divided by it first, so only work beyond what
+the stage is expected to cost counts, and the comparison stays within the same kind of work.
+
+Links inside collectives. A link that delays every collective two ranks share (a slow cable, a flaky NIC
+between two data-parallel peers) stalls both of its ends before they post those collectives, and no other
+member; the same collective of the other groups of that kind stalls nobody. Per (group kind, sequence number)
+the posting stall of each member is compared with the same position's members in the other groups and with the
+other members of its own group; when exactly two members of a group stall consistently, the link is named by
+those two ranks, not by the group.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from megatronapp.scan.evidence import excursion_noise, group_quantile
+from megatronapp.scan.findings import Finding, Thresholds
+from megatronapp.scan.format import CAT_INDEX
+
+if TYPE_CHECKING:
+    from megatronapp.scan.detect import Phases, Table, Waits
+
+MS = 1e6
+_COMM = CAT_INDEX["comm"]
+
+
+def _coord(tb: Table, r: int) -> dict:
+    dp, pp, tp = (int(v) for v in tb.coords[r])
+    return {"rank": int(r), "dp": dp, "pp": pp, "tp": tp}
+
+
+def lone_stage_findings(tb: Table, ph: Phases, waits: Waits, th: Thresholds,
+                        stage_work: dict[int, float] | None = None) -> list[Finding]:
+    """Bottleneck ranks of stages without a peer, named through who waits for whom."""
+    stage = tb.coords[:, 1]
+    present = np.zeros(tb.world, bool)
+    present[np.unique(tb.rank)] = True
+    sizes = np.bincount(stage[present], minlength=int(stage.max()) + 1)
+    lone = [int(r) for r in np.flatnonzero(present) if sizes[stage[r]] == 1]
+    if not lone or present.sum() < 3:
+        return []  # two ranks: each is the other's only reference, the structure cannot break the tie
+    work = np.array([(stage_work or {}).get(int(s), 1.0) for s in stage], float)
+    comp = ph.self_time / work[:, None]
+    waited = waits.waited
+    n_it = comp.shape[1]
+    noise = excursion_noise(comp, present)
+    out = []
+    for r in lone:
+        others = np.flatnonzero(present & (np.arange(tb.world) != r))
+        with np.errstate(all="ignore"):
+            ref = np.nanmedian(comp[others], axis=0)
+            exc = comp[r] - ref
+            # What the others waited beyond the rank itself: the part of their time the bottleneck costs them.
+            held = np.nanmedian(waited[others], axis=0) - waited[r]
+        need = np.maximum(np.maximum(th.rel * ref, th.abs_ms), th.persistent_noise * noise)
+        hit = (exc >= need) & (held >= 0.5 * exc)
+        frac = float(hit.mean()) if n_it else 0.0
+        if frac < th.persistent or not hit.any():
+            continue
+        excess = float(np.nanmedian(exc[hit]))
+        factor = float(np.nanmedian(comp[r, hit] / ref[hit]))
+        margin = float(np.nanmedian(exc[hit] / need[hit]))
+        conf = round(min(1.0, 0.5 + (margin - 1) / 4) * frac * 0.85, 3)  # no peer: weaker than a peer comparison
+        ev = {"method": "wait structure", "peers": 0, "iterations": [int(ph.iters[i]) for i in np.flatnonzero(hit)],
+              "others_waited_beyond_it_ms": round(float(np.nanmedian(held[hit])), 3),
+              "reference": "median of the other stages" + (" (normalised by stage_work)" if stage_work else ""),
+              "noise_ms": round(noise, 3)}
+        out.append(Finding("slow-compute", (r,), [_coord(tb, r)],
+                           f"{factor:.2f}x the other stages' work, which wait for it (+{excess:.1f} ms per "
+                           "iteration)", round(factor, 3), round(excess, 3), conf, ev))
+    return out
+
+
+def collective_stall_findings(tb: Table, stall: np.ndarray, iters: np.ndarray, th: Thresholds) -> list[Finding]:
+    """Slow links inside collective groups: the two members that stall before posting the group's collectives."""
+    coll = np.flatnonzero((tb.cat == _COMM) & (tb.peer < 0) & (tb.gkey >= 0) & (tb.seq >= 0)
+                          & np.isin(tb.it, iters))
+    if not len(coll):
+        return []
+    names: dict[tuple[str, int], int] = {}
+    kind = np.array([names.setdefault((g, len(r)), len(names)) for g, r in tb.groups] + [-1], np.int64)
+    v = stall[coll].astype(float) / MS
+    k = kind[tb.gkey[coll]]
+    # The same collective elsewhere: same kind of group, same sequence number, same op; its median stall.
+    inst = np.unique(np.stack([k, tb.seq[coll], tb.name[coll]]), axis=1, return_inverse=True)[1].ravel()
+    _, base, _ = group_quantile(inst, v, 0.5)
+    excess = v - base[np.searchsorted(np.unique(inst), inst)]
+    unit = tb.gkey[coll] * tb.world + tb.rank[coll]  # a member of one group
+    uu, med, n = group_quantile(unit, excess, 0.5)
+    frac = np.bincount(np.searchsorted(uu, unit), excess >= th.stall_abs_ms, len(uu)) / n
+    flagged = (med >= th.stall_abs_ms) & (frac >= th.persistent) & (n >= 2)
+    by_group: dict[int, list[int]] = {}
+    for j in np.flatnonzero(flagged):
+        by_group.setdefault(int(uu[j] // tb.world), []).append(j)
+    out = []
+    for g, js in by_group.items():
+        size = len(tb.groups[g][1])
+        if len(js) != 2 or size < 2:
+            continue  # one member: its own problem (self-time views); three or more: not one link
+        a, b = sorted(int(uu[j] % tb.world) for j in js)
+        ex = float(np.mean([med[j] for j in js]))
+        conf = round(min(1.0, 0.5 + (ex - th.stall_abs_ms) / (8 * th.stall_abs_ms)) * min(frac[j] for j in js), 3)
+        gname = tb.groups[g][0]
+        ev = {"what": "collective", "method": "collective stalls", "group": gname, "group_size": size,
+              "transfers": int(sum(n[j] for j in js)), "median_ms": round(ex + th.stall_floor_ms, 4),
+              "peer_median_ms": th.stall_floor_ms,
+              "stall_ms_per_iteration": {a: round(ex, 3), b: round(ex, 3)}}
+        out.append(Finding("slow-link", (a, b), [_coord(tb, a), _coord(tb, b)],
+                           f"+{ex:.1f} ms stalled before each {gname} collective on link {a}-{b} (both ends, no "
+                           f"other member of the {size}-rank group)", round((ex + th.stall_floor_ms)
+                                                                             / th.stall_floor_ms, 3),
+                           round(ex, 3), conf, ev))
+    return out
