@@ -80,3 +80,18 @@ def test_default_hang_timeout_is_sized_from_step_time():
     assert default_hang_timeout([]) == 30.0
     assert default_hang_timeout([0.1, 0.2]) == 30.0
     assert default_hang_timeout([2.0, 7.5]) == 75.0
+
+
+def test_simulated_best_interval_agrees_with_young_daly_and_failures_cost_time():
+    from megatronapp.resilience.simulate import Job, default_intervals, simulate, sweep, young_daly
+
+    job = Job(gpus=12288, days=14, failures_per_gpu_hour=2e-5, detect_s=300, restart_s=600, stall_s=60)
+    result = sweep(job, default_intervals(job), seeds=3)
+    assert abs(result["best"]["interval_s"] - young_daly(job)) <= 0.5 * young_daly(job)
+    assert 0.5 < result["best"]["effective"] < 1.0
+    # no failures and no stall: everything but the unfinished last interval is useful
+    perfect = Job(gpus=1, days=1, failures_per_gpu_hour=1e-12, stall_s=1e-9)
+    assert simulate(perfect, 3600)["effective"] > 0.95
+    # slower recovery, lower effective time, same failures (same seed)
+    slow = Job(**{**result["job"], "restart_s": 3600})
+    assert simulate(slow, 1200)["effective"] < simulate(job, 1200)["effective"]

@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train on local ranks (spawned) or as one rank of a torchrun job.")
     add_train_args(p)
     p.set_defaults(func=cmd_train)
-    for module in ("scan", "dpp", "scope"):
+    for module in ("scan", "dpp", "scope", "resilience"):
         try:
             mod = importlib.import_module(f"megatronapp.{module}.cli")
         except ModuleNotFoundError as e:

@@ -1,0 +1,53 @@
+"""`megatronapp resilience simulate`: the effective-training-time simulator (see simulate.py)."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from megatronapp.config import ConfigError
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from megatronapp.resilience.simulate import Job, default_intervals, report, sweep
+
+    for name in ("gpus", "days", "failure_rate", "restart_s", "stall_s"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be > 0")
+    if args.detect_s < 0:
+        raise ConfigError(f"--detect-s {args.detect_s}: must be >= 0")
+    # the stall scales with the bytes a rank copies to host memory; measured bandwidth times the model's share
+    stall = args.stall_s
+    if args.state_gib is not None:
+        stall = args.state_gib * 1024 / args.copy_mib_s
+    job = Job(gpus=args.gpus, days=args.days, failures_per_gpu_hour=args.failure_rate, detect_s=args.detect_s,
+              restart_s=args.restart_s, stall_s=stall)
+    intervals = [m * 60.0 for m in args.interval_min] if args.interval_min else default_intervals(job)
+    result = sweep(job, intervals, seeds=args.seeds)
+    print(report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("resilience", help="resilience tools: effective-training-time simulation")
+    rsub = p.add_subparsers(dest="resilience_command", metavar="COMMAND", required=True)
+    s = rsub.add_parser("simulate", help="effective training time of a long job with failures and checkpoints",
+                        description="Simulate a long job: Poisson failures over all GPUs, each losing the work "
+                                    "since the last checkpoint plus detection and restart; each save stalling "
+                                    "training. Reports the effective fraction per checkpoint interval, the best "
+                                    "one, and Young/Daly's optimum as a check.")
+    s.add_argument("--gpus", type=int, default=12288)
+    s.add_argument("--days", type=float, default=14.0)
+    s.add_argument("--failure-rate", type=float, default=2.0e-5, help="failures per GPU-hour (Llama 3: ~2e-5)")
+    s.add_argument("--detect-s", type=float, default=30.0, help="failure -> detected (a hang: the hang timeout)")
+    s.add_argument("--restart-s", type=float, default=300.0, help="detected -> training again")
+    s.add_argument("--stall-s", type=float, default=0.5, help="training stall per checkpoint save")
+    s.add_argument("--state-gib", type=float, help="checkpoint bytes per rank: stall = this / --copy-mib-s")
+    s.add_argument("--copy-mib-s", type=float, default=2000.0,
+                   help="host-copy bandwidth of stage 1 (MiB/s; measured: docs/benchmarks.md)")
+    s.add_argument("--interval-min", type=float, nargs="*", help="checkpoint intervals to compare (minutes)")
+    s.add_argument("--seeds", type=int, default=5, help="simulated runs averaged per interval")
+    s.add_argument("--json", help="also write the result here")
+    s.set_defaults(func=cmd_simulate)
