@@ -135,7 +135,7 @@ def test_page_on_another_port_is_refused(server):
             page.wait_for_function("document.body.dataset.code !== undefined", timeout=60_000)
             assert page.evaluate("document.body.dataset.code") == "1008"
             reason = page.evaluate("document.body.dataset.reason")
-            assert f"origin http://127.0.0.1:{other.server_port} may not use this server" in reason
+            assert f"origin http://127.0.0.1:{other.server_port} refused: only this server" in reason
             assert page.evaluate("document.body.dataset.got") is None  # not even the hello
             browser.close()
     finally:

@@ -241,7 +241,7 @@ def generate(sm: ScopeModel, req: Generate, emit: Emit | None, cancel: Any = Non
                         tp_group=model.tp_group)
     perturber = Perturber(req.perturbations, model, model.capture, sm.cfg, tp_group=model.tp_group)
     gen = torch.Generator().manual_seed(req.seed)
-    cache = KVCache(model, b, total)
+    cache: KVCache | None = None
     failed_emit: list[BaseException] = []
 
     def send(msg: dict[str, Any]) -> None:
@@ -261,6 +261,7 @@ def generate(sm: ScopeModel, req: Generate, emit: Emit | None, cancel: Any = Non
     try:
         err = None
         try:
+            cache = KVCache(model, b, total)  # may fail on one rank (memory): exchanged at the first step
             ls.attach(perturber)  # perturbations first, so the recorder sees the perturbed values
             recorder.attach()
         except Exception as e:  # noqa: BLE001

@@ -111,8 +111,7 @@ class Guard:
         name = _hostname(host)
         if name not in self.hosts:
             shown = host[:64] if host.isprintable() else "(unprintable)"
-            return (f"Host {shown!r} is not this server (DNS rebinding?); open it by 127.0.0.1 or localhost, or "
-                    f"start it with --allow-host NAME")
+            return f"Host {shown!r} refused: not a name of this server (DNS rebinding?); see --allow-host"
         origin = headers.get("origin")
         if origin is None:
             return None
@@ -121,8 +120,7 @@ class Guard:
         if origin in own or origin in self.origins:
             return None
         shown = origin[:64] if origin.isprintable() else "(unprintable)"
-        return (f"origin {shown} may not use this server (only its own page may); start it with "
-                f"--allow-origin {shown} to allow that page")
+        return f"origin {shown} refused: only this server's own page may connect; see --allow-origin"
 
 
 class GuardMiddleware:
