@@ -205,3 +205,14 @@ async def _make_session(cls, ws, sm):
 
 async def _start_writer(session):
     session.writer = asyncio.create_task(session._writer())
+
+
+def test_console_actions_need_a_training_run(sm):
+    client = TestClient(create_app(sm), base_url=LOCAL)
+    with client.websocket_connect(LOCAL_WS) as ws:
+        assert ws.receive_json()["training"] is None
+        ws.send_json({"type": "control", "action": "pause"})
+        assert ws.receive_json()["code"] == "not_training"
+        ws.send_json({"type": "control", "action": "every", "every": 0})
+        m = ws.receive_json()
+        assert m["code"] == "invalid" and "every" in m["message"]
