@@ -146,6 +146,8 @@ FBD_CASES = [
     ("gpt2 pp2dp2 vpp2 interleaved <- forward tp1pp1 x2", _case("gpt2", {"n": 2}, **{
         "parallel.tp": 1, "parallel.dp": 2, "parallel.vpp": 2, "parallel.schedule": "interleaved-1f1b",
         "parallel.microbatches": 4})),
+    # a two-stage forward instance (the forward chain): forward stage 0 computes virtual stages 0-1, stage 1 stage 2
+    ("gpt2 pp4 <- forward tp1pp2 x1", _case("gpt2", {"pp": 2}, **{"parallel.tp": 1, "parallel.pp": 4})),
     # sequence parallelism: the tp_f = 1 forward sends each backward TP rank its sequence slice
     ("llama tp2pp2 sequence-parallel <- forward tp1pp1 x1", _case("llama", {"n": 1}, **{
         "parallel.sequence_parallel": True})),

@@ -128,3 +128,12 @@ def test_nproc_must_equal_backward_plus_forward_ranks():
     validate(cfg, 8)
     with pytest.raises(ConfigError, match="set --nproc 8"):
         validate(cfg, 4)
+
+
+def test_cli_refuses_a_wrong_nproc_with_the_right_number(capsys):
+    from megatronapp.cli import main
+
+    code = main(["train", "--fbd", "--tp", "2", "--pp", "2", "--microbatches", "8", "--fbd-forward-tp", "1",
+                 "--fbd-forward-pp", "1", "--fbd-forward-instances", "1", "--nproc", "4"])
+    assert code == 2
+    assert "set --nproc 5" in capsys.readouterr().err
