@@ -9,7 +9,10 @@ descheduled process do not move it), then held inside the causal bounds every co
 before everyone arrived, and clock reads are only ever late). The pairs form a graph solved from rank 0 along
 the most certain paths and then smoothed over loops, so ranks sharing no group with rank 0 are still aligned
 transitively.
-Model: offset_r(t) = a_r + b_r * (t - t0), with t on rank r's own clock; aligned time = t - offset_r(t).
+Model: offset_r(t) = a_r + b_r * (t - o_r), with t on rank r's own clock and o_r the reading of rank r's clock at
+one common instant (rank 0's first timestamp): clocks may differ by days, so drift is only ever multiplied by
+time measured from that shared instant, never from one start time read on different clocks. A first pass
+without drift finds each o_r; the second fits drift around it. Aligned time = t - offset_r(t).
 """
 from __future__ import annotations
 
@@ -128,7 +131,8 @@ def _p2p_samples(traces: list[RankTrace]) -> tuple[np.ndarray, ...]:
 
 
 def _fit_edge(t: np.ndarray, d: np.ndarray, t0: int, lower: np.ndarray | None = None,
-              upper: np.ndarray | None = None, startup: np.ndarray | None = None) -> tuple[float, float, float, bool]:
+              upper: np.ndarray | None = None, startup: np.ndarray | None = None,
+              drift: bool = True) -> tuple[float, float, float, bool]:
     """Resistant line d = a + b (t - t0), then kept inside the causal bounds; (a, b, mad, has_slope).
 
     Slope from the medians of the outer thirds of the run's anchors (start-up handshake rounds, bunched at one
@@ -140,7 +144,7 @@ def _fit_edge(t: np.ndarray, d: np.ndarray, t0: int, lower: np.ndarray | None = 
     b, has_slope = 0.0, False
     run = ~startup if startup is not None and (~startup).sum() >= 6 else np.ones(len(x), bool)
     xr_, yr_ = x[run], y[run]
-    if len(xr_) >= 6 and xr_.max() - xr_.min() >= _MIN_DRIFT_SPAN_NS:
+    if drift and len(xr_) >= 6 and xr_.max() - xr_.min() >= _MIN_DRIFT_SPAN_NS:
         o = np.argsort(xr_)
         k = len(o) // 3
         xl, xr = np.median(xr_[o[:k]]), np.median(xr_[o[-k:]])
@@ -188,42 +192,61 @@ def estimate_offsets(traces: list[RankTrace], p2p_weight: float = 0.1) -> tuple[
                               "edges": 0, "p2p_edges": 0}
     if not ranks:
         return {}, 0.0, report
-    starts = [int(t.ts.min()) for t in traces if len(t)]
-    t0 = int(np.median(starts)) if starts else 0
+    first = {t.rank: int(t.ts.min()) for t in traces if len(t)}
+    t0 = first.get(ranks[0], min(first.values(), default=0))  # one instant, on rank 0's clock
     report["t0"] = t0
     ci, cj, ct, cd, cl, cu, chs = _collective_samples(traces)
     pi, pj, pt, pd = _p2p_samples(traces)
     report["anchors"] = len(ci)
-    edges: list[tuple[int, int, float, float, float, bool]] = []  # i, j, a, b, weight, has_slope
-    for (si, sj, st, sd, sl, su, sh), scale in (((ci, cj, ct, cd, cl, cu, chs), 1.0),
-                                                ((pi, pj, pt, pd, None, None, None), p2p_weight)):
+    samples = (((ci, cj, ct, cd, cl, cu, chs), 1.0), ((pi, pj, pt, pd, None, None, None), p2p_weight))
+    # Pass 1 (no drift) places t0 on every clock; pass 2 fits drift against time since that shared instant.
+    a0, _ = _solve(ranks, _edges(samples, ranks, {}, t0, drift=False, report=report))
+    origin = {r: int(round(t0 + a0[r])) if r in a0 else first.get(r, t0) for r in ranks}
+    edges = _edges(samples, ranks, origin, t0, drift=True, report=report)
+    report["edges"] = len(edges)
+    a_of, b_of = _solve(ranks, edges)
+    report["unaligned"] = [r for r in ranks if r not in a_of]
+    report["origin"] = origin
+    offsets = {r: round(a_of.get(r, 0.0)) for r in ranks}
+    report["slope"] = {r: float(b_of.get(r, 0.0)) for r in ranks}
+    residual = 0.0
+    report["residual_by_rank"] = {}
+    if len(ci):
+        n = max(ranks) + 1
+        model = np.array([[a_of.get(r, 0.0), b_of.get(r, 0.0)] for r in range(n)])
+        org = np.array([origin.get(r, t0) for r in range(n)], np.int64)
+        x = (ct - org[ci]).astype(np.float64)  # time since the shared instant (ppm-close on every clock)
+        err = np.abs(cd - (model[cj, 0] + model[cj, 1] * x - model[ci, 0] - model[ci, 1] * x))
+        residual = float(np.median(err))
+        for r in ranks:  # each rank's own residual: where one clock fits badly, its timeline is suspect
+            m = (ci == r) | (cj == r)
+            if m.any():
+                report["residual_by_rank"][r] = float(np.median(err[m]))
+    return offsets, residual, report
+
+
+def _edges(samples: tuple, ranks: list[int], origin: dict[int, int], t0: int, drift: bool,
+           report: dict) -> list[tuple[int, int, float, float, float, bool]]:
+    """One fitted (i, j, a, b, weight, has_slope) per pair of ranks that share anchors."""
+    edges = []
+    n = max(ranks) + 1
+    for (si, sj, st, sd, sl, su, sh), scale in samples:
         if not len(si):
             continue
-        ekey = si * (max(ranks) + 1) + sj
+        ekey = si * n + sj
         order = np.argsort(ekey, kind="stable")
         ekey, st, sd = ekey[order], st[order], sd[order]
         if sl is not None:
             sl, su, sh = sl[order], su[order], sh[order]
         bounds = np.flatnonzero(np.r_[True, ekey[1:] != ekey[:-1], True])
         for lo, hi in itertools.pairwise(bounds):
-            i, j = divmod(int(ekey[lo]), max(ranks) + 1)
+            i, j = divmod(int(ekey[lo]), n)
             bounds_lh = (sl[lo:hi], su[lo:hi], sh[lo:hi]) if sl is not None else (None, None, None)
-            a, b, mad, has_slope = _fit_edge(st[lo:hi], sd[lo:hi], t0, *bounds_lh)
+            a, b, mad, has_slope = _fit_edge(st[lo:hi], sd[lo:hi], origin.get(i, t0), *bounds_lh, drift=drift)
             edges.append((i, j, a, b, scale * (hi - lo) / (mad + _NOISE_FLOOR_NS) ** 2, has_slope))
         if scale != 1.0:
             report["p2p_edges"] = int(len(bounds) - 1)
-    report["edges"] = len(edges)
-    a_of, b_of = _solve(ranks, edges)
-    report["unaligned"] = [r for r in ranks if r not in a_of]
-    offsets = {r: round(a_of.get(r, 0.0)) for r in ranks}
-    report["slope"] = {r: float(b_of.get(r, 0.0)) for r in ranks}
-    residual = 0.0
-    if len(ci):
-        model = np.array([[a_of.get(r, 0.0), b_of.get(r, 0.0)] for r in range(max(ranks) + 1)])
-        x = (ct - t0).astype(np.float64)
-        pred = model[cj, 0] + model[cj, 1] * x - model[ci, 0] - model[ci, 1] * x
-        residual = float(np.median(np.abs(cd - pred)))
-    return offsets, residual, report
+    return edges
 
 
 def _solve(ranks: list[int], edges: list[tuple]) -> tuple[dict[int, float], dict[int, float]]:
@@ -273,5 +296,6 @@ def to_reference(rank: int, ts: np.ndarray, offsets_ns: dict[int, int], report: 
     a = offsets_ns.get(rank, 0)
     if report is None or not report.get("slope", {}).get(rank):
         return ts - a
-    b, t0 = report["slope"][rank], report["t0"]
-    return ts - a - np.round(b * (ts - t0).astype(np.float64)).astype(np.int64)
+    b = report["slope"][rank]
+    o = report.get("origin", {}).get(rank, report["t0"])
+    return ts - a - np.round(b * (ts - o).astype(np.float64)).astype(np.int64)

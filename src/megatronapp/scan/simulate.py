@@ -174,6 +174,7 @@ class SimResult:
     faults: list[Fault] = field(default_factory=list)
     offsets_ns: list[int] = field(default_factory=list)
     spans: int = 0
+    drift_ppm: list[float] = field(default_factory=list)  # local clock = offset + (1 + ppm * 1e-6) * true time
 
 
 def simulate_spans(world: int, tp: int, pp: int, dp: int, iterations: int, microbatches: int,
@@ -283,7 +284,7 @@ def simulate_spans(world: int, tp: int, pp: int, dp: int, iterations: int, micro
 
 def simulate(out_dir: str | Path, ranks: int, tp: int, pp: int, dp: int | None = None, iterations: int = 5,
              faults: list[Fault] | list[str] = (), seed: int = 0, microbatches: int | None = None,
-             costs: Costs | None = None) -> SimResult:
+             costs: Costs | None = None, clock_ppm: float = 20.0) -> SimResult:
     """Write `rank*.mst` files of a simulated job plus `ground_truth.json`; return what was simulated."""
     if tp < 1 or pp < 1 or ranks < 1:
         raise ValueError(f"ranks, tp and pp must be >= 1 (got ranks={ranks}, tp={tp}, pp={pp})")
@@ -298,9 +299,13 @@ def simulate(out_dir: str | Path, ranks: int, tp: int, pp: int, dp: int | None =
     costs = costs or Costs()
     cols = simulate_spans(ranks, tp, pp, dp, iterations, m, flist, seed, costs)
     rng = np.random.default_rng(seed + 1)
-    # Hosts of 8 ranks share a clock; hosts booted at different times; small per-process jitter on top.
-    host_base = rng.uniform(1e3, 1e6, (ranks + 7) // 8) * MS
+    # Clocks as they are: hosts of 8 ranks share a CLOCK_MONOTONIC, booted days apart, each running fast or slow
+    # by tens of ppm; small per-process read jitter on top.
+    hosts = (ranks + 7) // 8
+    host_base = rng.uniform(0.0, 5 * 86_400_000.0, hosts) * MS
+    host_drift = rng.normal(0.0, clock_ppm * 1e-6, hosts)
     offsets = (host_base[np.arange(ranks) // 8] + rng.uniform(-0.05, 0.05, ranks) * MS).astype(np.int64)
+    drift = host_drift[np.arange(ranks) // 8]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("rank*.mst"):
@@ -311,7 +316,9 @@ def simulate(out_dir: str | Path, ranks: int, tp: int, pp: int, dp: int | None =
     # Round ends, not durations: a nested span must not poke 1 ns past its parent.
     start = np.floor(cols["ts"]).astype(np.int64)
     dur = np.maximum(np.floor(cols["ts"] + cols["dur"]).astype(np.int64) - start, 0)
-    ts_local = start + offsets[cols["rank"]]
+    # Local clock = offset + (1 + drift) * true time; durations are read on the same drifting clock.
+    ts_local = start + offsets[cols["rank"]] + np.round(drift[cols["rank"]] * start).astype(np.int64)
+    dur = dur + np.round(drift[cols["rank"]] * dur).astype(np.int64)
     for r in range(ranks):
         s, d, t = r // (tp * dp), (r // tp) % dp, r % tp
         group_ranks = (None, [x + tp * (d + dp * s) for x in range(tp)],
@@ -329,7 +336,8 @@ def simulate(out_dir: str | Path, ranks: int, tp: int, pp: int, dp: int | None =
                              "dur": dur[a:b], "it": cols["it"][a:b], "gid": np.where(g > 0, g - 1, -1),
                              "seq": cols["seq"][a:b], "peer": cols["peer"][a:b], "nbytes": cols["nbytes"][a:b],
                              "chunk": np.where(cols["cat"][a:b] == 0, 0, -1), "mb": cols["mb"][a:b]})
-    res = SimResult(str(out), ranks, tp, pp, dp, iterations, m, flist, offsets.tolist(), len(dur))
+    res = SimResult(str(out), ranks, tp, pp, dp, iterations, m, flist, offsets.tolist(), len(dur),
+                    (drift * 1e6).tolist())
     truth = {**asdict(res), "faults": [{**asdict(f), "label": f.label()} for f in flist]}
     (out / "ground_truth.json").write_text(json.dumps(truth))
     return res
