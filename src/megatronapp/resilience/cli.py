@@ -1,4 +1,4 @@
-"""`megatronapp resilience simulate`: the effective-training-time simulator (see simulate.py)."""
+"""`megatronapp diagnose` (diagnose.py) and `megatronapp resilience simulate` (simulate.py)."""
 from __future__ import annotations
 
 import argparse
@@ -30,7 +30,36 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from megatronapp import faults
+    from megatronapp.resilience.diagnose import report, run
+
+    tp, pp = args.tp or 1, args.pp or 1
+    dp = args.dp or args.nproc // (tp * pp)
+    if args.nproc < 2 or tp * pp * dp != args.nproc:
+        raise ConfigError(f"--nproc {args.nproc} must be >= 2 and equal tp*pp*dp = {tp}*{pp}*{dp}")
+    for spec in args.inject:
+        faults.parse(spec)
+    result = run(args.nproc, (tp, pp, dp), args.inject)
+    print(report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
+    d = sub.add_parser("diagnose", help="GEMM, memory, pairwise P2P and per-group all-reduce tests; outliers named",
+                       description="Run real tests on local ranks and name outliers against the median of their "
+                                   "peers (robust statistics, as MegaScan): per rank GEMM throughput and a memory "
+                                   "check, per pair P2P latency and bandwidth, per group all-reduce time.")
+    d.add_argument("--nproc", type=int, default=4)
+    d.add_argument("--tp", type=int)
+    d.add_argument("--pp", type=int)
+    d.add_argument("--dp", type=int)
+    d.add_argument("--inject", action="append", default=[],
+                   help="make a rank or link bad: slow-compute=RANK:FACTOR, slow-link=A-B:MS (repeatable)")
+    d.add_argument("--json", help="also write the results here")
+    d.set_defaults(func=cmd_diagnose)
     p = sub.add_parser("resilience", help="resilience tools: effective-training-time simulation")
     rsub = p.add_subparsers(dest="resilience_command", metavar="COMMAND", required=True)
     s = rsub.add_parser("simulate", help="effective training time of a long job with failures and checkpoints",
