@@ -96,3 +96,12 @@ def test_slow_compute_on_eight_ranks_with_tensor_parallel(traced_run):
     top = _top(report)
     assert (top.kind, top.ranks) == ("slow-compute", (5,)), report.to_text()
     assert not [f for f in report.findings if f.ranks == (4,)], report.to_text()
+
+
+def test_slow_link_between_data_parallel_peers(traced_run):
+    # Ranks 1 and 3 are DP peers (pp0, tp1); every collective holding both waits 20 ms on each end. The DP
+    # group is just the two of them, and the same ops of the other DP groups do not stall: the link is named.
+    report = traced_run(8, ("slow-link=1-3:20",))
+    top = _top(report)
+    assert (top.kind, tuple(sorted(top.ranks))) == ("slow-link", (1, 3)), report.to_text()
+    assert top.evidence["method"] == "collective stalls" and top.evidence["group"] == "dp"

@@ -578,7 +578,8 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     link_f, waits = links_and_waits(tb, ph, th, offsets)
     findings += lone_stage_findings(tb, ph, waits, th, _stage_work(traces))
     stall = posting_stall(tb)
-    stall_f = stall_link_findings(tb, stall, ph.iters, th) + collective_stall_findings(tb, stall, ph.iters, th)
+    stall_f = stall_link_findings(tb, stall, ph.iters, th) + \
+        collective_stall_findings(tb, posting_stall(tb, comm_ends=True), ph.iters, th)
     findings = _explained_by_links(findings, stall_f) + _merge_directions(link_f + stall_f)
     caused_total = waits.caused.sum(axis=1)
     for f in findings:

@@ -153,16 +153,18 @@ def floor_findings(tb: Table, excl: np.ndarray, iters: np.ndarray, th: Threshold
 
 
 # ----------------------------------------------------------------------------- 2. send stalls
-def posting_stall(tb: Table) -> np.ndarray:
+def posting_stall(tb: Table, comm_ends: bool = False) -> np.ndarray:
     """Per row: time (ns) from the rank's last own activity before it to its start (0 for the first row).
 
     Own activity: every span start, and the end of work spans (compute, optimizer, data). Comm ends are not: an
     asynchronous op (a receive posted ahead, a gradient bucket) completes while the rank does something else, or
-    stalls; the iteration's step span ends after everything."""
+    stalls; the iteration's step span ends after everything. With `comm_ends` they are (for collectives,
+    which are often posted right after waiting on earlier asynchronous ones: that wait is not a stall)."""
     n = len(tb.ts)
     if not n:
         return np.zeros(0, np.int64)
-    event = np.where(np.isin(tb.cat, (_COMPUTE, _OPT, _DATA)), tb.end, tb.ts)
+    own = (_COMPUTE, _OPT, _DATA, _COMM) if comm_ends else (_COMPUTE, _OPT, _DATA)
+    event = np.where(np.isin(tb.cat, own), tb.end, tb.ts)
     new_rank = np.r_[True, tb.rank[1:] != tb.rank[:-1]]
     run = np.empty(n, np.int64)
     start = np.flatnonzero(new_rank)

@@ -86,15 +86,22 @@ def collective_stall_findings(tb: Table, stall: np.ndarray, iters: np.ndarray, t
                           & np.isin(tb.it, iters))
     if not len(coll):
         return []
-    names: dict[tuple[str, int], int] = {}
-    kind = np.array([names.setdefault((g, len(r)), len(names)) for g, r in tb.groups] + [-1], np.int64)
+    # The same collective elsewhere: a group of the same name and size on the same pipeline stage (stages do
+    # different work: the n-th TP all-reduce of the first stage is not the n-th of the last), same op and
+    # sequence number. Its lower quartile is the healthy posting delay: stalls are one-sided, and the two ends
+    # of a slow link must not lift their own reference.
+    names: dict[tuple, int] = {}
+    kind = np.array([names.setdefault((g, len(r), int(tb.coords[min(r), 1]) if r else -1), len(names))
+                     for g, r in tb.groups] + [-1], np.int64)
     v = stall[coll].astype(float) / MS
     k = kind[tb.gkey[coll]]
-    # The same collective elsewhere: same kind of group, same sequence number, same op; its median stall.
     inst = np.unique(np.stack([k, tb.seq[coll], tb.name[coll]]), axis=1, return_inverse=True)[1].ravel()
-    _, base, _ = group_quantile(inst, v, 0.5)
+    _, base, _ = group_quantile(inst, v, 0.25)
     excess = v - base[np.searchsorted(np.unique(inst), inst)]
-    unit = tb.gkey[coll] * tb.world + tb.rank[coll]  # a member of one group
+    # A member of one group, per kind of op it posts there (name and size): a link may delay only some of the
+    # group's ops visibly (another op's wait can hide the stall), and each kind must be consistent on its own.
+    op_kind = np.unique(np.stack([tb.name[coll], tb.nbytes[coll]]), axis=1, return_inverse=True)[1].ravel()
+    unit = (tb.gkey[coll] * (int(op_kind.max()) + 1) + op_kind) * tb.world + tb.rank[coll]
     uu, med, n = group_quantile(unit, excess, 0.5)
     frac = np.bincount(np.searchsorted(uu, unit), excess >= th.stall_abs_ms, len(uu)) / n
     flagged = (med >= th.stall_abs_ms) & (frac >= th.persistent) & (n >= 2)
@@ -102,11 +109,16 @@ def collective_stall_findings(tb: Table, stall: np.ndarray, iters: np.ndarray, t
     for j in np.flatnonzero(flagged):
         by_group.setdefault(int(uu[j] // tb.world), []).append(j)
     out = []
-    for g, js in by_group.items():
+    seen: set[tuple[int, int, int]] = set()
+    for gk, js in by_group.items():
+        g = gk // (int(op_kind.max()) + 1)
         size = len(tb.groups[g][1])
         if len(js) != 2 or size < 2:
             continue  # one member: its own problem (self-time views); three or more: not one link
         a, b = sorted(int(uu[j] % tb.world) for j in js)
+        if (g, a, b) in seen:
+            continue
+        seen.add((g, a, b))
         ex = float(np.mean([med[j] for j in js]))
         conf = round(min(1.0, 0.5 + (ex - th.stall_abs_ms) / (8 * th.stall_abs_ms)) * min(frac[j] for j in js), 3)
         gname = tb.groups[g][0]
