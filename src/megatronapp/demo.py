@@ -38,19 +38,51 @@ def sample(checkpoint: Path, prompt: str, new_tokens: int = 80) -> str:
     return tok.decode(out)
 
 
+def demo_recipe(steps: int, out: str) -> TrainConfig:
+    """The demo's recipe: the default learning rate, warm-up and clipping, 16 sequences of 64 bytes per step."""
+    return TrainConfig(steps=steps, global_batch_size=16, seq_len=64, out=out, save_interval=0)
+
+
+def loss_curve(metrics: Path, png: Path) -> Path:
+    """Plot the per-step loss of a run's metrics.jsonl (and its 10-step median) into `png`."""
+    import json
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    steps, losses = [r["step"] for r in recs], [r["loss"] for r in recs]
+    med = [statistics.median(losses[max(0, i - 9):i + 1]) for i in range(len(losses))]
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=120)
+    ax.plot(steps, losses, lw=0.8, label="loss")
+    ax.plot(steps, med, lw=1.5, label="median of 10 steps")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.set_title("make demo: gpt2-tiny, tp2 x pp2, embedded corpus")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+    return png
+
+
 def train_part(out: Path, steps: int) -> Path:
     from megatronapp.train.trainer import train
 
     cfg = RunConfig(model=preset("gpt2-tiny"),
                     parallel=ParallelConfig(tp=2, pp=2, dp=1, microbatches=4, schedule="1f1b"),
-                    train=TrainConfig(steps=steps, global_batch_size=16, seq_len=64, lr=3e-3, warmup_steps=5,
-                                      out=str(out / "train"), save_interval=0))
+                    train=demo_recipe(steps, str(out / "train")))
     _banner("1/2  3D-parallel training of the embedded default model")
     print(f"model: gpt2-tiny, {cfg.model.num_params() / 1e6:.2f} M parameters, byte-level tokens, embedded corpus")
     print(Topology(tp=2, pp=2, dp=1).describe())
     summary = train(cfg)
     print(f"loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} in {summary['steps']} steps, "
           f"{summary['tokens_per_s']:.0f} tokens/s on {summary['world_size']} ranks")
+    print(f"loss curve: {loss_curve(out / 'train' / 'metrics.jsonl', out / 'train' / 'loss.png')}")
     ckpt = Path(summary["checkpoint"])
     for prompt in ("Today is Monday, so tomorrow is", "Tom has 3 pears. Sam gives Tom 4 more."):
         print(f"sample (greedy): {prompt!r} -> {sample(ckpt, prompt, 40)!r}")
