@@ -101,8 +101,10 @@ def test_training_page_takes_the_token_from_the_environment(monkeypatch):
         assert lines[0].endswith("/?token=tr%26in")
         url = f"ws://127.0.0.1:{scope.server.port}/ws"
         with connect(url, open_timeout=30) as ws:
+            scope.on_step(1, [], {"loss": 1.0})  # published to authenticated pages only
             ws.send(json.dumps({"type": "control", "action": "pause"}))
-            assert json.loads(ws.recv(timeout=30))["code"] == "unauthorized"
+            assert json.loads(ws.recv(timeout=30))["code"] == "unauthorized"  # not the step's metrics
+            assert not scope.paused
         with connect(url + "?token=tr%26in", open_timeout=30) as ws:
             assert json.loads(ws.recv(timeout=30))["type"] == "hello"
     finally:

@@ -96,3 +96,17 @@ def test_console_pauses_steps_once_and_resumes():
     finally:
         stop.set()
         scope.close()
+
+
+def test_probe_is_skipped_while_no_page_watches():
+    cfg = ModelConfig(family="gpt2", vocab_size=256, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=64)
+    model = build_model(cfg, seed=0)
+    scope = TrainingScope(0, every=1, probe="ab", probe_tokens=2, announce=lambda s: None)
+    try:
+        scope.on_step(1, [model], {"loss": 1.0})
+        assert scope.app.state.scope_model is None  # nobody connected: no probe ran
+        scope.always = True
+        scope.on_step(2, [model], {"loss": 1.0})
+        assert scope.app.state.scope_model is not None
+    finally:
+        scope.close()

@@ -83,6 +83,7 @@ class _Session:
         self.worker: asyncio.Future | None = None
         self.errors = 0
         self.dropped = 0  # published messages dropped because this browser lagged
+        self.authed = False  # published messages go to authenticated browsers only
 
     @property
     def sm(self) -> ScopeModel | None:
@@ -102,6 +103,7 @@ class _Session:
         try:
             if self.token is not None and not await self._authenticate():
                 return
+            self.authed = True
             control = self.app.state.control
             await self.out.put({"type": "hello", "model": self.sm.describe() if self.sm else None,
                                 "read_only": self.app.state.read_only,
@@ -254,9 +256,14 @@ def publish(app: FastAPI, msg: dict[str, Any]) -> None:
     """Send `msg` to every connected browser (thread-safe; never blocks the caller)."""
     for session in list(app.state.sessions):
         loop = getattr(session, "loop", None)
-        if loop is not None and not session.closed.is_set():
+        if loop is not None and session.authed and not session.closed.is_set():
             with contextlib.suppress(RuntimeError):  # the loop may be shutting down
                 loop.call_soon_threadsafe(session.offer, msg)
+
+
+def watchers(app: FastAPI) -> int:
+    """How many authenticated browsers are connected (work nobody will see can be skipped)."""
+    return sum(1 for s in list(app.state.sessions) if s.authed and not s.closed.is_set())
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:

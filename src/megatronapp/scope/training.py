@@ -28,15 +28,16 @@ from megatronapp.scope.protocol import Generate
 class TrainingScope:
     """The trainer's MegaScope observer: a read-only page fed every `every` steps."""
 
-    def __init__(self, port: int, every: int = 25, host: str = "127.0.0.1", token: str | None = None,
-                 probe: str = "After Monday comes ", probe_tokens: int = 16, tokenizer: Any = None,
-                 announce: Any = print, insecure: bool = False):
+    def __init__(self, port: int, every: int = 50, host: str = "127.0.0.1", token: str | None = None,
+                 probe: str = "After Monday comes ", probe_tokens: int = 8, tokenizer: Any = None,
+                 announce: Any = print, insecure: bool = False, always: bool = False):
         from megatronapp.scope.security import Guard, check_bind, page_url, resolve_token
         from megatronapp.scope.server import ServerThread, create_app
 
         if every < 1:
             raise ValueError(f"TrainingScope(every={every}) must be >= 1")
         self.every, self.probe, self.probe_tokens = every, probe, probe_tokens
+        self.always = always  # probe even when no page is watching (tests, benchmarks)
         self.tokenizer = tokenizer or ByteTokenizer()
         self.history: list[dict[str, float]] = []
         self.step = 0
@@ -102,10 +103,10 @@ class TrainingScope:
             self._hold()
 
     def _probe(self, step: int, model_chunks: list[torch.nn.Module]) -> None:
-        from megatronapp.scope.server import publish
+        from megatronapp.scope.server import publish, watchers
 
-        if step % self.every:
-            return
+        if step % self.every or not (self.always or watchers(self.app)):
+            return  # a probe nobody sees is not run: a run with the page closed pays nothing for it
         chunk = model_chunks[0] if len(model_chunks) == 1 else None
         if chunk is None or not (chunk.pre_process and chunk.post_process) or chunk.tp_group is not None and \
                 getattr(chunk.tp_group, "size", 1) > 1:
