@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["instrument", "step", "uninstrument"]
+__all__ = ["instrument", "step", "trace_ddp", "uninstrument"]
 
 
 def __getattr__(name: str) -> Any:

@@ -89,6 +89,23 @@ class _TracedWork:
         return getattr(self._work, name)
 
 
+def _closed_on_completion(work: Any, spans: list[Any]) -> Any:
+    """The real Work, its spans closed by a completion callback; a wrapper only where the backend has no future.
+
+    Callers that type-check the handle (FSDP2 waits on `dist.Work` instances and skips anything else) must get
+    the backend's own object, or they may read a buffer before the collective finished."""
+    try:
+        fut = work.get_future()
+    except (AttributeError, RuntimeError):  # gloo P2P works have no future
+        return _TracedWork(work, spans)
+
+    def done(_f: Any) -> None:
+        for sp in spans:
+            tracing.close_span(sp)
+    fut.add_done_callback(done)
+    return work
+
+
 def _collective(name: str, orig: Any) -> Any:
     sig = inspect.signature(orig)
     tensor_arg = next(iter(sig.parameters))
@@ -105,7 +122,7 @@ def _collective(name: str, orig: Any) -> Any:
                 "bytes": _nbytes(a.get(tensor_arg)) if name != "barrier" else 0, "peer": None}
         if a.get("async_op"):
             sp = tracing.open_span(name, "comm", **meta)
-            return _TracedWork(orig(*args, **kwargs), [sp])
+            return _closed_on_completion(orig(*args, **kwargs), [sp])
         with tracing.span(name, "comm", **meta):
             return orig(*args, **kwargs)
 
@@ -209,16 +226,52 @@ def _module_hooks(st: _State, modules: Any, granularity: str) -> None:
             st.hooks += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
 
 
+_DIM_ALIASES = {"dp": ("dp", "data", "replicate", "shard", "fsdp", "dp_shard", "dp_replicate"),
+                "pp": ("pp", "pipe", "pipeline"), "tp": ("tp", "tensor", "model")}
+
+
+def coordinates(mesh: Any = None, dp: int | None = None, pp: int | None = None, tp: int | None = None,
+                sizes: tuple[int, int, int] | None = None) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """This rank's ((dp, pp, tp) coordinate, (tp, pp, dp) sizes) from a DeviceMesh or explicit ranks.
+
+    Peers are the ranks of the same pipeline stage, so a job with stages must say which stage each rank is;
+    without anything every rank is a data-parallel replica of one stage (plain DDP / FSDP)."""
+    world = dist.get_world_size()
+    if mesh is not None:
+        names = tuple(mesh.mesh_dim_names or ())
+        found: dict[str, tuple[int, int]] = {}
+        for i, n in enumerate(names):
+            for axis, aliases in _DIM_ALIASES.items():
+                if n.lower() in aliases:
+                    lr, sz = mesh.get_local_rank(i), mesh.size(i)
+                    prev = found.get(axis, (0, 1))  # several data dims (HSDP): one flattened dp coordinate
+                    found[axis] = (prev[0] * sz + lr, prev[1] * sz)
+        if len(found) == 0:
+            raise ValueError(f"instrument(mesh=...): dimension names {names} name no dp/pp/tp axis; name them "
+                             f"with one of {sum(_DIM_ALIASES.values(), ())}")
+        c = {a: found.get(a, (0, 1)) for a in ("dp", "pp", "tp")}
+        return (c["dp"][0], c["pp"][0], c["tp"][0]), (c["tp"][1], c["pp"][1], c["dp"][1])
+    if dp is None and pp is None and tp is None:
+        return (dist.get_rank(), 0, 0), (1, 1, world)
+    tps, pps, dps = sizes if sizes is not None else (1, 1, world)
+    return (dp or 0, pp or 0, tp or 0), (tps, pps, dps)
+
+
 def instrument(trace_dir: str | Path, granularity: str = "coarse", modules: Any = None, *, interval: int = 1,
-               iterations: int = 1, handshake_rounds: int = 5) -> Tracer:
-    """Start tracing this process's torch.distributed calls (and `modules`' forwards) into `trace_dir`."""
+               iterations: int = 1, handshake_rounds: int = 5, mesh: Any = None, dp: int | None = None,
+               pp: int | None = None, tp: int | None = None, sizes: tuple[int, int, int] | None = None) -> Tracer:
+    """Start tracing this process's torch.distributed calls (and `modules`' forwards) into `trace_dir`.
+
+    Coordinates: a DeviceMesh (`mesh`, dims named dp/pp/tp or data/pipe/tensor...) or this rank's `dp`, `pp`,
+    `tp` with `sizes` = (tp, pp, dp); by default every rank is a DP replica of one stage."""
     global _state
     if _state is not None:
         raise RuntimeError("megatronapp.scan.instrument() is already active; call scan.uninstrument() first")
     if not dist.is_initialized():
         raise RuntimeError("megatronapp.scan.instrument() needs torch.distributed.init_process_group() first")
     rank, world = dist.get_rank(), dist.get_world_size()
-    header = base_header(rank, world, (rank, 0, 0), (1, 1, world))
+    coord, topo = coordinates(mesh, dp, pp, tp, sizes)
+    header = base_header(rank, world, coord, topo)
     header["instrumented"] = True
     if world > 1:
         header["handshake"] = handshake(Group("world", tuple(range(world)), dist.group.WORLD), handshake_rounds,
@@ -238,6 +291,14 @@ def instrument(trace_dir: str | Path, granularity: str = "coarse", modules: Any 
     _state = st
     tracing.install(tracer)
     return tracer
+
+
+def trace_ddp(model: Any) -> None:
+    """Trace a DDP model's gradient all-reduces: DDP issues them from C++, past the wrappers, unless a comm hook
+    routes them through `dist.all_reduce` (PyTorch's own default all-reduce hook does, with the same result)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
 
 
 def _traced_p2pop(base: type) -> type:
