@@ -95,3 +95,24 @@ def test_simulated_best_interval_agrees_with_young_daly_and_failures_cost_time()
     # slower recovery, lower effective time, same failures (same seed)
     slow = Job(**{**result["job"], "restart_s": 3600})
     assert simulate(slow, 1200)["effective"] < simulate(job, 1200)["effective"]
+
+
+def test_a_failure_after_the_final_checkpoint_is_not_restarted(tmp_path):
+    import json
+
+    import torch
+
+    from megatronapp.config import RunConfig
+    from megatronapp.resilience.supervisor import _already_finished
+    from megatronapp.train import checkpoint as ckpt
+
+    cfg = RunConfig.from_dict({"train": {"steps": 4, "out": str(tmp_path)}})
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        ckpt.save_rank(root, step, 0, {"w": torch.ones(1)})
+        if step == 2:
+            ckpt.finalize(root, step, {"step": step, "world_size": 1})
+    assert _already_finished(cfg) is None  # step 4 never completed: there is work to redo
+    ckpt.finalize(root, 4, {"step": 4, "world_size": 1})
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 4, "final_loss": 1.5}))
+    assert _already_finished(cfg) == {"steps": 4, "final_loss": 1.5}

@@ -229,9 +229,27 @@ def supervise(cfg: RunConfig, opts: Options | None = None, log: Callable[[str], 
                 log(outcome.message)
                 log("waits (who waits for whom, in which op):\n" + outcome.tree)
             number += 1
+            done = _already_finished(cfg)
+            if done is not None:  # it failed after its final checkpoint (e.g. while exiting): nothing to redo
+                log(f"the final checkpoint {done['checkpoint']} is complete: not restarting")
+                done.update(restarts=number - 1, failures=[dataclasses.asdict(f) for f in failures],
+                            recovery_s=recovery)
+                return done
             if number > opts.max_restarts:
                 raise SupervisorGaveUp(f"gave up after {opts.max_restarts} restart(s); last failure: rank "
                                        f"{outcome.rank} ({outcome.label}): {outcome.message}")
+
+
+def _already_finished(cfg: RunConfig) -> dict[str, Any] | None:
+    """The run's summary if its newest intact checkpoint is already the final step, else None."""
+    out = Path(cfg.train.out)
+    newest, _ = ckpt.newest_usable(out / "checkpoints")
+    if newest is None or int(ckpt.load_meta(newest).get("step", -1)) < cfg.train.steps:
+        return None
+    summary = out / "summary.json"
+    if summary.is_file():
+        return json.loads(summary.read_text())
+    return {"steps": cfg.train.steps, "final_loss": float("nan"), "checkpoint": str(newest), "out": str(out)}
 
 
 def _event(path: Path, record: dict[str, Any]) -> None:
