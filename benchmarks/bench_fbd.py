@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import platform
 import statistics
@@ -146,15 +147,6 @@ def calibrate(reps: int = 20) -> dict[str, float]:
     x = torch.randn(cfg.train.global_batch_size // cfg.parallel.microbatches, cfg.train.seq_len,
                     cfg.model.hidden_size)
 
-    def timed(fn) -> float:
-        fn()  # warm-up
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
     def fwd() -> None:
         with torch.no_grad():
             chunk(x)
@@ -163,7 +155,17 @@ def calibrate(reps: int = 20) -> dict[str, float]:
         xi = x.clone().requires_grad_(True)
         chunk(xi).sum().backward()
 
-    t_fwd, t_bwd = timed(fwd), timed(fwd_bwd)
+    # Interleaved, and the minimum over repetitions: on a shared machine the minimum is the compute, anything
+    # above it is other processes' time.
+    torch.set_num_threads(1)
+    fwd(), fwd_bwd()  # warm-up
+    t_fwd = t_bwd = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fwd()
+        t1 = time.perf_counter()
+        fwd_bwd()
+        t_fwd, t_bwd = min(t_fwd, t1 - t0), min(t_bwd, time.perf_counter() - t1)
     return {"t_fwd_s": t_fwd, "t_recompute_backward_s": t_bwd}
 
 
