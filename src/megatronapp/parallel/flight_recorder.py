@@ -53,6 +53,7 @@ class FlightRecorder:
         self.issued: dict[str, int] = {}
         self.completed: dict[str, int] = {}
         self._ids = itertools.count()
+        self._keys: dict[tuple, str] = {}
         self._rank: int | None = None
 
     def clear(self) -> None:
@@ -64,7 +65,10 @@ class FlightRecorder:
         return self._rank
 
     def issue(self, op: Any) -> None:
-        key = stream_key(op.name, op.group, op.group_ranks, op.peer, self._me())
+        cache = (op.name == "send", op.group, op.group_ranks, op.peer)
+        key = self._keys.get(cache)
+        if key is None:  # formatting a key costs more than the rest of the bookkeeping: once per stream
+            key = self._keys[cache] = stream_key(op.name, op.group, op.group_ranks, op.peer, self._me())
         self.open[id(op)] = _Entry(next(self._ids), op, key)
         self.issued[key] = op.seq
 
