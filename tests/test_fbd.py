@@ -36,7 +36,9 @@ from tests import engine_cases as ec
 
 def _case(family: str = "gpt2", fbd: dict | None = None, snap: tuple[int, ...] = (1, 10), **over: Any) -> dict:
     case = ec.base_case(family, **{"model.num_layers": 4, "parallel.tp": 2, "parallel.pp": 2,
-                                   "parallel.microbatches": 8, "train.steps": max(snap), **over})
+                                   "parallel.microbatches": 8, "train.steps": max(snap),
+                                   "train.min_lr": 1e-4,  # explicit: the cosine schedule's floor shapes step 2 on
+                                   **over})
     case["snap"] = list(snap)
     if fbd is not None:
         case["parallel"].update(fbd=True, comm_semantics="nccl", fbd_forward_tp=fbd.get("tp", 1),
