@@ -262,3 +262,27 @@ def test_instrument_returns_real_work_and_traces_ddp(tmp_path):
         assert ar.sum() >= 3 and (t.dur[ar] >= 0).all()
     seqs = [sorted(t.seq[np.array(t.names)[t.name] == "all_reduce"].tolist()) for t in traces]
     assert seqs[0] == seqs[1]
+
+
+def test_open_ops_are_on_disk_after_sigusr1_before_they_close(tmp_path):
+    import os
+    import signal
+
+    header = {"rank": 0, "world": 1, "coord": [0, 0, 0], "topo": [1, 1, 1]}
+    tr = Tracer(tmp_path / "rank00000.mst", header, flush_s=3600)  # the timer never fires during the test
+    tracing.install(tr)
+    try:
+        tr.step(0, True)
+        sp = tracing.open_span("all_reduce", "comm", group="dp", group_ranks=[0], seq=7, peer=None, bytes=4)
+        os.kill(os.getpid(), signal.SIGUSR1)  # "where are you?": the handler writes what is in flight
+        t = read_rank(tmp_path / "rank00000.mst")
+        opened = [t.names[n] for n in t.opened["name"]]
+        assert "all_reduce" in opened and len(t) == 0  # opened, not finished
+        assert int(t.opened["seq"][opened.index("all_reduce")]) == 7
+        tracing.close_span(sp)
+        tr.step(0, False)
+    finally:
+        tr.close()
+    t = read_rank(tmp_path / "rank00000.mst")
+    assert "all_reduce" in [t.names[n] for n in t.name]  # and the finished span follows
+    assert signal.getsignal(signal.SIGUSR1) != tr._on_signal  # handlers restored at close
