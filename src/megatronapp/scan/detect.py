@@ -340,7 +340,7 @@ def match_p2p(tb: Table, send: np.ndarray, recv: np.ndarray) -> tuple[np.ndarray
     src = np.r_[tb.rank[send], tb.peer[recv]]
     dst = np.r_[tb.peer[send], tb.rank[recv]]
     chan = np.r_[name[tb.gkey[send]], name[tb.gkey[recv]]]
-    _, pid = np.unique(np.stack([chan, src, dst]), axis=1, return_inverse=True)
+    _, pid = np.unique((chan * tb.world + src) * tb.world + dst, return_inverse=True)  # 1-D: fast
     S = int(tb.seq[np.r_[send, recv]].max()) + 1
     key = pid.ravel() * S + tb.seq[np.r_[send, recv]]
     ks, kr = key[:len(send)], key[len(send):]

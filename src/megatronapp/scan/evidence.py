@@ -188,8 +188,10 @@ def stall_link_findings(tb: Table, stall: np.ndarray, iters: np.ndarray, th: Thr
     # The same send on other columns: same stages, size and sequence number.
     names: dict[str, int] = {}
     chan = np.array([names.setdefault(g, len(names)) for g, _ in tb.groups] + [-1], np.int64)[tb.gkey[send]]
-    cls = np.unique(np.stack([stage[src], stage[dst], chan, tb.nbytes[send]]), axis=1, return_inverse=True)[1]
-    cls = cls.ravel().astype(np.int64)  # same stages, channel (group name: act/grad, up/down) and size
+    size_id = np.unique(tb.nbytes[send], return_inverse=True)[1].ravel()
+    P = int(stage.max()) + 1
+    # Same stages, channel (group name: act/grad, up/down) and size.
+    cls = ((stage[src] * P + stage[dst]) * (len(names) + 1) + chan + 1) * (int(size_id.max()) + 1) + size_id
     inst = cls * (int(tb.seq[send].max()) + 1) + tb.seq[send]
     v = stall[send].astype(float) / MS
     excess = v - loo_median(inst, v)

@@ -95,12 +95,14 @@ def collective_stall_findings(tb: Table, stall: np.ndarray, iters: np.ndarray, t
                      for g, r in tb.groups] + [-1], np.int64)
     v = stall[coll].astype(float) / MS
     k = kind[tb.gkey[coll]]
-    inst = np.unique(np.stack([k, tb.seq[coll], tb.name[coll]]), axis=1, return_inverse=True)[1].ravel()
-    _, base, _ = group_quantile(inst, v, 0.25)
-    excess = v - base[np.searchsorted(np.unique(inst), inst)]
+    S, N = int(tb.seq[coll].max()) + 1, len(tb.names) + 1
+    inst = (k * S + tb.seq[coll]) * N + tb.name[coll]
+    ui, base, _ = group_quantile(inst, v, 0.25)
+    excess = v - base[np.searchsorted(ui, inst)]
     # A member of one group, per kind of op it posts there (name and size): a link may delay only some of the
     # group's ops visibly (another op's wait can hide the stall), and each kind must be consistent on its own.
-    op_kind = np.unique(np.stack([tb.name[coll], tb.nbytes[coll]]), axis=1, return_inverse=True)[1].ravel()
+    size_id = np.unique(tb.nbytes[coll], return_inverse=True)[1].ravel()
+    op_kind = tb.name[coll] * (int(size_id.max()) + 1) + size_id
     unit = (tb.gkey[coll] * (int(op_kind.max()) + 1) + op_kind) * tb.world + tb.rank[coll]
     uu, med, n = group_quantile(unit, excess, 0.5)
     frac = np.bincount(np.searchsorted(uu, unit), excess >= th.stall_abs_ms, len(uu)) / n
