@@ -62,3 +62,8 @@ def test_hung_and_killed_job_names_the_hung_rank_and_the_op(tmp_path):
     op = top.evidence["op"]
     assert op["name"] == "all_reduce" and op["seq"] == 3 and top.evidence["waiting_ranks"] == [0, 2]
     assert "not in any communication" in top.slowdown
+    # The same trace in the flight recorder's format: the resilience supervisor's attribution agrees.
+    from megatronapp.resilience.attribution import culprits
+    from megatronapp.scan.hang import flight_snapshots
+
+    assert culprits(flight_snapshots(traces)) == [hang]

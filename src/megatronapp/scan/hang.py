@@ -7,11 +7,16 @@ the others wait for; for a receive, it is the sender, if it never opened the mat
 for" from the stuck ranks ends at a rank that is not stuck in any comm op (it hangs in its own code: a dead
 loop, a deadlock, a device that stopped), or at an instance every member opened (the hang is inside the
 collective: a link or the library), which is named by its group.
+
+`flight_snapshots` turns the same trace files into the engine flight recorder's snapshot format
+(`parallel/flight_recorder.py`: open ops, per-stream issued/completed seq), so the resilience supervisor's
+attribution reads a MegaScan trace of any job, engine or not, with one record format.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from megatronapp.parallel.flight_recorder import stream_key
 from megatronapp.scan.findings import Finding
 from megatronapp.scan.format import CAT_INDEX, RankTrace
 
@@ -119,3 +124,39 @@ def _op(key: tuple) -> dict:
 def _finding(root: int, coords: dict, victims: list[int], key: tuple, text: str) -> Finding:
     return Finding("hang", (int(root),), [_coord(coords, root)], text, 1.0, 0.0, 0.95,
                    {"op": _op(key), "waiting_ranks": sorted(victims)})
+
+
+def flight_snapshots(traces: list[RankTrace]) -> dict[int, dict]:
+    """Per rank, a flight-recorder snapshot ({"open", "recent", "issued", "completed"}) from its trace file."""
+    out = {}
+    for t in traces:
+        stuck = {k for k, _ in in_flight([t]).get(t.rank, [])}
+        snap: dict = {"open": [], "recent": [], "issued": {}, "completed": {}}
+        for cols, closed in ((t.opened, False), ({c: getattr(t, c) for c in ("name", "gid", "seq", "peer", "cat",
+                                                                              "ts", "nbytes")}, True)):
+            if not cols or not len(cols.get("cat", ())):
+                continue
+            for i in np.flatnonzero(np.asarray(cols["cat"]) == _COMM):
+                k = _key(t, cols, i)
+                name, gname, granks, seq, src, dst = k
+                if seq < 0:
+                    continue
+                peer = None if src < 0 else (dst if name == "send" else src)
+                key = stream_key(name, gname, granks, peer, t.rank)
+                snap["issued"][key] = max(snap["issued"].get(key, -1), seq)
+                if closed:
+                    snap["completed"][key] = max(snap["completed"].get(key, -1), seq)
+                elif k in stuck:
+                    snap["open"].append({"id": len(snap["open"]), "op": name, "group": gname, "ranks": list(granks),
+                                         "seq": seq, "peer": peer, "bytes": int(cols["nbytes"][i]), "key": key,
+                                         "t_issue": _wall_s(t, int(cols["ts"][i])), "t_done": None})
+        out[t.rank] = snap
+    return out
+
+
+def _wall_s(t: RankTrace, ts: int) -> float | None:
+    """A trace time as wall-clock seconds (the flight recorder's unit), from the header's clock pair."""
+    h = t.header
+    if "wall_ns" not in h or "mono_ns" not in h:
+        return None
+    return (ts - int(h["mono_ns"]) + int(h["wall_ns"])) / 1e9
