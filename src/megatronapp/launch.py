@@ -5,9 +5,10 @@ torch.distributed (gloo on CPU, NCCL when every rank has a GPU) and raises `Rank
 that failed: with its error, or with the signal that killed it. `start()` does the same without waiting, for a
 driver that watches the ranks itself (the resilience supervisor).
 
-Local runs rendezvous through a file store in a private temporary directory and bind gloo to the loopback
-interface, so a local job opens no port on the machine's other interfaces. A rank reports its error through a
-file, not a pipe: an error longer than a pipe buffer cannot block the rank, and so cannot hang the launcher.
+Local runs rendezvous through a TCP store whose listening socket rank 0 binds to 127.0.0.1, and bind gloo to
+the loopback interface, so a local job opens no port on the machine's other interfaces. A rank reports its error
+through a file, not a pipe: an error longer than a pipe buffer cannot block the rank, and so cannot hang the
+launcher.
 """
 from __future__ import annotations
 
@@ -43,9 +44,27 @@ def pick_backend(requested: str = "auto") -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 300.0, store_path: str | None = None) -> tuple[int, int]:
+_LISTENERS: list[socket.socket] = []
+
+
+def _loopback_store(rank: int, world: int, port: int, timeout: Any) -> dist.TCPStore:
+    """The job's key-value store on 127.0.0.1 only: rank 0 binds the listening socket itself (TCPStore alone
+    would listen on every interface) and hands it to the store."""
+    if rank == 0:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", port))
+        sock.listen(1024)
+        store = dist.TCPStore("127.0.0.1", port, world, True, timeout=timeout, master_listen_fd=sock.fileno(),
+                              use_libuv=True)
+        _LISTENERS.append(sock)  # the store uses the descriptor: the socket object must outlive it
+        return store
+    return dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 300.0, local_port: int | None = None
+                     ) -> tuple[int, int]:
     """Initialise torch.distributed from RANK/WORLD_SIZE (torchrun's variables) and MASTER_ADDR/MASTER_PORT,
-    or from a local file store when `store_path` is given."""
+    or, for a local job (`local_port`), through a store that listens on loopback only."""
     import datetime
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -54,9 +73,9 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, store_path
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
-        if store_path is not None:
-            dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                                    timeout=timeout)
+        if local_port is not None:
+            dist.init_process_group(backend, store=_loopback_store(rank, world, local_port, timeout), rank=rank,
+                                    world_size=world, timeout=timeout)
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
@@ -70,14 +89,15 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _entry(rank: int, world: int, rundir: str, backend: str, threads: int, fn: Callable, args: tuple,
+def _entry(rank: int, world: int, rundir: str, port: int, backend: str, threads: int, fn: Callable, args: tuple,
            env: dict[str, str]) -> None:
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     # Many ranks on few cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(threads)
     try:
-        init_distributed(backend, store_path=str(Path(rundir, "store")))
+        init_distributed(backend, local_port=port)
         fn(rank, world, *args)
     except BaseException as e:  # report which rank failed (through a file), then let the launcher stop the rest
         _write_json(Path(rundir, f"error{rank}.json"),
@@ -189,9 +209,10 @@ def start(fn: Callable, nproc: int, *args: Any, backend: str = "gloo", threads: 
     ctx = mp.get_context("spawn")
     rundir = Path(tempfile.mkdtemp(prefix="megatronapp-job-"))
     full_env = {"MEGATRONAPP_RUN_ID": uuid.uuid4().hex[:12], **_loopback_env(), **(env or {})}
+    port = free_port()
     procs = []
     for rank in range(nproc):
-        p = ctx.Process(target=_entry, args=(rank, nproc, str(rundir), backend, threads, fn, args, full_env),
+        p = ctx.Process(target=_entry, args=(rank, nproc, str(rundir), port, backend, threads, fn, args, full_env),
                         name=f"rank{rank}")
         p.start()
         procs.append(p)
