@@ -41,7 +41,8 @@ class Strict:
     def __init__(self, stall_timeout_s: float = 120.0, epoch: int = 0):
         self.stall_timeout_s = stall_timeout_s
         self.epoch = epoch  # distinguishes runs in one process (keys in the shared store)
-        self._tails: dict[tuple[str, int], tuple[threading.Event, str, str]] = {}
+        # per stream: the last op's completion event, description, direction and error (a one-item box)
+        self._tails: dict[tuple[str, int], tuple[threading.Event, str, str, list]] = {}
         self._lock = threading.Lock()
         self.error: BaseException | None = None
 
@@ -50,11 +51,11 @@ class Strict:
                issue: Callable[[], list[Any]], done: Callable[[BaseException | None], None]) -> None:
         """Issue `issue()` once the previous op on each of `streams` (group name, peer) has completed; then
         wait for it and call `done`. `direction` is "send", "recv" or "group" (ops submitted together)."""
-        me = threading.Event()
+        me, my_error = threading.Event(), []
         with self._lock:
             prevs = [self._tails.get(s) for s in streams]
             for s in streams:
-                self._tails[s] = (me, describe, direction)
+                self._tails[s] = (me, describe, direction, my_error)
 
         def run() -> None:
             err: BaseException | None = None
@@ -70,10 +71,14 @@ class Strict:
                             f"(group {s[0]}, peer {s[1]}): NCCL runs one pair's ops in issue order, so this op can "
                             f"only start after that one completes. Post them in the same order on both ranks, "
                             f"or group them (batch_isend_irecv)")
+                    if prev[3]:  # on NCCL a failed op poisons its stream: nothing behind it runs
+                        raise RuntimeError(f"{describe} was not issued: {prev[1]} failed before it on the stream of "
+                                           f"(group {s[0]}, peer {s[1]}): {prev[3][0]}")
                 for work in issue():
                     work.wait()
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the op
                 err = e
+                my_error.append(e)
                 with self._lock:
                     if self.error is None:
                         self.error = e
