@@ -133,7 +133,10 @@ class Attempt:
                 self.step_times += [b["step_time_s"] for b in beats.values() if b.get("step_time_s")]
                 if self.first_step_at is None and start_step is not None and min(steps) > start_step:
                     self.first_step_at = time.time()
-            started = self.first_step_at is not None
+            # started: a step has completed on every rank in this attempt (a rank stopped right after its first
+            # step of a resumed attempt must not get the start-up allowance)
+            started = self.first_step_at is not None or (
+                len(beats) == self.world and all(b.get("step_time_s") is not None for b in beats.values()))
             # ranks past their last step stop beating and make no progress while they exit: not a hang
             finishing = len(beats) == self.world and all(b["phase"] == "shutdown" for b in beats.values())
             timeout = self.opts.hang_timeout_s or default_hang_timeout(self.step_times)
