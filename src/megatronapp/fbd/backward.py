@@ -21,13 +21,10 @@ from megatronapp.fbd.groups import FbdGroups
 from megatronapp.fbd.layout import FbdLayout
 from megatronapp.fbd.messages import Inbox
 from megatronapp.fbd.weights import WeightLink, param_specs
-from megatronapp.model.transformer import sync_sequence_parallel_grads
-from megatronapp.parallel import comm
 from megatronapp.parallel.data_parallel import GradReducer
-from megatronapp.parallel.grad_norm import clip_grad_norm
 from megatronapp.pipeline.p2p import StageLinks
-from megatronapp.train.optim import build_optimizer, lr_at, set_lr
-from megatronapp.train.trainer import build_chunks
+from megatronapp.train.optim import build_optimizer
+from megatronapp.train.trainer import build_chunks, finish_step
 
 
 class BackwardRank:
@@ -115,32 +112,11 @@ class BackwardRank:
         self.inbox.finish()
         if self.links is not None:
             self.links.finish()
-        self.reducer.finish()
-        self._sync_replicated_grads()
-        grad_norm = clip_grad_norm(self.chunks, topo, cfg.train.grad_clip)
-        lr = lr_at(self.step, cfg.train)
-        set_lr(self.optimizer, lr)
-        with tracing.span("optimizer", "optimizer"):
-            self.optimizer.step()
+        loss, grad_norm, lr = finish_step(self.chunks, topo, self.optimizer, self.reducer, cfg, self.step, losses,
+                                          self.device)
         self.step += 1
-        loss = self._global_loss(losses)
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time": time.perf_counter() - t0,
                 "wait_s": wait}
-
-    def _sync_replicated_grads(self) -> None:
-        # as the engine's trainer: tied embedding copies, and sequence-parallel partial gradients
-        for chunk in self.chunks:
-            shared = chunk.shared_embedding_weight()
-            if shared is not None and shared.grad is not None and self.topo.embedding_group.size > 1:
-                comm.all_reduce(shared.grad, self.topo.embedding_group)
-            if self.cfg.parallel.sequence_parallel and self.topo.tp > 1:
-                sync_sequence_parallel_grads(chunk, self.topo.tp_group)
-
-    def _global_loss(self, losses: list[float]) -> float:
-        t = torch.tensor([sum(losses) / len(losses) if losses else 0.0], dtype=torch.float64, device=self.device)
-        comm.all_reduce(t, self.topo.pp_group)
-        comm.all_reduce(t, self.topo.dp_group)
-        return float(t) / self.topo.dp
 
     def _stuck(self, chunk: int, m: int) -> str:
         return (f"FBD backward rank {self.rank} ({self.coord.label()}) waits for the output gradient of chunk "

@@ -67,6 +67,39 @@ def build_chunks(cfg: RunConfig, topo: topology_mod.Topology, device: torch.devi
     return chunks
 
 
+def sync_replicated_grads(chunks: list[torch.nn.Module], topo: topology_mod.Topology,
+                          sequence_parallel: bool) -> None:
+    """Sum the gradients of replicated copies: tied embeddings across stages, sequence-parallel partials."""
+    for chunk in chunks:
+        shared = chunk.shared_embedding_weight()
+        if shared is not None and shared.grad is not None and topo.embedding_group.size > 1:
+            comm.all_reduce(shared.grad, topo.embedding_group)
+        if sequence_parallel and topo.tp > 1:
+            sync_sequence_parallel_grads(chunk, topo.tp_group)
+
+
+def global_loss(losses: list[float], topo: topology_mod.Topology, device: torch.device) -> float:
+    """Mean loss of the global batch, known on every rank (the last stage has it; DP replicas average)."""
+    t = torch.tensor([sum(losses) / len(losses) if losses else 0.0], dtype=torch.float64, device=device)
+    comm.all_reduce(t, topo.pp_group)
+    comm.all_reduce(t, topo.dp_group)
+    return float(t) / topo.dp
+
+
+def finish_step(chunks: list[torch.nn.Module], topo: topology_mod.Topology, optimizer: Any, reducer: GradReducer,
+                cfg: RunConfig, step: int, losses: list[float], device: torch.device) -> tuple[float, float, float]:
+    """After the step's backwards: DP reduction, replicated gradients, global clipping, LR and optimizer step.
+    Returns (global loss, gradient norm before clipping, learning rate)."""
+    reducer.finish()
+    sync_replicated_grads(chunks, topo, cfg.parallel.sequence_parallel)
+    grad_norm = clip_grad_norm(chunks, topo, cfg.train.grad_clip)
+    lr = lr_at(step, cfg.train)
+    set_lr(optimizer, lr)
+    with tracing.span("optimizer", "optimizer"):
+        optimizer.step()
+    return global_loss(losses, topo, device), grad_norm, lr
+
+
 class Trainer:
     """State of one rank's training run."""
 
@@ -129,34 +162,12 @@ class Trainer:
         self.reducer.zero_grad()
         with self.autocast:
             result = self.executor.step(mbs, loss_scale=1.0 / cfg.parallel.microbatches)
-        self.reducer.finish()
-        self._sync_replicated_grads()
-        grad_norm = clip_grad_norm(self.chunks, topo, cfg.train.grad_clip)
-        lr = lr_at(self.step, cfg.train)
-        set_lr(self.optimizer, lr)
-        with tracing.span("optimizer", "optimizer"):
-            self.optimizer.step()
-        loss = self._global_loss(result.losses)
+        loss, grad_norm, lr = finish_step(self.chunks, topo, self.optimizer, self.reducer, cfg, self.step,
+                                          result.losses, self.device)
         self.step += 1
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time": time.perf_counter() - t0,
                 "wait_s": result.wait_s, "peak_inflight": result.peak_inflight,
                 "peak_recv_buffers": result.peak_recv_buffers}
-
-    def _sync_replicated_grads(self) -> None:
-        topo = self.topo
-        for chunk in self.chunks:
-            shared = chunk.shared_embedding_weight()
-            if shared is not None and shared.grad is not None and topo.embedding_group.size > 1:
-                comm.all_reduce(shared.grad, topo.embedding_group)
-            if self.cfg.parallel.sequence_parallel and topo.tp > 1:
-                sync_sequence_parallel_grads(chunk, topo.tp_group)
-
-    def _global_loss(self, losses: list[float]) -> float:
-        """Mean loss of the global batch, known on every rank (the last stage has it; DP replicas average)."""
-        t = torch.tensor([sum(losses) / len(losses) if losses else 0.0], dtype=torch.float64, device=self.device)
-        comm.all_reduce(t, self.topo.pp_group)
-        comm.all_reduce(t, self.topo.dp_group)
-        return float(t) / self.topo.dp
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save(self) -> Path:
