@@ -71,6 +71,9 @@ def test_cli_flags_override_yaml(tmp_path):
     cfg = config_from_args(args)
     assert (cfg.parallel.tp, cfg.train.steps, cfg.model.hidden_size, cfg.model.ffn_hidden_size) == (2, 4, 64, 256)
     assert cfg.inject == ["slow-compute=1:1.5"]
+    assert (cfg.parallel.dp_overlap, cfg.parallel.pp_overlap) == (True, True)
+    off = config_from_args(build_parser().parse_args(["train", "--no-dp-overlap", "--no-pp-overlap"]))
+    assert (off.parallel.dp_overlap, off.parallel.pp_overlap) == (False, False)
 
 
 def test_cli_refuses_before_starting_processes(capsys):

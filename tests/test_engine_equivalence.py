@@ -73,6 +73,9 @@ def _cases_world4() -> list[tuple[str, dict]]:
     cases.append(("gpt2 pp2 dp2 vpp2 dpp zb, clipped", ec.base_case("gpt2", **{
         "parallel.pp": 2, "parallel.dp": 2, "parallel.vpp": 2, "parallel.schedule": "dpp",
         "parallel.dpp_policy": "zb", "train.grad_clip": 0.5})))
+    # The ablation baselines: no DP overlap (buckets reduced after backward), blocking pipeline sends.
+    cases.append(("llama pp2 dp2 1f1b, no DP or PP overlap", ec.base_case("llama", **{
+        "parallel.pp": 2, "parallel.dp": 2, "parallel.dp_overlap": False, "parallel.pp_overlap": False})))
     return cases
 
 

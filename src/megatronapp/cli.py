@@ -17,6 +17,7 @@ _TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "sequence_parallel": ("parallel", "sequence_parallel"), "dpp_policy": ("parallel", "dpp_policy"),
     "dpp_max_inflight": ("parallel", "dpp_max_inflight"), "backend": ("parallel", "backend"),
     "comm_semantics": ("parallel", "comm_semantics"),
+    "dp_overlap": ("parallel", "dp_overlap"), "pp_overlap": ("parallel", "pp_overlap"),
     "fbd": ("parallel", "fbd"), "fbd_forward_tp": ("parallel", "fbd_forward_tp"),
     "fbd_forward_pp": ("parallel", "fbd_forward_pp"), "fbd_forward_instances": ("parallel", "fbd_forward_instances"),
     "steps": ("train", "steps"), "global_batch": ("train", "global_batch_size"), "seq_len": ("train", "seq_len"),
@@ -77,6 +78,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=["auto", "gloo", "nccl"])
     g.add_argument("--comm-semantics", choices=["native", "nccl"],
                    help="nccl: make gloo enforce NCCL's communication rules (catches what would hang on GPUs)")
+    g.add_argument("--dp-overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="all-reduce DP gradient buckets during backward (default on; off for ablations)")
+    g.add_argument("--pp-overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="pipeline sends overlap the next computation (default on; off: each send is waited)")
     g = p.add_argument_group("MegaFBD (forward and backward on separate ranks; docs/megafbd.md)")
     g.add_argument("--fbd", action="store_true", default=None,
                    help="forward instances on extra ranks; --tp/--pp/--dp are the backward layout")

@@ -96,6 +96,9 @@ class ParallelConfig:
     dpp_policy: str = "adaptive"  # dfs | bfs | adaptive | zb (schedule=dpp)
     dpp_max_inflight: int | None = None  # cap on forward-done, backward-pending microbatch chunks
     grad_bucket_mb: float = 4.0  # DP gradient bucket size
+    # Communication overlap (MegaScale section 3.3), on by default; off only for ablations and debugging.
+    dp_overlap: bool = True  # all-reduce a DP gradient bucket during backward as soon as it is complete
+    pp_overlap: bool = True  # pipeline sends proceed while the stage computes on (off: each send is waited)
     backend: str = "auto"  # auto | gloo | nccl
     # native: the backend's own rules; nccl: gloo enforces NCCL's (order-matched P2P, one stream per pair,
     # identical collective order), so a CPU run fails where a GPU job would hang

@@ -69,7 +69,7 @@ class PipelineExecutor:
     def __init__(self, chunks: Sequence[nn.Module], topo: Topology, policy: Policy, *, microbatches: int,
                  act_shape: tuple[int, ...], act_dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_inflight: int | None = None,
-                 grad_sync: GradSync | None = None, timeout_s: float = 600.0):
+                 grad_sync: GradSync | None = None, timeout_s: float = 600.0, pp_overlap: bool = True):
         self.chunks, self.topo, self.policy = list(chunks), topo, policy
         self.m, self.act_shape, self.act_dtype = microbatches, act_shape, act_dtype
         self.device, self.max_inflight, self.grad_sync = torch.device(device), max_inflight, grad_sync
@@ -77,7 +77,7 @@ class PipelineExecutor:
         self.stage = topo.coord.pp
         self.decide_on_tp0 = topo.tp > 1 and not isinstance(policy, StaticPolicy)
         self.timeout_s = timeout_s
-        self.links = StageLinks(topo, act_shape, act_dtype, self.device) if topo.pp > 1 else None
+        self.links = StageLinks(topo, act_shape, act_dtype, self.device, overlap=pp_overlap) if topo.pp > 1 else None
         self.steps = 0
 
     # -- geometry ---------------------------------------------------------------------------------------

@@ -19,6 +19,11 @@ in the same step, so the only waits are for inputs; the receiver keeps a receive
 messages still to come and drains arrivals in order, so a wanted message is never stuck behind one that nobody
 receives. The executor's waits are then exactly those of `schedules.check_orders` (inputs only, unbounded
 buffers), which proves static orders complete; dynamic policies run any ready task.
+
+With `overlap=False` (an ablation baseline, `--no-pp-overlap`) every send is waited before the stage computes
+on. Every receive of the step is then posted at its start: a blocking send whose matching receive is not yet
+posted would deadlock 1F1B (both neighbours sending at once), which Megatron avoids with combined
+send-and-receive calls; posted receives make each blocking send wait only for the wire.
 """
 from __future__ import annotations
 
@@ -47,8 +52,10 @@ class _Inbound:
 class StageLinks:
     """This stage's pipeline channels for one step at a time: receive windows, headers, pending sends."""
 
-    def __init__(self, topo: Topology, act_shape: tuple[int, ...], act_dtype: torch.dtype, device: torch.device):
+    def __init__(self, topo: Topology, act_shape: tuple[int, ...], act_dtype: torch.dtype, device: torch.device,
+                 overlap: bool = True):
         self.topo, self.act_shape, self.act_dtype, self.device = topo, act_shape, act_dtype, device
+        self.overlap = overlap
         self.payload_bytes = torch.Size(act_shape).numel() * torch.empty((), dtype=act_dtype).element_size()
         me, prev, nxt = topo.rank, topo.prev_rank(), topo.next_rank()
         # Activations come from the previous stage, gradients from the next one.
@@ -67,6 +74,8 @@ class StageLinks:
         """Begin a step expecting `expected[kind]` messages on each incoming channel; post the first windows."""
         if self.arrived or any(ch.posted for ch in self.inbound.values()):
             raise RuntimeError(f"pipeline step {self.step} left messages unconsumed: {sorted(self.arrived)}")
+        if not self.overlap:  # blocking sends need their receives posted (see the module docstring)
+            window = max(window, *expected.values(), 1)
         self.step, self.window = step, max(1, window)
         for kind, ch in self.inbound.items():
             ch.to_post = expected.get(kind, 0)
@@ -156,6 +165,9 @@ class StageLinks:
         buf[:HEADER_BYTES].view(torch.int32).copy_(header)
         buf[HEADER_BYTES:].view(self.act_dtype).view(self.act_shape).copy_(t.detach())
         handle = comm.isend(buf, dst, group)
+        if not self.overlap:
+            handle.wait()
+            return
         handle.is_completed()  # gloo: start watching now, so the payload can be dropped as soon as it is sent
         self.sends.append(handle)
 

@@ -119,13 +119,14 @@ class Trainer:
         self.data, self.tokenizer = build_batch_source(cfg, self.topo.coord.dp)
         self.mbs = micro_batch_size(cfg)
         seq = t.seq_len // p.tp if p.sequence_parallel else t.seq_len
-        self.reducer = GradReducer(self.chunks, self.topo.dp_group, p.grad_bucket_mb)
+        self.reducer = GradReducer(self.chunks, self.topo.dp_group, p.grad_bucket_mb, overlap=p.dp_overlap)
         self.policy = make_policy(cfg)
         self.executor = PipelineExecutor(self.chunks, self.topo, self.policy, microbatches=p.microbatches,
                                          act_shape=(self.mbs, seq, cfg.model.hidden_size), device=self.device,
                                          # bf16 runs send bf16 activations and gradients, as Megatron does
                                          act_dtype=torch.bfloat16 if t.dtype == "bf16" else torch.float32,
-                                         max_inflight=p.dpp_max_inflight, grad_sync=self.reducer)
+                                         max_inflight=p.dpp_max_inflight, grad_sync=self.reducer,
+                                         pp_overlap=p.pp_overlap)
         self.step = 0
         self.hooks = plugins.Hooks()
         self.saver = AsyncSaver(self.out / "checkpoints", self.rank, self.topo.world_size,
