@@ -148,6 +148,10 @@ def test_resume_alone_continues_the_saved_job(tmp_path):
     assert resumed.model.hidden_size == 32 and resumed.parallel.microbatches == 2 and resumed.train.steps == 5
     assert resumed.train.resume == str(tmp_path / "a" / "checkpoints" / "latest")
     assert Trainer(resumed).step == 1 and d.name == "step_00000001"
+    for steps, done_already in (("1", "at step 1"), ("0", "at step 1")):
+        args = build_parser().parse_args(["train", "--resume", str(d), "--steps", steps])
+        with pytest.raises(ConfigError, match=f"{done_already} and train.steps={steps}: nothing left"):
+            config_from_args(args)
     args = build_parser().parse_args(["train", "--resume", str(tmp_path / "nowhere")])
     with pytest.raises(ConfigError, match="--resume"):
         config_from_args(args)

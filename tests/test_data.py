@@ -1,8 +1,11 @@
 """Embedded corpus, tokenizers, text loading, and per-DP-rank batches."""
 from __future__ import annotations
 
+import gc
 import json
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from megatronapp.data import (
     split_microbatches,
 )
 from megatronapp.data.corpus import DAYS, MONTHS, NUMBER_WORDS, generate
+from megatronapp.data.prefetch import DataWorkerError, Prefetcher
 
 # ---------------------------------------------------------------- corpus
 
@@ -197,6 +201,74 @@ def test_batch_source_refuses_bad_arguments():
         BatchSource(_tokens(), 8, 6, dp_rank=0, dp=4)
     with pytest.raises(ValueError, match="dp_rank=2"):
         BatchSource(_tokens(), 8, 4, dp_rank=2, dp=2)
+
+
+# ---------------------------------------------------------------- prefetch
+
+
+def _prefetch_threads() -> set:
+    return {t for t in threading.enumerate() if t.name.startswith("data-prefetch")}
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_prefetched_batches_equal_direct_ones_from_any_start(depth):
+    src = BatchSource(_tokens(250), 10, 4, seed=3)
+    direct = BatchSource(_tokens(250), 10, 4, seed=3)
+    # from a resumed step, across an epoch boundary (24 windows, 4 rows a step: epoch 1 starts at step 6)
+    built = []
+
+    def make(step):
+        built.append(step)
+        return src.get(step)
+
+    pf = Prefetcher(make, start=4, depth=depth)
+    try:
+        for step in range(4, 12):
+            x, y = pf.get(step)
+            dx, dy = direct.get(step)
+            assert torch.equal(x, dx) and torch.equal(y, dy), step
+        time.sleep(0.05)
+        assert built == list(range(4, 12 + depth)), "the worker must build exactly `depth` steps ahead"
+        with pytest.raises(ValueError, match="expected step 12, was asked for step 3"):
+            pf.get(3)
+    finally:
+        pf.close()
+    assert not pf.alive
+
+
+def test_worker_error_surfaces_in_the_caller_naming_the_step():
+    src = BatchSource(_tokens(), 10, 4, seed=3)
+
+    def make(step):
+        if step == 6:
+            raise OSError("disk went away")
+        return src.get(step)
+
+    before = _prefetch_threads()
+    pf = Prefetcher(make, start=5, depth=2)
+    pf.get(5)
+    with pytest.raises(DataWorkerError, match=r"batch of step 6: OSError: disk went away"):
+        pf.get(6)
+    assert not pf.alive and _prefetch_threads() <= before
+
+
+def test_close_and_garbage_collection_stop_a_blocked_worker():
+    src = BatchSource(_tokens(), 10, 4, seed=3)
+    before = _prefetch_threads()
+    pf = Prefetcher(src.get, start=0, depth=1)
+    time.sleep(0.05)  # the worker fills its one slot and waits for another
+    assert pf.alive
+    pf.close()
+    pf.close()  # idempotent
+    assert not pf.alive
+    dropped = Prefetcher(src.get, start=0, depth=1)  # never closed: collecting it stops the worker
+    thread = next(iter(_prefetch_threads() - before))
+    del dropped
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    with pytest.raises(ValueError, match="depth 0 must be >= 1"):
+        Prefetcher(src.get, start=0, depth=0)
 
 
 def test_split_microbatches():

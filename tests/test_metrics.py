@@ -7,11 +7,13 @@ import json
 import pytest
 import torch
 
+from megatronapp.config import ModelConfig
 from megatronapp.train.metrics import (
     MetricsLog,
     Progress,
     measure_peak_flops,
     mfu,
+    mfu_denominator,
     peak_memory_bytes,
     read_metrics,
 )
@@ -30,6 +32,40 @@ def test_mfu_arithmetic():
     # 1000 tok/s * 6e9 FLOP/token = 6 TFLOP/s achieved over 4 ranks of 3 TFLOP/s peak.
     assert mfu(1000.0, 6e9, 3e12, 4) == pytest.approx(0.5)
     assert mfu(1000.0, 6e9, 0.0, 4) == 0.0
+
+
+def test_flops_per_token_counts_as_palm_without_embedding_lookups():
+    # PaLM appendix B: 6N + 12*L*H*Q*T, N = matmul weights. Lookups (token, position) are not matmuls; the
+    # h x V output projection is, and counts once whether or not it shares the input embedding's weights.
+    gpt2 = ModelConfig(family="gpt2", vocab_size=256, hidden_size=128, num_layers=4, num_heads=4, max_seq_len=128)
+    # per layer: QKV 128*384 + out 128*128 = 65,536; MLP 2*128*512 = 131,072; 4 layers = 786,432
+    # output projection 128*256 = 32,768 -> N = 819,200; attention 12*4*(4*32)*64 = 393,216
+    assert gpt2.flops_per_token(64) == 6 * 819_200 + 393_216 == 5_308_416
+    llama = ModelConfig(family="llama", vocab_size=256, hidden_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, max_seq_len=128)
+    # ffn 32*ceil(341/32) = 352; per layer: Q 128*128 + KV 128*2*64 + out 128*128 = 49,152; SwiGLU 3*128*352 =
+    # 135,168; 2 layers = 368,640; untied output 128*256 = 32,768 (the input table is a lookup) -> N = 401,408
+    assert llama.ffn_hidden_size == 352 and not llama.tie_embeddings
+    assert llama.flops_per_token(64) == 6 * 401_408 + 12 * 2 * 128 * 64 == 2_605_056
+    # tying changes parameters, not FLOPs; num_params keeps its meaning (both tables, positions included)
+    tied = ModelConfig(family="llama", vocab_size=256, hidden_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, max_seq_len=128, tie_embeddings=True)
+    assert tied.flops_per_token(64) == llama.flops_per_token(64)
+    assert llama.num_params() - tied.num_params() == 32_768
+    assert gpt2.num_params() == 819_200 + 128 * 128  # + learned positions
+
+
+def test_mfu_denominator_names_its_source():
+    peak, what, vendor = mfu_denominator(989.0, "cpu", "bf16")
+    assert peak == 989e12 and vendor and what == "vendor peak 989 TFLOP/s per rank (--peak-tflops)"
+    peak, what, vendor = mfu_denominator(None, "cpu", "fp32")
+    assert 1e8 < peak < 1e14 and not vendor
+    assert what.startswith("measured matmul ") and "float32 on cpu" in what and "--peak-tflops" in what
+    out = io.StringIO()
+    Progress(2, True, stream=out, mfu_measured=True).update(1, 5.0, 100.0, 0.5, 1, 1e-3)
+    Progress(2, True, stream=out).update(1, 5.0, 100.0, 0.5, 1, 1e-3)
+    measured, vendor_line = out.getvalue().splitlines()
+    assert "MFU 50.0% (measured peak) |" in measured and "MFU 50.0% |" in vendor_line
 
 
 def test_peak_memory_bytes_cpu_is_in_bytes_and_never_falls():

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatronapp.config import RunConfig
+from megatronapp.data.dataset import BatchSource, build_batch_source
+from megatronapp.data.prefetch import DataWorkerError
 from megatronapp.launch import spawn
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.consolidate import load_model
@@ -38,7 +41,8 @@ def _resume_worker(rank: int, world: int, root: str) -> None:
     root_p = Path(root)
     layout = {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "train.steps": 6}
     # a run that saves at step 3 and goes on; a second run resumes from that step-3 checkpoint
-    run_rank(rank, world, _cfg(root_p / "straight", **{**layout, "train.save_interval": 3}))
+    run_rank(rank, world, _cfg(root_p / "straight", **{**layout, "train.save_interval": 3,
+                                                        "train.tensorboard": str(root_p / "straight" / "tb")}))
     resumed = _cfg(root_p / "resumed", **layout)
     resumed["train"]["resume"] = str(root_p / "straight" / "checkpoints" / "step_00000003")
     run_rank(rank, world, resumed)
@@ -46,6 +50,42 @@ def _resume_worker(rank: int, world: int, root: str) -> None:
                                                     "train.recompute": "full"}))
     run_rank(rank, world, _cfg(root_p / "selective", **{**layout, "train.steps": 3,
                                                          "train.recompute": "selective"}))
+    _reader_probe(rank, root_p, layout)
+
+
+def _reader_probe(rank: int, root: Path, layout: dict) -> None:
+    """Two steps under NCCL's rules, prefetching or not: which steps this rank read, and the batches the
+    executor got (one reader per TP group: the others receive the reader's broadcast)."""
+    from megatronapp.parallel import comm
+
+    out = {}
+    for prefetch in (2, 0):
+        comm.reset()
+        cfg = RunConfig.from_dict(_cfg(root / "reader", **{**layout, "parallel.comm_semantics": "nccl",
+                                                           "train.data_prefetch": prefetch}))
+        out[prefetch] = _probe_reads(Trainer(cfg, rank))
+    torch.save(out, root / f"reader_rank{rank}.pt")
+
+
+def _probe_reads(tr: Trainer) -> dict:
+    read, fed = [], []
+    get, step = tr.data.get, tr.executor.step
+
+    def counted_get(k):
+        read.append(k)
+        return get(k)
+
+    def recorded_step(mbs, **kw):
+        fed.append([torch.cat(x) for x in zip(*mbs)])
+        return step(mbs, **kw)
+
+    tr.data.get, tr.executor.step = counted_get, recorded_step
+    losses = [tr.train_step()["loss"] for _ in range(2)]
+    started = tr.prefetcher is not None and tr.prefetcher.alive
+    tr.close()
+    stopped = not any(t.name.startswith("data-prefetch") for t in threading.enumerate())
+    return {"read": read, "fed": fed, "losses": losses, "tp": tr.topo.coord.tp, "started": started,
+            "stopped": stopped}
 
 
 @pytest.mark.slow
@@ -55,6 +95,33 @@ def test_resume_is_bit_exact_and_modes_train(tmp_path):
     resumed = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[3:]]
     assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert all(r["data_s"] >= 0 for r in straight + resumed)
+    # TensorBoard holds the metrics.jsonl numbers under Megatron-LM's / torchtitan's tag names
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatronapp.train.tensorboard import TAGS
+
+    events = EventAccumulator(str(tmp_path / "straight" / "tb")).Reload()
+    assert {"loss", "lr", "grad_norm", "mfu", "throughput/tokens_per_s", "memory/peak_bytes", "time/data_s",
+            "time/wait_s"} <= set(events.Tags()["scalars"])
+    for key, tag in TAGS.items():
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert got == [(r["step"], pytest.approx(r[key], rel=1e-6, abs=1e-12)) for r in straight], tag
+    # one reader per TP group (tp=2 x pp=2, NCCL rules): TP rank 0 reads, its peer gets the same rows by
+    # broadcast; prefetched or not, every rank's executor got exactly the batch of each step
+    src, _ = build_batch_source(RunConfig.from_dict(_cfg(tmp_path / "x")), 0)
+    for rank in range(4):
+        probe = torch.load(tmp_path / f"reader_rank{rank}.pt")
+        for prefetch, got in probe.items():
+            if got["tp"] == 0:
+                assert got["read"][:2] == [0, 1] and len(got["read"]) <= 2 + prefetch, (rank, prefetch)
+            else:
+                assert got["read"] == [], f"rank {rank} (TP rank 1) read data itself"
+            for k, (ids, labels) in enumerate(got["fed"]):
+                want = src.get(k)
+                assert torch.equal(ids, want[0]) and torch.equal(labels, want[1]), (rank, prefetch, k)
+        assert probe[2]["losses"] == probe[0]["losses"]
+        assert probe[2]["started"] == (probe[2]["tp"] == 0) and probe[2]["stopped"], rank
     a = ckpt.resolve(tmp_path / "straight" / "checkpoints" / "latest")
     b = ckpt.resolve(tmp_path / "resumed" / "checkpoints" / "latest")
     for rank in range(4):
@@ -70,10 +137,6 @@ def test_resume_is_bit_exact_and_modes_train(tmp_path):
         assert all(abs(x - y) < 0.05 for x, y in zip(got, fp32)), f"{run}: {got} vs fp32 {fp32}"
     # the tp=2 x pp=2 checkpoint consolidates into one model whose loss matches the run's last loss
     model = load_model(a)
-    cfg = RunConfig.from_dict(_cfg(tmp_path / "x"))
-    from megatronapp.data.dataset import build_batch_source
-
-    src, _ = build_batch_source(cfg, 0)
     ids, labels = src.get(6)
     with torch.no_grad():
         loss = float(model(ids, labels=labels))
@@ -84,6 +147,31 @@ def test_resume_is_bit_exact_and_modes_train(tmp_path):
     sm = _from_checkpoint(tmp_path / "straight" / "checkpoints" / "latest")
     with torch.no_grad():
         assert float(sm.model(ids, labels=labels)) == loss
+
+
+def _prefetch_threads() -> set:
+    return {t for t in threading.enumerate() if t.name.startswith("data-prefetch") and t.is_alive()}
+
+
+def test_data_worker_stops_when_training_fails_and_its_own_error_names_the_step(tmp_path, monkeypatch):
+    before = _prefetch_threads()
+    d = _cfg(tmp_path / "a", **{"model.num_layers": 2, "train.steps": 3})
+    d["attach"] = ["tests.plugin_probe:fail_at_second_step"]
+    with pytest.raises(RuntimeError, match="probe failure at step 1"):
+        run_rank(0, 1, d)
+    assert _prefetch_threads() == before, "an exception in training left the data worker running"
+    real_get = BatchSource.get
+
+    def flaky(self, step):
+        if step == 2:
+            raise OSError("disk went away")
+        return real_get(self, step)
+
+    monkeypatch.setattr(BatchSource, "get", flaky)
+    with pytest.raises(DataWorkerError, match="batch of step 2: OSError: disk went away"):
+        run_rank(0, 1, _cfg(tmp_path / "b", **{"model.num_layers": 2, "train.steps": 4}))
+    assert _prefetch_threads() == before
+    assert len((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()) == 2  # steps 0 and 1 trained
 
 
 def test_incomplete_checkpoint_is_never_loaded(tmp_path):

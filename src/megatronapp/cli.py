@@ -27,6 +27,7 @@ _TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "recompute": ("train", "recompute"), "save_interval": ("train", "save_interval"), "out": ("train", "out"),
     "resume": ("train", "resume"), "data": ("train", "data"), "tokenizer": ("train", "tokenizer"),
     "hf": ("train", "hf_checkpoint"), "peak_tflops": ("train", "peak_tflops"),
+    "data_prefetch": ("train", "data_prefetch"), "tensorboard": ("train", "tensorboard"),
     "log_interval": ("train", "log_interval"),
     "async_save": ("train", "async_save"), "keep_checkpoints": ("train", "keep_checkpoints"),
     "family": ("model", "family"), "layers": ("model", "num_layers"), "hidden": ("model", "hidden_size"),
@@ -109,7 +110,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-interval", type=int)
     g.add_argument("--data", help="a .txt/.jsonl file or directory (default: the embedded corpus)")
     g.add_argument("--tokenizer", help="'byte' (default) or a path to tokenizer.json")
-    g.add_argument("--peak-tflops", type=float, help="per-rank peak for MFU (default: measured at start)")
+    g.add_argument("--peak-tflops", type=float, help="per-rank vendor peak for MFU, e.g. 989 for an H100's dense "
+                   "bf16 (default: a matmul rate measured at start, labelled as such)")
+    g.add_argument("--data-prefetch", type=int, metavar="N",
+                   help="batches built N steps ahead by a background worker (default 2; 0: off)")
+    g.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard event files to DIR (lead rank)")
     g = p.add_argument_group("modules")
     g.add_argument("--trace", action="store_true", default=None, help="MegaScan: trace every rank")
     g.add_argument("--trace-dir")
@@ -169,7 +174,23 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg.scope_port = args.scope_port
     if getattr(args, "attach", None):
         cfg.attach = list(cfg.attach) + list(args.attach)
+    if getattr(args, "resume", None):
+        _check_steps_beyond_checkpoint(args.resume, cfg.train.steps)
     return cfg
+
+
+def _check_steps_beyond_checkpoint(path: str, steps: int) -> None:
+    """`train --resume X` must have steps left to run: refuse a --steps at or below the checkpoint's step
+    (it would load the checkpoint, train nothing and overwrite the run's summary)."""
+    from megatronapp.train import checkpoint as ckpt
+
+    try:
+        done = int(ckpt.load_meta(ckpt.resolve(path))["step"])
+    except (ckpt.CheckpointError, KeyError, ValueError) as e:
+        raise ConfigError(f"--resume {path}: {e}") from None
+    if steps <= done:
+        raise ConfigError(f"--resume {path} is at step {done} and train.steps={steps}: nothing left to train; pass "
+                          f"--steps with a total above {done} (steps count from the start of the job)")
 
 
 def _config_of_checkpoint(path: str) -> RunConfig:

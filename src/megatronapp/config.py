@@ -77,9 +77,18 @@ class ModelConfig:
         return L * (attn + mlp) + emb + pos
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward), PaLM appendix B convention."""
-        n = self.num_params() - (self.max_seq_len * self.hidden_size if self.family == "gpt2" else 0)
-        return 6.0 * n + 12.0 * self.num_layers * self.hidden_size * seq_len
+        """Model FLOPs per trained token (forward + backward), as PaLM (appendix B) and MegaScale count them:
+        6N + 12*L*H*Q*T, where N counts the weights that take part in a matmul. Embedding lookups (token and
+        position) are gathers, not matmuls: no FLOPs. The output projection (the h x V logits GEMM) is a matmul
+        and counts once, tied to the input embedding or not. H*Q is the attention width (num_heads*head_dim =
+        hidden_size) and T the full sequence length (PaLM's convention; causal masking is not halved). V is the
+        model's vocab_size, not the TP-padded one: padding is an implementation choice, not model work."""
+        h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
+        kv = self.num_kv_heads * self.head_dim
+        attn = h * (h + 2 * kv) + h * h  # QKV and output projections
+        mlp = (3 if self.family == "llama" else 2) * h * f  # SwiGLU has gate, up and down
+        n = L * (attn + mlp) + h * self.vocab_size
+        return 6.0 * n + 12.0 * L * self.num_heads * self.head_dim * seq_len
 
 
 @dataclass
@@ -158,6 +167,8 @@ class TrainConfig:
     tokenizer: str = "byte"  # byte | path to a tokenizer.json
     hf_checkpoint: str | None = None  # initialise from a local Hugging Face directory
     peak_tflops: float | None = None  # MFU denominator; None: measured at start-up
+    data_prefetch: int = 2  # steps of batches built ahead by a background worker (0: build in the step)
+    tensorboard: str | None = None  # directory for TensorBoard event files (None: none written)
     progress: bool = True
 
 
@@ -326,6 +337,9 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"train.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0 keeps every checkpoint)")
     if t.steps < 1:
         raise ConfigError(f"train.steps={t.steps} must be >= 1")
+    if t.data_prefetch < 0:
+        raise ConfigError(f"train.data_prefetch={t.data_prefetch} must be >= 0 (steps built ahead; 0 turns "
+                          f"prefetching off)")
     if cfg.trace.granularity not in ("coarse", "full"):
         raise ConfigError(f"trace.granularity={cfg.trace.granularity!r}: choose coarse or full")
 

@@ -55,6 +55,22 @@ def measure_peak_flops(device: torch.device | str, dtype: torch.dtype | str = to
             reps *= 2
 
 
+def mfu_denominator(peak_tflops: float | None, device: torch.device | str,
+                    dtype: torch.dtype | str = torch.float32) -> tuple[float, str, bool]:
+    """Per-rank peak FLOP/s for MFU, a description of it for summary.json, and whether it is a vendor peak.
+
+    MFU as the field means it (PaLM, MegaScale) divides by the hardware's advertised peak, given here as
+    --peak-tflops. Without it we measure the best square-matmul rate of this device, which is lower than the
+    vendor's figure and so flatters MFU: the description and the progress line say which one was used."""
+    if peak_tflops:
+        return peak_tflops * 1e12, f"vendor peak {peak_tflops:g} TFLOP/s per rank (--peak-tflops)", True
+    dt = _as_dtype(dtype)
+    rate = measure_peak_flops(device, dt)
+    what = (f"measured matmul {rate / 1e12:.3g} TFLOP/s per rank ({str(dt).removeprefix('torch.')} on "
+            f"{torch.device(device).type}); not a vendor peak, pass --peak-tflops for one")
+    return rate, what, False
+
+
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_rank: float, world: int) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s over the peak of all `world` ranks (0 if peak unknown)."""
     peak = peak_flops_per_rank * world
@@ -90,7 +106,7 @@ class Progress:
     """A live one-line bar on a terminal (redrawn with \\r); plain lines every `every` steps otherwise."""
 
     def __init__(self, total_steps: int, enabled: bool = True, stream: TextIO | None = None,
-                 every: int | None = None, width: int = 24):
+                 every: int | None = None, width: int = 24, mfu_measured: bool = False):
         self.total = max(1, total_steps)
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr
@@ -99,6 +115,8 @@ class Progress:
         # About 20 lines for a whole run when the output goes to a log file.
         self.every = every if every is not None else max(1, self.total // 20)
         self.width = width
+        # MFU against a measured matmul rate, not a vendor peak: the line says so (it reads higher than MFU)
+        self.mfu_tag = " (measured peak)" if mfu_measured else ""
         self.start = time.perf_counter()
         self.base: int | None = None  # steps already done when the bar started (a resumed run)
         self.last_line_len = 0
@@ -108,7 +126,7 @@ class Progress:
             self.base = done - 1
         elapsed = time.perf_counter() - self.start
         eta = elapsed / max(1, done - self.base) * max(0, self.total - done)
-        stats = (f"loss {loss:.4f} | lr {lr:.2e} | {tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | "
+        stats = (f"loss {loss:.4f} | lr {lr:.2e} | {tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%{self.mfu_tag} | "
                  f"mem {_fmt_bytes(mem_bytes)} | {_fmt_duration(elapsed)}<{_fmt_duration(eta)}")
         if self.live:
             filled = int(self.width * min(done, self.total) / self.total)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatronapp import tracing
 from megatronapp.config import FBD_TRAIN, RunConfig, micro_batch_size, plugin_entries, validate
 from megatronapp.data.dataset import build_batch_source, split_microbatches
+from megatronapp.data.prefetch import Prefetcher
 from megatronapp.model.transformer import TransformerChunk, sync_sequence_parallel_grads
 from megatronapp.parallel import comm
 from megatronapp.parallel import topology as topology_mod
@@ -33,7 +34,7 @@ from megatronapp.pipeline.partition import stage_chunks
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train import plugins
 from megatronapp.train.async_checkpoint import AsyncSaver
-from megatronapp.train.metrics import MetricsLog, Progress, measure_peak_flops, mfu, peak_memory_bytes, read_metrics
+from megatronapp.train.metrics import MetricsLog, Progress, mfu, mfu_denominator, peak_memory_bytes, read_metrics
 from megatronapp.train.optim import build_optimizer, lr_at, set_lr
 
 
@@ -117,6 +118,7 @@ class Trainer:
         self.params = [q for c in self.chunks for q in c.parameters()]
         self.optimizer = build_optimizer(self.params, t, tp_group=self.topo.tp_group)
         self.data, self.tokenizer = build_batch_source(cfg, self.topo.coord.dp)
+        self.prefetcher: Prefetcher | None = None  # started by the first step, at that step (resume included)
         self.mbs = micro_batch_size(cfg)
         seq = t.seq_len // p.tp if p.sequence_parallel else t.seq_len
         self.reducer = GradReducer(self.chunks, self.topo.dp_group, p.grad_bucket_mb, overlap=p.dp_overlap)
@@ -157,9 +159,8 @@ class Trainer:
         cfg, topo = self.cfg, self.topo
         t0 = time.perf_counter()
         with tracing.span("data", "data"):
-            ids, labels = self.data.get(self.step)
-            mbs = [(a.to(self.device), b.to(self.device)) for a, b in
-                   split_microbatches(ids, labels, cfg.parallel.microbatches)]
+            mbs = self._batch()
+        data_s = time.perf_counter() - t0
         self.reducer.zero_grad()
         with self.autocast:
             result = self.executor.step(mbs, loss_scale=1.0 / cfg.parallel.microbatches)
@@ -167,8 +168,54 @@ class Trainer:
                                           result.losses, self.device)
         self.step += 1
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time": time.perf_counter() - t0,
-                "wait_s": result.wait_s, "peak_inflight": result.peak_inflight,
+                "data_s": data_s, "wait_s": result.wait_s, "peak_inflight": result.peak_inflight,
                 "peak_recv_buffers": result.peak_recv_buffers}
+
+    # -- data -----------------------------------------------------------------------------------------------
+    def _read(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This DP rank's (ids, labels) of `step`: from the prefetch worker, or built now with data_prefetch=0."""
+        depth = self.cfg.train.data_prefetch
+        if depth == 0:
+            return self.data.get(step)
+        if self.prefetcher is None or self.prefetcher.next_step != step:  # first step, or a jump (load)
+            if self.prefetcher is not None:
+                self.prefetcher.close()
+            self.prefetcher = Prefetcher(self.data.get, step, depth, pin_memory=self.device.type == "cuda")
+        return self.prefetcher.get(step)
+
+    def _batch(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """The step's microbatches on this rank's device.
+
+        Only the first pipeline stage embeds ids and only the last computes the loss (the executor reads ids
+        in chunk v=0 and labels in the last chunk, both of which live on those stages even when interleaved),
+        so middle stages read nothing. Within a TP group every rank needs the same rows: TP rank 0 reads them
+        and broadcasts one [2, rows, seq] tensor (ids, labels) to its peers, as Megatron-LM does.
+
+        Why the broadcast is NCCL-safe: it is issued here, on the training thread, at the same point of every
+        step on every member of the TP group (all members share the pipeline stage, so all or none of them
+        take this path), before the executor issues the step's TP collectives; the prefetch worker only builds
+        tensors and never communicates. Collective order on the TP group is therefore identical on every
+        member, which is what NCCL (and --comm-semantics nccl) requires. Issuing it from the worker instead
+        would race with the step's TP all-reduces unless it had a process group of its own.
+        """
+        cfg, topo = self.cfg, self.topo
+        m = cfg.parallel.microbatches
+        if 0 < topo.coord.pp < topo.pp - 1:
+            return [(None, None)] * m
+        tp = topo.tp_group
+        both = torch.empty((2, self.data.local_batch, cfg.train.seq_len), dtype=torch.long, device=self.device)
+        if tp.ranks[0] == self.rank:
+            ids, labels = self._read(self.step)
+            both[0].copy_(ids, non_blocking=True)  # pinned by the prefetch worker on CUDA
+            both[1].copy_(labels, non_blocking=True)
+        comm.broadcast(both, tp.ranks[0], tp)
+        return split_microbatches(both[0], both[1], m)
+
+    def close(self) -> None:
+        """Stop the data worker (normal end, or a failed run: called from run_rank's finally)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save(self) -> Path:
@@ -227,13 +274,18 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
     tr = Trainer(cfg, rank)
     t = cfg.train
     lead = rank == 0
-    progress = Progress(t.steps, enabled=lead and t.progress)
     log = MetricsLog(tr.out / "metrics.jsonl") if lead else None
     # Steps this run directory already logged (a run resumed after a failure repeats the steps since its
     # checkpoint): their records are marked `replayed`, so a reader keeps one loss per step.
     logged = _logged_steps(tr.out / "metrics.jsonl") if lead and tr.step < t.steps else 0
-    peak = t.peak_tflops * 1e12 if t.peak_tflops else measure_peak_flops(
-        tr.device, torch.bfloat16 if t.dtype == "bf16" else torch.float32)
+    peak, peak_what, vendor_peak = mfu_denominator(t.peak_tflops, tr.device, t.dtype)
+    progress = Progress(t.steps, enabled=lead and t.progress, mfu_measured=not vendor_peak)
+    if lead and t.tensorboard:
+        from megatronapp.train.tensorboard import TensorBoardLog  # imported only with the flag: start-up time
+
+        tb = TensorBoardLog(t.tensorboard)
+    else:
+        tb = None
     flops_tok = cfg.model.flops_per_token(t.seq_len)
     tokens_per_step = t.global_batch_size * t.seq_len
     history: list[dict[str, float]] = []
@@ -254,6 +306,8 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
             history.append(rec)
             if lead:
                 log.log(rec)
+                if tb is not None:
+                    tb.log(rec)
                 if tr.step % t.log_interval == 0 or tr.step == t.steps:
                     progress.update(tr.step, rec["loss"], tps, rec["mfu"], rec["mem_bytes"], rec["lr"])
             tr.hooks.fire("step_end", tr.step, rec)
@@ -266,9 +320,12 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
         tr.hooks.teardown("failure", e, raise_errors=False)  # the run's own error is what propagates
         raise
     finally:
+        tr.close()  # the data worker stops on a normal end and on a failure alike
         tr.detach_plugins(raise_errors=not failed)
         if log is not None:
             log.close()
+        if tb is not None:
+            tb.close()
     wall = time.perf_counter() - t_start
     steps_run = max(1, tr.step - start_step)
     timed = history[1:] or history  # the first step includes warm-up
@@ -280,10 +337,10 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
         "mfu": sum(h["mfu"] for h in timed) / max(1, len(timed)),
         "peak_mem_bytes": max((h["mem_bytes"] for h in history), default=0),
         "checkpoint": str(ckpt_dir), "out": str(tr.out), "world_size": world,
-        "losses": [h["loss"] for h in history], "save_stall_s": tr.save_stalls,
+        "losses": [h["loss"] for h in history], "save_stall_s": tr.save_stalls, "mfu_denominator": peak_what,
     }
     if lead:
-        progress.close({k: v for k, v in summary.items() if k not in ("losses", "save_stall_s")})
+        progress.close({k: v for k, v in summary.items() if k not in ("losses", "save_stall_s", "mfu_denominator")})
         (tr.out / "summary.json").write_text(json.dumps(summary, indent=2))
         if result_path:
             Path(result_path).write_text(json.dumps(summary))
