@@ -34,6 +34,9 @@ def _cfg(**kw) -> RunConfig:
     (dict(parallel__pp=2, parallel__vpp=2, parallel__schedule="dpp", parallel__dpp_max_inflight=1), None,
      "parallel.dpp_max_inflight=1 is below the minimum 2"),
     (dict(parallel__tp=2, parallel__sequence_parallel=True, train__seq_len=63), None, "train.seq_len=63"),
+    (dict(parallel__tp=2, parallel__tp_comm_overlap=True), None, "add --sequence-parallel with --tp > 1"),
+    (dict(parallel__tp=2, parallel__sequence_parallel=True, parallel__tp_comm_overlap=True,
+          parallel__tp_comm_overlap_chunks=3, train__seq_len=64), None, "parallel.tp_comm_overlap_chunks=3"),
 ])
 def test_impossible_configs_name_the_field(kw, world, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("*", r"\*")):
@@ -155,3 +158,11 @@ def test_resume_alone_continues_the_saved_job(tmp_path):
     args = build_parser().parse_args(["train", "--resume", str(tmp_path / "nowhere")])
     with pytest.raises(ConfigError, match="--resume"):
         config_from_args(args)
+
+
+def test_tp_comm_overlap_flags_reach_the_config():
+    args = build_parser().parse_args(["train", "--tp", "2", "--sequence-parallel", "--tp-comm-overlap",
+                                      "--tp-comm-overlap-chunks", "4"])
+    p = config_from_args(args).parallel
+    assert p.tp_comm_overlap and p.tp_comm_overlap_chunks == 4
+    assert not config_from_args(build_parser().parse_args(["train"])).parallel.tp_comm_overlap

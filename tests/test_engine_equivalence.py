@@ -27,6 +27,9 @@ def _cases_world2() -> list[tuple[str, dict]]:
             cases.append((f"{fam} pp2 {sch}", ec.base_case(fam, **{"parallel.pp": 2, "parallel.schedule": sch})))
     cases.append(("gpt2 tp2 sequence-parallel", ec.base_case("gpt2", **{"parallel.tp": 2,
                                                                         "parallel.sequence_parallel": True})))
+    # TP overlap: chunked all-gathers/reduce-scatters overlapped with the GEMMs (and the fused SwiGLU GEMM).
+    cases.append(("llama tp2 sequence-parallel tp-comm-overlap", ec.base_case("llama", **{
+        "parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.tp_comm_overlap": True})))
     cases.append(("llama pp2 uneven layers, 3 microbatches",
                   ec.base_case("llama", **{"parallel.pp": 2, "parallel.microbatches": 2, "model.num_layers": 5,
                                            "train.global_batch_size": 6})))
@@ -72,6 +75,9 @@ def _cases_world4() -> list[tuple[str, dict]]:
         "parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "zb-h1", "parallel.sequence_parallel": True})))
     cases.append(("gpt2 pp2 dp2 vpp2 dpp zb, clipped", ec.base_case("gpt2", **{
         "parallel.pp": 2, "parallel.dp": 2, "parallel.vpp": 2, "parallel.schedule": "dpp",
+    cases.append(("gpt2 tp2 pp2 zb-h1 sequence-parallel tp-comm-overlap, 4 chunks", ec.base_case("gpt2", **{
+        "parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "zb-h1", "parallel.sequence_parallel": True,
+        "parallel.tp_comm_overlap": True, "parallel.tp_comm_overlap_chunks": 4})))
         "parallel.dpp_policy": "zb", "train.grad_clip": 0.5})))
     # The ablation baselines: no DP overlap (buckets reduced after backward), blocking pipeline sends.
     cases.append(("llama pp2 dp2 1f1b, no DP or PP overlap", ec.base_case("llama", **{

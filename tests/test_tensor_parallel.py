@@ -1,16 +1,19 @@
 """Tensor parallelism: mappings, parallel layers and whole models on 2 real gloo ranks against one process."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from megatronapp.config import ModelConfig
 from megatronapp.launch import spawn
-from megatronapp.parallel import comm, topology
+from megatronapp.parallel import comm, topology, weight_grad
 from megatronapp.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    column_parallel_linear,
     copy_to_tp,
     gather_from_sp,
     gather_from_tp,
@@ -135,7 +138,46 @@ def _check_layers(group, rank: int, sequence_parallel: bool) -> None:
         torch.testing.assert_close(_full(ours.grad, ours, group), ref.grad, atol=ATOL, rtol=0)
 
 
-def _check_model(cfg: ModelConfig, group, sequence_parallel: bool, what: str) -> None:
+def _check_overlap(group, rank: int) -> None:
+    # Chunked collectives overlapped with the GEMMs (tp_overlap.py) against the plain layers: outputs, input
+    # gradients and weight gradients, immediate and deferred to a W task; and two column-parallel layers run as
+    # one GEMM (fused SwiGLU) against the two run apart.
+    g = torch.Generator().manual_seed(11 + rank)
+    x = torch.randn(2, 4, 6, generator=g)  # this rank's sequence slice: [b, s/tp, h]
+    gy = torch.randn(2, 8, 10, generator=g)
+    gz = torch.randn(2, 4, 6, generator=g)
+    w = torch.Generator().manual_seed(5)
+    weights = [torch.randn(*shape, generator=w) for shape in ((10, 6), (10, 6), (6, 20), (10,), (10,), (6,))]
+
+    def run(chunks: int, fused: bool, split: bool):
+        kw = {"tp_group": group, "sequence_parallel": True, "tp_comm_overlap": chunks}
+        gate, up = ColumnParallelLinear(6, 10, **kw), ColumnParallelLinear(6, 10, **kw)
+        row = RowParallelLinear(20, 6, **kw)
+        with torch.no_grad():
+            for p, full in zip((gate.weight, up.weight, row.weight, gate.bias, up.bias, row.bias), weights):
+                p.copy_(full.chunk(2, dim=getattr(p, "partition_dim", 0))[rank] if p is not row.bias else full)
+        xi = x.clone().requires_grad_(True)
+        weight_grad.set_split(split)
+        try:
+            y = column_parallel_linear(xi, (gate, up)) if fused else torch.cat([gate(xi), up(xi)], dim=-1)
+            z = row(y.tanh())
+            with weight_grad.defer() if split else contextlib.nullcontext() as work:
+                torch.autograd.backward([y, z], [gy, gz])
+            if split:
+                assert work.items, "no weight gradient was deferred"
+                weight_grad.run(work)
+        finally:
+            weight_grad.set_split(False)
+        return [y, z, xi.grad] + [p.grad for p in (gate.weight, up.weight, row.weight, gate.bias, up.bias)]
+
+    plain = run(0, False, False)
+    for chunks, fused, split in ((0, True, False), (2, False, False), (2, True, False), (4, True, True)):
+        for i, (got, want) in enumerate(zip(run(chunks, fused, split), plain)):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0,
+                                       msg=lambda m, i=i, c=(chunks, fused, split): f"overlap {c} tensor {i}: {m}")
+
+
+def _check_model(cfg: ModelConfig, group, sequence_parallel: bool, what: str, tp_comm_overlap: int = 0) -> None:
     from megatronapp.model.transformer import TransformerChunk, build_model
 
     ids, labels = _batch()
@@ -145,7 +187,7 @@ def _check_model(cfg: ModelConfig, group, sequence_parallel: bool, what: str) ->
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
     model = TransformerChunk(cfg, 0, cfg.num_layers, True, True, tp_group=group,
-                             sequence_parallel=sequence_parallel, seed=3)
+                             sequence_parallel=sequence_parallel, seed=3, tp_comm_overlap=tp_comm_overlap)
     loss = model(ids, labels=labels)
     torch.testing.assert_close(loss, ref_loss, atol=ATOL, rtol=0, msg=lambda m: f"{what} loss: {m}")
     loss.backward()
@@ -196,6 +238,8 @@ def _worker(rank: int, world: int) -> None:
     topo = topology.build(tp=world, pp=1, dp=1)
     group = topo.tp_group
     _check_mappings(group, rank)
+    _check_overlap(group, rank)
+    _check_model(_configs()["llama-gqa"], group, True, "llama-gqa sp=True tp-comm-overlap", tp_comm_overlap=2)
     for sp in (False, True):
         _check_layers(group, rank, sp)
         for name, cfg in _configs().items():
@@ -222,3 +266,28 @@ def test_single_member_group_degenerates_to_plain_layers():
     ref = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(2, 3)
     torch.testing.assert_close(vocab_parallel_cross_entropy(logits, labels, group), ref)
     assert copy_to_tp(x, None) is x and reduce_from_tp(x, group) is x and gather_from_sp(x, None) is x
+
+
+def test_fused_swiglu_equals_separate_gate_and_up():
+    # One GEMM over [gate; up] gives the numbers of down(silu(x gate^T) * (x up^T)), gradients included.
+    from megatronapp.model.mlp import MLP
+
+    cfg = _configs()["llama-gqa"]
+    mlp = MLP(cfg)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    x = torch.randn(2, 5, cfg.hidden_size, generator=g, requires_grad=True)
+    out = mlp(x)
+    gate, up, down = (t.detach().clone().requires_grad_(True) for t in (mlp.gate.weight, mlp.up.weight,
+                                                                        mlp.down.weight))
+    xr = x.detach().clone().requires_grad_(True)
+    ref = F.linear(F.silu(F.linear(xr, gate)) * F.linear(xr, up), down)
+    torch.testing.assert_close(out, ref)
+    gout = torch.randn(out.shape, generator=g)
+    out.backward(gout)
+    ref.backward(gout)
+    for ours, want in ((x, xr), (mlp.gate.weight, gate), (mlp.up.weight, up), (mlp.down.weight, down)):
+        torch.testing.assert_close(ours.grad, want.grad)
+    assert {n for n, _ in mlp.named_parameters()} == {"gate.weight", "up.weight", "down.weight"}

@@ -18,6 +18,8 @@ _TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "dpp_max_inflight": ("parallel", "dpp_max_inflight"), "backend": ("parallel", "backend"),
     "comm_semantics": ("parallel", "comm_semantics"),
     "dp_overlap": ("parallel", "dp_overlap"), "pp_overlap": ("parallel", "pp_overlap"),
+    "tp_comm_overlap": ("parallel", "tp_comm_overlap"),
+    "tp_comm_overlap_chunks": ("parallel", "tp_comm_overlap_chunks"),
     "fbd": ("parallel", "fbd"), "fbd_forward_tp": ("parallel", "fbd_forward_tp"),
     "fbd_forward_pp": ("parallel", "fbd_forward_pp"), "fbd_forward_instances": ("parallel", "fbd_forward_instances"),
     "steps": ("train", "steps"), "global_batch": ("train", "global_batch_size"), "seq_len": ("train", "seq_len"),
@@ -85,6 +87,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="pipeline sends overlap the next computation (default on; off: each send is waited)")
     g = p.add_argument_group("MegaFBD (forward and backward on separate ranks; docs/megafbd.md)")
     g.add_argument("--fbd", action="store_true", default=None,
+    g.add_argument("--tp-comm-overlap", action="store_true", default=None,
+                   help="with --sequence-parallel: chunked TP all-gathers/reduce-scatters overlapped with the GEMMs")
+    g.add_argument("--tp-comm-overlap-chunks", type=int, metavar="N",
+                   help="chunks per overlapped TP collective (default 2; must divide seq_len/tp)")
                    help="forward instances on extra ranks; --tp/--pp/--dp are the backward layout")
     g.add_argument("--fbd-forward-tp", type=int, help="tensor-parallel size of a forward instance (1 or --tp)")
     g.add_argument("--fbd-forward-pp", type=int, help="pipeline stages of a forward instance (divides --pp)")

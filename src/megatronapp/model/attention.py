@@ -70,7 +70,7 @@ class Attention(nn.Module):
     """Self-attention of one layer: qkv (column-parallel), core, output projection (row-parallel)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, tp_group: Group | None = None,
-                 sequence_parallel: bool = False, capture: Capture | None = None):
+                 sequence_parallel: bool = False, capture: Capture | None = None, tp_comm_overlap: int = 0):
         super().__init__()
         tp = tp_size(tp_group)
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -83,7 +83,7 @@ class Attention(nn.Module):
         self.local_heads, self.local_kv = nh // tp, nkv // tp
         self.window = cfg.sliding_window
         self.tp_dim = 1 if tp > 1 else None  # heads are split across TP ranks
-        tpkw = {"tp_group": tp_group, "sequence_parallel": sequence_parallel}
+        tpkw = {"tp_group": tp_group, "sequence_parallel": sequence_parallel, "tp_comm_overlap": tp_comm_overlap}
         self.qkv = ColumnParallelLinear(cfg.hidden_size, (nh + 2 * nkv) * d, bias=bool(cfg.bias), **tpkw)
         self.proj = RowParallelLinear(nh * d, cfg.hidden_size, bias=bool(cfg.bias), **tpkw)
 

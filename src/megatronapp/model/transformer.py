@@ -84,14 +84,14 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + attn(norm1 x), then + mlp(norm2 .); or x + attn(n) + mlp(n) as a parallel block."""
 
     def __init__(self, cfg: ModelConfig, index: int, tp_group: Group | None, sequence_parallel: bool,
-                 capture: Capture):
+                 capture: Capture, tp_comm_overlap: int = 0):
         super().__init__()
         self.index, self.capture, self.parallel_block = index, capture, cfg.parallel_block
         self.hidden_tp_dim = SEQ_DIM if sequence_parallel else None
         self.norm1 = make_norm(cfg)
-        self.attn = Attention(cfg, index, tp_group, sequence_parallel, capture)
+        self.attn = Attention(cfg, index, tp_group, sequence_parallel, capture, tp_comm_overlap)
         self.norm2 = None if cfg.parallel_block else make_norm(cfg)
-        self.mlp = MLP(cfg, tp_group, sequence_parallel)
+        self.mlp = MLP(cfg, tp_group, sequence_parallel, tp_comm_overlap)
 
     def _point(self, what: str, x: torch.Tensor) -> torch.Tensor:
         name = f"layers.{self.index}.{what}"
@@ -125,7 +125,8 @@ class TransformerChunk(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, pre_process: bool, post_process: bool,
                  tp_group: Group | None = None, sequence_parallel: bool = False, recompute: str = "none",
-                 seed: int = 0, capture: Capture | None = None, device: torch.device | str | None = None):
+                 seed: int = 0, capture: Capture | None = None, device: torch.device | str | None = None,
+                 tp_comm_overlap: int = 0):
         super().__init__()
         if not 0 <= layer_start <= layer_end <= cfg.num_layers:
             raise ValueError(f"layer range [{layer_start}, {layer_end}) is not inside the model's "
@@ -145,7 +146,8 @@ class TransformerChunk(nn.Module):
         # chunk from CPU); "meta" builds the shapes only, with no storage, and leaves them uninitialised.
         with torch.device(device) if device is not None else contextlib.nullcontext():
             self.embedding = Embedding(cfg, tp_group, sp) if pre_process else None
-            self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i, tp_group, sp, self.capture)
+            # tp_comm_overlap: chunks of the sequence-parallel collectives overlapped with the GEMMs (0: off)
+            self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, i, tp_group, sp, self.capture, tp_comm_overlap)
                                          for i in range(layer_start, layer_end)})
             self.final_norm = make_norm(cfg) if post_process else None
             self.output = OutputLayer(cfg, tp_group) if post_process and not self.tied_here else None

@@ -215,6 +215,37 @@ def broadcast_object(obj: object, src: int, group: Group) -> object:
 
 
 def barrier(group: Group) -> None:
+def all_gather_async(t: torch.Tensor, group: Group, label: str = "") -> tuple[list[torch.Tensor], Handle]:
+    """Start gathering every member's `t`; once the handle is waited on, the list holds them in group-rank order."""
+    if group.size == 1:
+        return [t], Handle(None, None)
+    rec = _op("all_gather", group, t, label=label)
+    parts = [torch.empty_like(t) for _ in range(group.size)]
+    sp = tracing.open_span("all_gather", "comm", **rec.meta())
+    t = t.contiguous()
+    work = dist.all_gather(parts, t, group=group.pg, async_op=True)
+    return parts, Handle(work, sp, keep=t, nccl=_backend(group) == "nccl", op=rec)
+
+
+def reduce_scatter_async(t: torch.Tensor, group: Group, dim: int = 0,
+                         label: str = "") -> tuple[torch.Tensor, Handle]:
+    """Start summing `t` over the group; once the handle is waited on, the tensor holds this member's slice of
+    `dim` of the sum."""
+    if group.size == 1:
+        return t, Handle(None, None)
+    rec = _op("reduce_scatter", group, t, label=label)
+    sp = tracing.open_span("reduce_scatter", "comm", **rec.meta())
+    nccl = _backend(group) == "nccl"
+    if _backend(group) == "gloo":  # no reduce_scatter in gloo: all-reduce a copy, the slice is a view of it
+        full = t.contiguous().clone()
+        work = dist.all_reduce(full, group=group.pg, async_op=True)
+        return full.chunk(group.size, dim=dim)[group.rank_in(dist.get_rank())], Handle(work, sp, keep=full, op=rec)
+    chunks = [c.contiguous() for c in t.chunk(group.size, dim=dim)]
+    out = torch.empty_like(chunks[0])
+    work = dist.reduce_scatter(out, chunks, group=group.pg, async_op=True)
+    return out, Handle(work, sp, keep=t, nccl=nccl, op=rec)
+
+
     if group.size == 1:
         return
     rec = _op("barrier", group, None)

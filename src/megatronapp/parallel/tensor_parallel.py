@@ -7,6 +7,8 @@ Each mapping is a pair of conjugate collectives (what forward does, backward und
   scatter_to_tp(dim)    keep own slice  | all-gather
   gather_from_sp        all-gather seq  | reduce-scatter seq      (sequence parallelism, [b, s, h])
   reduce_scatter_to_sp  reduce-scatter  | all-gather seq
+With `tp_comm_overlap` the last two, around the GEMMs of the parallel linear layers, are cut into chunks that
+overlap with those GEMMs (tp_overlap.py).
 All communication goes through megatronapp.parallel.comm. With no group, or a group of one, every mapping is
 the identity and every layer is a plain layer.
 """
@@ -17,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatronapp.parallel import comm, weight_grad
+from megatronapp.parallel import comm, tp_overlap, weight_grad
 from megatronapp.parallel.topology import Group
 
 SEQ_DIM = 1  # hidden states are [batch, seq, hidden]
@@ -198,37 +200,61 @@ def _divide(n: int, group: Group | None, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split by rows (output features) across TP ranks; y stays sharded unless gathered.
 
-    With sequence parallelism the input is [b, s/tp, h] and is all-gathered along the sequence first.
+    With sequence parallelism the input is [b, s/tp, h] and is all-gathered along the sequence first; with
+    `tp_comm_overlap` chunks (> 0) that all-gather is cut into chunks overlapped with the GEMM (tp_overlap.py).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_group: Group | None = None,
-                 sequence_parallel: bool = False, gather_output: bool = False):
+                 sequence_parallel: bool = False, gather_output: bool = False, tp_comm_overlap: int = 0):
         super().__init__()
         self.tp_group, self.gather_output = tp_group, gather_output
         self.sequence_parallel = sequence_parallel and _active(tp_group)
+        self.overlap_chunks = tp_comm_overlap if self.sequence_parallel else 0
         self.in_features, self.out_features = in_features, out_features
         local = _divide(out_features, tp_group, "output features")
         self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(local, in_features)), 0)
         self.bias = mark_tensor_parallel(nn.Parameter(torch.zeros(local)), 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_from_sp(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
-        y = weight_grad.linear(x, self.weight, self.bias)  # split backward: W may be deferred
+        y = column_parallel_linear(x, (self,))
         return gather_from_tp(y, self.tp_group, dim=-1) if self.gather_output else y
+
+
+def column_parallel_linear(x: torch.Tensor, layers: tuple[ColumnParallelLinear, ...]) -> torch.Tensor:
+    """Column-parallel layers that read the same input, run as one: one input collective and one GEMM over their
+    local weights stacked [W_1 shard; W_2 shard; ...]; their local outputs side by side [.., sum of local outs].
+
+    Each rank's stack holds its own shard of every layer, so it is still a set of whole output units per layer
+    (SwiGLU's gate and up) while the parameters, their names and shards stay those of the separate layers.
+    """
+    first = layers[0]
+    group, sp, chunks = first.tp_group, first.sequence_parallel, first.overlap_chunks
+    if any((m.tp_group, m.sequence_parallel, m.overlap_chunks) != (group, sp, chunks) for m in layers):
+        raise ValueError("column_parallel_linear: the layers must share tp group, sequence parallelism and overlap")
+    weights = tuple(m.weight for m in layers)
+    biases = tuple(m.bias for m in layers) if all(m.bias is not None for m in layers) else None
+    if any(m.bias is not None for m in layers) and biases is None:
+        raise ValueError("column_parallel_linear: either every layer has a bias or none has")
+    if chunks:
+        return tp_overlap.gather_linear(x, weights, biases, group, chunks)
+    x = gather_from_sp(x, group) if sp else copy_to_tp(x, group)
+    return weight_grad.linear_stacked(x, weights, biases)  # split backward: W may be deferred
 
 
 class RowParallelLinear(nn.Module):
     """y = x A^T + b with A split by columns (input features); partial outputs are summed across TP ranks.
 
-    With sequence parallelism the sum is a reduce-scatter along the sequence, and the bias (added after it on
-    a sequence slice) gets a partial gradient: it is marked `sequence_parallel`.
+    With sequence parallelism the sum is a reduce-scatter along the sequence (cut into chunks overlapped with
+    the GEMM when `tp_comm_overlap` > 0), and the bias (added after it on a sequence slice) gets a partial
+    gradient: it is marked `sequence_parallel`.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_group: Group | None = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, tp_comm_overlap: int = 0):
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and _active(tp_group)
+        self.overlap_chunks = tp_comm_overlap if self.sequence_parallel else 0
         self.in_features, self.out_features = in_features, out_features
         local = _divide(in_features, tp_group, "input features")
         self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(out_features, local)), 1)
@@ -237,8 +263,11 @@ class RowParallelLinear(nn.Module):
             self.bias.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = weight_grad.linear(x, self.weight)
-        y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
+        if self.overlap_chunks:
+            y = tp_overlap.linear_reduce_scatter(x, self.weight, self.tp_group, self.overlap_chunks)
+        else:
+            y = weight_grad.linear(x, self.weight)
+            y = reduce_scatter_to_sp(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
         return y + self.bias if self.bias is not None else y
 
 

@@ -29,8 +29,8 @@ _pending: list[_Deferred] | None = None  # the W work being collected by the cur
 
 @dataclass
 class _Deferred:
-    weight: torch.nn.Parameter
-    bias: torch.nn.Parameter | None
+    weights: tuple[torch.nn.Parameter, ...]  # stacked along the output dim: one GEMM (e.g. SwiGLU's gate and up)
+    biases: tuple[torch.nn.Parameter, ...] | None
     x: torch.Tensor  # [..., in]
     g: torch.Tensor  # [..., out]
 
@@ -57,24 +57,42 @@ def split_enabled() -> bool:
     return _split
 
 
-class _SplitLinear(torch.autograd.Function):
+class _StackedLinear(torch.autograd.Function):
+    """y = x [W_1; W_2; ...]^T + [b_1; b_2; ...]: one GEMM over weights stacked along the output dim. Saves the
+    weights themselves, not their concatenation (which would hold a copy of them per microbatch in flight)."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        ctx.params = (weight, bias)
-        return F.linear(x, weight, bias)
+    def forward(ctx, x: torch.Tensor, n: int, *params: torch.Tensor) -> torch.Tensor:
+        weights, biases = params[:n], params[n:] or None
+        ctx.save_for_backward(x, *weights)
+        ctx.params = (weights, biases)
+        return F.linear(x, cat_rows(weights), None if biases is None else cat_rows(biases))
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        grad_x = g.matmul(weight.to(g.dtype)) if ctx.needs_input_grad[0] else None
-        if _pending is not None:  # inside a B task: leave the weight gradient for its W task
-            w, b = ctx.params
-            _pending.append(_Deferred(w, b if ctx.has_bias else None, x.detach(), g.detach()))
-            return grad_x, None, None
-        gw, gb = _weight_grads(x, g, ctx.has_bias)
-        return grad_x, gw.to(weight.dtype), gb
+        x, *weights = ctx.saved_tensors
+        grad_x = g.matmul(cat_rows(weights).to(g.dtype)) if ctx.needs_input_grad[0] else None
+        return (grad_x, None, *weight_grads(*ctx.params, x, g))
+
+
+def cat_rows(ts: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
+    """Weights (or biases) stacked along the output dim; the tensor itself when there is one."""
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+
+def weight_grads(weights: tuple[torch.nn.Parameter, ...], biases: tuple[torch.nn.Parameter, ...] | None,
+                 x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of a linear layer's weights (then biases), stacked along the output dim, for autograd to
+    accumulate; or, inside a B task's `defer()` block, Nones, the work being filed for its W task."""
+    if _pending is not None:
+        _pending.append(_Deferred(tuple(weights), None if biases is None else tuple(biases), x.detach(), g.detach()))
+        return (None,) * (len(weights) + (len(biases) if biases is not None else 0))
+    gw, gb = _weight_grads(x, g, biases is not None)
+    rows = [w.shape[0] for w in weights]
+    out = [d.to(w.dtype) for d, w in zip(gw.split(rows), weights)]
+    if biases is not None:
+        out += list(gb.split(rows))
+    return tuple(out)
 
 
 def _weight_grads(x: torch.Tensor, g: torch.Tensor, has_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -88,7 +106,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     # Under autocast the forward's F.linear runs in the autocast dtype; the backward casts to the output
     # gradient's dtype, as autocast's own backward GEMMs do.
-    return _SplitLinear.apply(x, weight, bias)
+    return _StackedLinear.apply(x, 1, weight, *(() if bias is None else (bias,)))
+
+
+def linear_stacked(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                   biases: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """One GEMM of `x` with weights stacked along the output dim: the outputs side by side, [..., sum of outs]."""
+    if len(weights) == 1:
+        return linear(x, weights[0], None if biases is None else biases[0])
+    if not torch.is_grad_enabled():
+        return F.linear(x, cat_rows(weights), None if biases is None else cat_rows(biases))
+    return _StackedLinear.apply(x, len(weights), *weights, *(biases or ()))
 
 
 @contextmanager
@@ -106,10 +134,12 @@ def defer():
 def run(work: WeightWork) -> None:
     """The W task: compute the deferred weight gradients and accumulate them into `.grad`."""
     for d in work.items:
-        gw, gb = _weight_grads(d.x, d.g, d.bias is not None)
-        _accumulate(d.weight, gw)
-        if d.bias is not None:
-            _accumulate(d.bias, gb)
+        gw, gb = _weight_grads(d.x, d.g, d.biases is not None)
+        rows = [w.shape[0] for w in d.weights]
+        for w, part in zip(d.weights, gw.split(rows)):
+            _accumulate(w, part)
+        for b, part in zip(d.biases or (), gb.split(rows) if gb is not None else ()):
+            _accumulate(b, part)
     work.items.clear()
 
 

@@ -59,7 +59,8 @@ def build_chunks(cfg: RunConfig, topo: topology_mod.Topology, device: torch.devi
         v = c * p.pp + stage
         chunk = TransformerChunk(m, start, end, pre_process=v == 0, post_process=v == p.pp * p.vpp - 1,
                                  tp_group=topo.tp_group, sequence_parallel=p.sequence_parallel,
-                                 recompute=cfg.train.recompute, seed=cfg.train.seed, device=device)
+                                 recompute=cfg.train.recompute, seed=cfg.train.seed, device=device,
+                                 tp_comm_overlap=p.tp_comm_overlap_chunks if p.tp_comm_overlap else 0)
         if cfg.train.hf_checkpoint:
             from megatronapp.model.hf import load_hf_weights
 
