@@ -73,11 +73,11 @@ def _cases_world4() -> list[tuple[str, dict]]:
     # Split backward with tensor and sequence parallelism, and with DP replicas choosing their own orders.
     cases.append(("llama tp2 pp2 zb-h1 sequence-parallel", ec.base_case("llama", **{
         "parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "zb-h1", "parallel.sequence_parallel": True})))
-    cases.append(("gpt2 pp2 dp2 vpp2 dpp zb, clipped", ec.base_case("gpt2", **{
-        "parallel.pp": 2, "parallel.dp": 2, "parallel.vpp": 2, "parallel.schedule": "dpp",
     cases.append(("gpt2 tp2 pp2 zb-h1 sequence-parallel tp-comm-overlap, 4 chunks", ec.base_case("gpt2", **{
         "parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "zb-h1", "parallel.sequence_parallel": True,
         "parallel.tp_comm_overlap": True, "parallel.tp_comm_overlap_chunks": 4})))
+    cases.append(("gpt2 pp2 dp2 vpp2 dpp zb, clipped", ec.base_case("gpt2", **{
+        "parallel.pp": 2, "parallel.dp": 2, "parallel.vpp": 2, "parallel.schedule": "dpp",
         "parallel.dpp_policy": "zb", "train.grad_clip": 0.5})))
     # The ablation baselines: no DP overlap (buckets reduced after backward), blocking pipeline sends.
     cases.append(("llama pp2 dp2 1f1b, no DP or PP overlap", ec.base_case("llama", **{

@@ -85,12 +85,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="all-reduce DP gradient buckets during backward (default on; off for ablations)")
     g.add_argument("--pp-overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="pipeline sends overlap the next computation (default on; off: each send is waited)")
-    g = p.add_argument_group("MegaFBD (forward and backward on separate ranks; docs/megafbd.md)")
-    g.add_argument("--fbd", action="store_true", default=None,
     g.add_argument("--tp-comm-overlap", action="store_true", default=None,
                    help="with --sequence-parallel: chunked TP all-gathers/reduce-scatters overlapped with the GEMMs")
     g.add_argument("--tp-comm-overlap-chunks", type=int, metavar="N",
                    help="chunks per overlapped TP collective (default 2; must divide seq_len/tp)")
+    g = p.add_argument_group("MegaFBD (forward and backward on separate ranks; docs/megafbd.md)")
+    g.add_argument("--fbd", action="store_true", default=None,
                    help="forward instances on extra ranks; --tp/--pp/--dp are the backward layout")
     g.add_argument("--fbd-forward-tp", type=int, help="tensor-parallel size of a forward instance (1 or --tp)")
     g.add_argument("--fbd-forward-pp", type=int, help="pipeline stages of a forward instance (divides --pp)")

@@ -108,12 +108,12 @@ class ParallelConfig:
     # Communication overlap (MegaScale section 3.3), on by default; off only for ablations and debugging.
     dp_overlap: bool = True  # all-reduce a DP gradient bucket during backward as soon as it is complete
     pp_overlap: bool = True  # pipeline sends proceed while the stage computes on (off: each send is waited)
-    backend: str = "auto"  # auto | gloo | nccl
-    # native: the backend's own rules; nccl: gloo enforces NCCL's (order-matched P2P, one stream per pair,
     # TP overlap (Megatron's --tp-comm-overlap): with sequence parallelism, the all-gather before and the
     # reduce-scatter after the parallel GEMMs go in chunks along the sequence, each overlapped with a GEMM
     tp_comm_overlap: bool = False
     tp_comm_overlap_chunks: int = 2  # chunks per collective; must divide the local sequence (seq_len / tp)
+    backend: str = "auto"  # auto | gloo | nccl
+    # native: the backend's own rules; nccl: gloo enforces NCCL's (order-matched P2P, one stream per pair,
     # identical collective order), so a CPU run fails where a GPU job would hang
     comm_semantics: str = "native"
     # MegaFBD (docs/megafbd.md): forward instances on extra ranks; tp/pp/dp above are the backward layout
@@ -326,6 +326,13 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     if p.sequence_parallel and t.seq_len % p.tp:
         raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by parallel.tp={p.tp} "
                           "with sequence parallelism")
+    if p.tp_comm_overlap and not (p.sequence_parallel and p.tp > 1):
+        raise ConfigError(f"parallel.tp_comm_overlap overlaps the sequence-parallel collectives, but parallel.tp="
+                          f"{p.tp} and sequence_parallel={p.sequence_parallel}: add --sequence-parallel with --tp > 1, "
+                          f"or drop --tp-comm-overlap")
+    if p.tp_comm_overlap and (p.tp_comm_overlap_chunks < 1 or (t.seq_len // p.tp) % p.tp_comm_overlap_chunks):
+        raise ConfigError(f"parallel.tp_comm_overlap_chunks={p.tp_comm_overlap_chunks} must be >= 1 and divide the "
+                          f"local sequence length seq_len/tp = {t.seq_len}/{p.tp} = {t.seq_len // p.tp}")
     if t.global_batch_size % (p.dp * p.microbatches):
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be divisible by "
                           f"dp*microbatches = {p.dp}*{p.microbatches}")
@@ -334,13 +341,6 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     if t.optimizer not in ("adamw", "lamb"):
         raise ConfigError(f"train.optimizer={t.optimizer!r}: choose adamw or lamb")
     if t.dtype not in ("fp32", "bf16"):
-    if p.tp_comm_overlap and not (p.sequence_parallel and p.tp > 1):
-        raise ConfigError(f"parallel.tp_comm_overlap overlaps the sequence-parallel collectives, but parallel.tp="
-                          f"{p.tp} and sequence_parallel={p.sequence_parallel}: add --sequence-parallel with --tp > 1, "
-                          f"or drop --tp-comm-overlap")
-    if p.tp_comm_overlap and (p.tp_comm_overlap_chunks < 1 or (t.seq_len // p.tp) % p.tp_comm_overlap_chunks):
-        raise ConfigError(f"parallel.tp_comm_overlap_chunks={p.tp_comm_overlap_chunks} must be >= 1 and divide the "
-                          f"local sequence length seq_len/tp = {t.seq_len}/{p.tp} = {t.seq_len // p.tp}")
         raise ConfigError(f"train.dtype={t.dtype!r}: choose fp32 or bf16")
     if t.recompute not in ("none", "selective", "full"):
         raise ConfigError(f"train.recompute={t.recompute!r}: choose none, selective or full")

@@ -189,32 +189,6 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     return out
 
 
-def broadcast(t: torch.Tensor, src: int, group: Group) -> torch.Tensor:
-    """In-place broadcast from global rank `src`."""
-    if group.size == 1:
-        return t
-    rec = _op("broadcast", group, t, label=f"src {src}")
-    with tracing.span("broadcast", "comm", src=src, **rec.meta()):
-        dist.broadcast(t, src=src, group=group.pg)
-    _flight.done(rec)
-    return t
-
-
-def broadcast_object(obj: object, src: int, group: Group) -> object:
-    """Broadcast a small picklable object (control decisions, not tensors)."""
-    if group.size == 1:
-        return obj
-    rec = _op("broadcast", group, None, label=f"object from {src}")
-    box = [obj]
-    with tracing.span("broadcast_object", "comm", src=src, **rec.meta()):
-        # NCCL moves the pickled bytes through a tensor on the current CUDA device; gloo through a CPU one.
-        device = torch.device("cuda", torch.cuda.current_device()) if _backend(group) == "nccl" else None
-        dist.broadcast_object_list(box, src=src, group=group.pg, device=device)
-    _flight.done(rec)
-    return box[0]
-
-
-def barrier(group: Group) -> None:
 def all_gather_async(t: torch.Tensor, group: Group, label: str = "") -> tuple[list[torch.Tensor], Handle]:
     """Start gathering every member's `t`; once the handle is waited on, the list holds them in group-rank order."""
     if group.size == 1:
@@ -246,6 +220,32 @@ def reduce_scatter_async(t: torch.Tensor, group: Group, dim: int = 0,
     return out, Handle(work, sp, keep=t, nccl=nccl, op=rec)
 
 
+def broadcast(t: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+    """In-place broadcast from global rank `src`."""
+    if group.size == 1:
+        return t
+    rec = _op("broadcast", group, t, label=f"src {src}")
+    with tracing.span("broadcast", "comm", src=src, **rec.meta()):
+        dist.broadcast(t, src=src, group=group.pg)
+    _flight.done(rec)
+    return t
+
+
+def broadcast_object(obj: object, src: int, group: Group) -> object:
+    """Broadcast a small picklable object (control decisions, not tensors)."""
+    if group.size == 1:
+        return obj
+    rec = _op("broadcast", group, None, label=f"object from {src}")
+    box = [obj]
+    with tracing.span("broadcast_object", "comm", src=src, **rec.meta()):
+        # NCCL moves the pickled bytes through a tensor on the current CUDA device; gloo through a CPU one.
+        device = torch.device("cuda", torch.cuda.current_device()) if _backend(group) == "nccl" else None
+        dist.broadcast_object_list(box, src=src, group=group.pg, device=device)
+    _flight.done(rec)
+    return box[0]
+
+
+def barrier(group: Group) -> None:
     if group.size == 1:
         return
     rec = _op("barrier", group, None)
