@@ -116,8 +116,9 @@ class Tracer:
     # ---- flushing on demand ------------------------------------------------------------------------------
     def flush_now(self) -> None:
         """Write everything recorded so far (opened ops included) to the file now."""
-        self._drain(final=False)
-        self._writer.flush()
+        with self._flush_lock:  # the writer thread may be draining the same queue
+            self._drain(final=False)
+            self._writer.flush()
 
     def _install_signal_flush(self) -> None:
         # SIGUSR1: dump now and go on (an operator asking a stuck job "where are you?"); SIGTERM: dump, then do
@@ -133,8 +134,7 @@ class Tracer:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         try:
-            with self._flush_lock:
-                self.flush_now()
+            self.flush_now()
         except Exception:  # noqa: BLE001 (a dump must never turn a signal into a crash of its own)
             pass
         prev = self._previous.get(signum)
