@@ -49,6 +49,8 @@ def run_case(cfg_dict: dict[str, Any], rank: int) -> dict[str, Any]:
 
 def _two_steps(tr) -> dict[str, Any]:
     rec1 = tr.train_step()
+    if hasattr(tr.reducer, "gather_grads"):  # ZeRO-1 keeps only its slice of the reduced gradient
+        tr.reducer.gather_grads()
     grads = {}
     for chunk in tr.chunks:
         for name, p in chunk.named_parameters():

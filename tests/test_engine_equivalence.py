@@ -41,6 +41,8 @@ def _cases_world2() -> list[tuple[str, dict]]:
     cases.append(("gpt2 pp2 zb-h1", ec.base_case("gpt2", **{"parallel.pp": 2, "parallel.schedule": "zb-h1"})))
     cases.append(("llama pp2 vpp2 dpp zb", ec.base_case("llama", **{
         "parallel.pp": 2, "parallel.vpp": 2, "parallel.schedule": "dpp", "parallel.dpp_policy": "zb"})))
+    # ZeRO-1: gradients reduce-scattered, optimizer state sharded over DP, parameters all-gathered.
+    cases.append(("gpt2 dp2 zero1", ec.base_case("gpt2", **{"parallel.dp": 2, "parallel.zero": 1})))
     return cases
 
 
@@ -82,6 +84,16 @@ def _cases_world4() -> list[tuple[str, dict]]:
     # The ablation baselines: no DP overlap (buckets reduced after backward), blocking pipeline sends.
     cases.append(("llama pp2 dp2 1f1b, no DP or PP overlap", ec.base_case("llama", **{
         "parallel.pp": 2, "parallel.dp": 2, "parallel.dp_overlap": False, "parallel.pp_overlap": False})))
+    # ZeRO-1 with TP (sequence-parallel partial gradients summed on the owned slices), with PP (tied embedding
+    # slices summed across stages), clipping and LAMB (norms of whole parameters from DP slices), a dpp schedule.
+    cases.append(("llama tp2 dp2 zero1 sequence-parallel", ec.base_case("llama", **{
+        "parallel.tp": 2, "parallel.dp": 2, "parallel.zero": 1, "parallel.sequence_parallel": True})))
+    cases.append(("gpt2 pp2 dp2 zero1 clipped, LAMB", ec.base_case("gpt2", **{
+        "parallel.pp": 2, "parallel.dp": 2, "parallel.zero": 1, "train.grad_clip": 0.5,
+        "train.optimizer": "lamb"})))
+    cases.append(("gpt2 pp2 dp2 vpp2 dpp zb zero1, clipped", ec.base_case("gpt2", **{
+        "parallel.pp": 2, "parallel.dp": 2, "parallel.vpp": 2, "parallel.schedule": "dpp",
+        "parallel.dpp_policy": "zb", "parallel.zero": 1, "train.grad_clip": 0.5})))
     return cases
 
 

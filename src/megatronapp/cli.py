@@ -16,7 +16,7 @@ _TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "schedule": ("parallel", "schedule"), "microbatches": ("parallel", "microbatches"),
     "sequence_parallel": ("parallel", "sequence_parallel"), "dpp_policy": ("parallel", "dpp_policy"),
     "dpp_max_inflight": ("parallel", "dpp_max_inflight"), "backend": ("parallel", "backend"),
-    "comm_semantics": ("parallel", "comm_semantics"),
+    "comm_semantics": ("parallel", "comm_semantics"), "zero": ("parallel", "zero"),
     "dp_overlap": ("parallel", "dp_overlap"), "pp_overlap": ("parallel", "pp_overlap"),
     "tp_comm_overlap": ("parallel", "tp_comm_overlap"),
     "tp_comm_overlap_chunks": ("parallel", "tp_comm_overlap_chunks"),
@@ -81,6 +81,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=["auto", "gloo", "nccl"])
     g.add_argument("--comm-semantics", choices=["native", "nccl"],
                    help="nccl: make gloo enforce NCCL's communication rules (catches what would hang on GPUs)")
+    g.add_argument("--zero", type=int, choices=[0, 1],
+                   help="1: distributed optimizer (ZeRO-1): optimizer state and fp32 masters sharded over DP")
     g.add_argument("--dp-overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="all-reduce DP gradient buckets during backward (default on; off for ablations)")
     g.add_argument("--pp-overlap", action=argparse.BooleanOptionalAction, default=None,

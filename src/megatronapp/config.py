@@ -105,6 +105,8 @@ class ParallelConfig:
     dpp_policy: str = "adaptive"  # dfs | bfs | adaptive | zb (schedule=dpp)
     dpp_max_inflight: int | None = None  # cap on forward-done, backward-pending microbatch chunks
     grad_bucket_mb: float = 4.0  # DP gradient bucket size
+    # 1: distributed optimizer (ZeRO-1): gradients reduce-scattered, optimizer state sharded over DP
+    zero: int = 0
     # Communication overlap (MegaScale section 3.3), on by default; off only for ablations and debugging.
     dp_overlap: bool = True  # all-reduce a DP gradient bucket during backward as soon as it is complete
     pp_overlap: bool = True  # pipeline sends proceed while the stage computes on (off: each send is waited)
@@ -280,6 +282,12 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
                         ("parallel.vpp", p.vpp), ("parallel.microbatches", p.microbatches)):
         if value < 1:
             raise ConfigError(f"{name}={value} must be >= 1")
+    if p.zero not in (0, 1):
+        raise ConfigError(f"parallel.zero={p.zero}: choose 0 (optimizer state on every DP rank) or 1 (sharded over "
+                          f"DP, the distributed optimizer)")
+    if p.zero and p.fbd:  # MegaFBD's weight hand-off and backward loop use the whole-state optimizer
+        raise ConfigError("parallel.zero=1 does not combine with parallel.fbd: MegaFBD's backward ranks keep whole "
+                          "optimizer state; drop --zero 1 or --fbd")
     if p.fbd:
         _validate_fbd(p)
     if world_size is not None and p.fbd and world_size != p.total_ranks:

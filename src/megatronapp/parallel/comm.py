@@ -158,6 +158,32 @@ def all_reduce_async(t: torch.Tensor, group: Group, op: str = "sum", label: str 
                   nccl=_backend(group) == "nccl", op=rec)
 
 
+def reduce_scatter_inplace_async(t: torch.Tensor, group: Group, label: str = "") -> Handle:
+    """Start summing the flat `t` over the group in place: once waited on, member i's slice i (of group.size
+    equal slices) holds the sum; the other slices are left undefined. A no-op for a group of one."""
+    if group.size == 1:
+        return Handle(None, None)
+    rec = _op("reduce_scatter", group, t, label=label)
+    sp = tracing.open_span("reduce_scatter", "comm", **rec.meta())
+    mine = t.chunk(group.size)[group.rank_in(dist.get_rank())]
+    # in place (output = the input's own slice) as Megatron's distributed optimizer does: NCCL and gloo allow it
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+    work = scatter(mine, t, group=group.pg, async_op=True)
+    return Handle(work, sp, keep=t, nccl=_backend(group) == "nccl", op=rec)
+
+
+def all_gather_inplace_async(t: torch.Tensor, group: Group, label: str = "") -> Handle:
+    """Start filling the flat `t` from every member's own slice (slice i from member i), in place."""
+    if group.size == 1:
+        return Handle(None, None)
+    rec = _op("all_gather", group, t, label=label)
+    sp = tracing.open_span("all_gather", "comm", **rec.meta())
+    mine = t.chunk(group.size)[group.rank_in(dist.get_rank())]
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    work = gather(t, mine, group=group.pg, async_op=True)
+    return Handle(work, sp, keep=t, nccl=_backend(group) == "nccl", op=rec)
+
+
 def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Concatenate every member's `t` along `dim`, in group-rank order."""
     if group.size == 1:

@@ -51,24 +51,11 @@ class GradReducer:
         self._hooks = []
         self._order: list[tuple[int, int]] = []  # (chunk, bucket) in issue order, the same on every replica
         self._next = 0  # position in _order of the next bucket to issue
-        limit = int(bucket_mb * 2**20)
+        self.bucket_bytes = int(bucket_mb * 2**20)
         for c, chunk in enumerate(chunks):
-            # Reverse registration order approximates the order in which backward finishes gradients.
-            params = [p for p in chunk.parameters() if p.requires_grad][::-1]
-            groups, cur, size = [], [], 0
-            for p in params:
-                cur.append(p)
-                size += p.numel() * 4
-                if size >= limit:
-                    groups.append(cur)
-                    cur, size = [], 0
-            if cur:
-                groups.append(cur)
             self.buckets[c] = []
-            for ps in groups:
-                # fp32 whatever the parameter dtype: gradients are reduced in fp32
-                buf = torch.zeros(sum(p.numel() for p in ps), dtype=torch.float32, device=ps[0].device)
-                bucket = _Bucket(ps, buf)
+            for ps in self._bucket_params(chunk):
+                bucket = _Bucket(ps, self._new_buffer(ps))
                 bucket.bind()
                 self.buckets[c].append(bucket)
             self._order[:0] = [(c, bi) for bi in range(len(self.buckets[c]))]  # later chunks go first
@@ -76,6 +63,33 @@ class GradReducer:
                 for bi, b in enumerate(self.buckets[c]):
                     for p in b.params:
                         self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(c, bi, p)))
+
+    def _bucket_params(self, chunk: nn.Module) -> list[list[nn.Parameter]]:
+        """The chunk's trainable parameters cut into buckets of about `bucket_bytes` of fp32 gradient."""
+        # Reverse registration order approximates the order in which backward finishes gradients.
+        params = [p for p in chunk.parameters() if p.requires_grad][::-1]
+        groups, cur, size = [], [], 0
+        for p in params:
+            cur.append(p)
+            size += p.numel() * 4
+            if size >= self.bucket_bytes:
+                groups.append(cur)
+                cur, size = [], 0
+        if cur:
+            groups.append(cur)
+        return groups
+
+    def _new_buffer(self, params: list[nn.Parameter]) -> torch.Tensor:
+        # fp32 whatever the parameter dtype: gradients are reduced in fp32
+        return torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
+
+    def _start(self, b: _Bucket, chunk: int, bi: int) -> comm.Handle:
+        """Issue the bucket's collective over the DP group."""
+        return comm.all_reduce_async(b.buffer, self.dp_group, label=f"grad chunk {chunk} bucket {bi}")
+
+    def _average(self, b: _Bucket, inv: float) -> None:
+        """Turn the reduced sum into the mean (in the part of the buffer this rank uses)."""
+        b.buffer.mul_(inv)
 
     def zero_grad(self) -> None:
         """Zero every gradient buffer (and re-bind a .grad something replaced)."""
@@ -102,7 +116,7 @@ class GradReducer:
             b = self.buckets[c][bi]
             if len(b.ready) < len(b.params):
                 return
-            b.handle = comm.all_reduce_async(b.buffer, self.dp_group, label=f"grad chunk {c} bucket {bi}")
+            b.handle = self._start(b, c, bi)
             self._next += 1
 
     # -- GradSync ---------------------------------------------------------------------------------------
@@ -129,7 +143,7 @@ class GradReducer:
         for c, bi in self._order:
             b = self.buckets[c][bi]
             b.handle.wait()
-            b.buffer.mul_(inv)
+            self._average(b, inv)
             b.handle = None
             b.ready.clear()
         self._next = 0

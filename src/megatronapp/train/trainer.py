@@ -28,6 +28,7 @@ from megatronapp.model.transformer import TransformerChunk, sync_sequence_parall
 from megatronapp.parallel import comm
 from megatronapp.parallel import topology as topology_mod
 from megatronapp.parallel.data_parallel import GradReducer
+from megatronapp.parallel.distributed_optimizer import DistributedOptimizer, optimizer_state_bytes
 from megatronapp.parallel.grad_norm import clip_grad_norm
 from megatronapp.pipeline.executor import PipelineExecutor
 from megatronapp.pipeline.partition import stage_chunks
@@ -93,8 +94,12 @@ def finish_step(chunks: list[torch.nn.Module], topo: topology_mod.Topology, opti
     """After the step's backwards: DP reduction, replicated gradients, global clipping, LR and optimizer step.
     Returns (global loss, gradient norm before clipping, learning rate)."""
     reducer.finish()
-    sync_replicated_grads(chunks, topo, cfg.parallel.sequence_parallel)
-    grad_norm = clip_grad_norm(chunks, topo, cfg.train.grad_clip)
+    if isinstance(reducer, DistributedOptimizer):  # ZeRO-1: each rank holds its slice of the reduced gradient
+        reducer.sync_replicated_grads(cfg.parallel.sequence_parallel)
+        grad_norm = reducer.clip_grad_norm(cfg.train.grad_clip)
+    else:
+        sync_replicated_grads(chunks, topo, cfg.parallel.sequence_parallel)
+        grad_norm = clip_grad_norm(chunks, topo, cfg.train.grad_clip)
     lr = lr_at(step, cfg.train)
     set_lr(optimizer, lr)
     with tracing.span("optimizer", "optimizer"):
@@ -117,12 +122,17 @@ class Trainer:
         self.out = Path(t.out)
         self.chunks = build_chunks(cfg, self.topo, self.device)
         self.params = [q for c in self.chunks for q in c.parameters()]
-        self.optimizer = build_optimizer(self.params, t, tp_group=self.topo.tp_group)
+        if p.zero:  # the distributed optimizer is both the DP gradient reducer and the optimizer
+            self.reducer = self.optimizer = DistributedOptimizer(self.chunks, self.topo, t, p.grad_bucket_mb,
+                                                                 overlap=p.dp_overlap)
+        else:
+            self.optimizer = build_optimizer(self.params, t, tp_group=self.topo.tp_group)
         self.data, self.tokenizer = build_batch_source(cfg, self.topo.coord.dp)
         self.prefetcher: Prefetcher | None = None  # started by the first step, at that step (resume included)
         self.mbs = micro_batch_size(cfg)
         seq = t.seq_len // p.tp if p.sequence_parallel else t.seq_len
-        self.reducer = GradReducer(self.chunks, self.topo.dp_group, p.grad_bucket_mb, overlap=p.dp_overlap)
+        if not p.zero:
+            self.reducer = GradReducer(self.chunks, self.topo.dp_group, p.grad_bucket_mb, overlap=p.dp_overlap)
         self.policy = make_policy(cfg)
         self.executor = PipelineExecutor(self.chunks, self.topo, self.policy, microbatches=p.microbatches,
                                          act_shape=(self.mbs, seq, cfg.model.hidden_size), device=self.device,
@@ -259,6 +269,9 @@ class Trainer:
             if saved.get(key) != now[key]:
                 raise ckpt.CheckpointError(f"checkpoint {d} was saved with parallel.{key}={saved.get(key)}, "
                                            f"this run has {now[key]}; resume with the same layout")
+        if saved.get("zero", 0) != now["zero"]:  # sharded and whole optimizer states do not convert
+            raise ckpt.CheckpointError(f"checkpoint {d} was saved with parallel.zero={saved.get('zero', 0)}, this run "
+                                       f"has {now['zero']}; resume with the same parallel.zero (--zero)")
         state = ckpt.load_rank(d, self.rank)
         for chunk, sd in zip(self.chunks, state["chunks"]):
             chunk.load_state_dict(sd)
@@ -328,6 +341,9 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
         if tb is not None:
             tb.close()
     wall = time.perf_counter() - t_start
+    # the largest optimizer state of any rank (ZeRO-1 divides it by dp)
+    state_bytes = torch.tensor([float(optimizer_state_bytes(tr.optimizer))], dtype=torch.float64, device=tr.device)
+    comm.all_reduce(state_bytes, tr.topo.groups["world"], op="max")
     steps_run = max(1, tr.step - start_step)
     timed = history[1:] or history  # the first step includes warm-up
     summary = {
@@ -337,6 +353,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
         "tokens_per_s": tokens_per_step * steps_run / wall,
         "mfu": sum(h["mfu"] for h in timed) / max(1, len(timed)),
         "peak_mem_bytes": max((h["mem_bytes"] for h in history), default=0),
+        "optimizer_state_bytes": int(state_bytes),
         "checkpoint": str(ckpt_dir), "out": str(tr.out), "world_size": world,
         "losses": [h["loss"] for h in history], "save_stall_s": tr.save_stalls, "mfu_denominator": peak_what,
     }

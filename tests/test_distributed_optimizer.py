@@ -1,0 +1,107 @@
+"""ZeRO-1 (`--zero 1`): sharded optimizer state that trains like the plain run, resumes bit-exactly from its
+per-rank shards, holds about 1/dp of the optimizer memory, and is refused where it does not apply.
+
+Equivalence with one process (tp, pp, vpp, dpp, clipping, LAMB, both comm semantics) is in
+`test_engine_equivalence.py`; this file checks what that harness cannot see.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatronapp.config import ConfigError, RunConfig, validate
+from megatronapp.parallel.distributed_optimizer import DistributedOptimizer
+from megatronapp.train import checkpoint as ckpt
+from megatronapp.train.consolidate import consolidate
+from megatronapp.train.trainer import Trainer, train
+from tests.engine_cases import base_case
+from tests.test_training import _cfg
+
+
+def test_zero_values_and_fbd_are_refused_naming_the_field():
+    with pytest.raises(ConfigError, match="parallel.zero=2"):
+        validate(RunConfig.from_dict(base_case("gpt2", **{"parallel.zero": 2})))
+    with pytest.raises(ConfigError, match="parallel.zero=1 does not combine with parallel.fbd"):
+        validate(RunConfig.from_dict(base_case("gpt2", **{"parallel.zero": 1, "parallel.fbd": True})))
+    validate(RunConfig.from_dict(base_case("gpt2", **{"parallel.zero": 1})))  # dp=1: allowed, one shard
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+def test_one_rank_zero_steps_exactly_like_the_plain_optimizer(tmp_path, optimizer):
+    """At dp=1 the one shard is every parameter: same bits as torch's AdamW (and our LAMB) on whole tensors."""
+    runs = {}
+    for zero in (0, 1):
+        tr = Trainer(RunConfig.from_dict(_cfg(tmp_path / f"z{zero}", **{
+            "parallel.zero": zero, "train.optimizer": optimizer, "train.weight_decay": 0.1})))
+        losses = [tr.train_step()["loss"] for _ in range(3)]
+        runs[zero] = (losses, {n: p.detach().clone() for c in tr.chunks for n, p in c.named_parameters()})
+        if zero:
+            assert isinstance(tr.optimizer, DistributedOptimizer)
+    assert runs[0][0] == runs[1][0]
+    for name, t in runs[0][1].items():
+        assert torch.equal(t, runs[1][1][name]), name
+
+
+def test_resume_with_another_zero_setting_is_refused(tmp_path):
+    tr = Trainer(RunConfig.from_dict(_cfg(tmp_path / "run", **{"parallel.zero": 1, "train.steps": 1})))
+    tr.train_step()
+    d = tr.save()
+    again = _cfg(tmp_path / "run2", **{"train.steps": 1})
+    again["train"]["resume"] = str(d)
+    with pytest.raises(ckpt.CheckpointError, match="parallel.zero=1, this run has 0"):
+        Trainer(RunConfig.from_dict(again))
+
+
+@pytest.mark.slow
+def test_dp2_zero_resumes_bit_exactly_and_holds_half_the_optimizer_state(tmp_path):
+    over = {"parallel.dp": 2, "train.steps": 4, "train.save_interval": 2, "train.optimizer": "adamw",
+            "train.weight_decay": 0.1}
+    whole = train(RunConfig.from_dict(_cfg(tmp_path / "zero", **over, **{"parallel.zero": 1})), threads=1)
+    plain = train(RunConfig.from_dict(_cfg(tmp_path / "plain", **over)), threads=1)
+    # ZeRO-1 trains like plain DP (same losses to fp32 rounding) with at most 0.55x its optimizer memory
+    assert plain["losses"] == pytest.approx(whole["losses"], abs=1e-5)
+    assert whole["optimizer_state_bytes"] <= 0.55 * plain["optimizer_state_bytes"], (whole, plain)
+    assert whole["optimizer_state_bytes"] > 0
+    summary = json.loads((tmp_path / "zero" / "summary.json").read_text())
+    assert summary["optimizer_state_bytes"] == whole["optimizer_state_bytes"]
+
+    # stop at step 2, resume from its per-rank shards to step 4: every bit equals the uninterrupted run
+    mid = ckpt.step_dir(tmp_path / "zero" / "checkpoints", 2)
+    cfg = _cfg(tmp_path / "resumed", **over, **{"parallel.zero": 1})
+    cfg["train"]["resume"] = str(mid)
+    resumed = train(RunConfig.from_dict(cfg), threads=1)
+    assert resumed["losses"] == whole["losses"][2:]
+    a, b = ckpt.step_dir(tmp_path / "zero" / "checkpoints", 4), ckpt.step_dir(tmp_path / "resumed" / "checkpoints", 4)
+    for rank in (0, 1):
+        sa, sb = ckpt.load_rank(a, rank), ckpt.load_rank(b, rank)
+        opt = sa["optimizer"]
+        assert opt["zero"] == 1 and opt["dp_rank"] == rank  # each rank saved its own shard
+        _assert_equal(sa["chunks"], sb["chunks"], f"rank {rank} weights")
+        _assert_equal(opt, sb["optimizer"], f"rank {rank} optimizer state")
+    # the two ranks' shards are disjoint halves: their moments together cover the model once (plus padding)
+    n_model = sum(t.numel() for sd in ckpt.load_rank(a, 0)["chunks"] for t in sd.values())
+    n_moment = sum(st["exp_avg"].numel() for r in (0, 1)
+                   for st in ckpt.load_rank(a, r)["optimizer"]["inner"]["state"].values())
+    assert n_moment <= n_model < n_moment + 2 * 64  # tied weights count once in the state
+    # one model comes back from a sharded-optimizer checkpoint, equal to the plain run's weights
+    _, full = consolidate(a)
+    _, full_plain = consolidate(ckpt.step_dir(tmp_path / "plain" / "checkpoints", 4))
+    for name, t in full.items():
+        torch.testing.assert_close(t, full_plain[name], atol=1e-5, rtol=1e-4)
+
+
+def _assert_equal(x, y, where: str) -> None:
+    if isinstance(x, torch.Tensor):
+        assert torch.equal(x, y), where
+    elif isinstance(x, dict):
+        assert x.keys() == y.keys(), where
+        for k in x:
+            _assert_equal(x[k], y[k], f"{where}/{k}")
+    elif isinstance(x, (list, tuple)):
+        assert len(x) == len(y), where
+        for i, (u, v) in enumerate(zip(x, y)):
+            _assert_equal(u, v, f"{where}[{i}]")
+    else:
+        assert x == y, where
