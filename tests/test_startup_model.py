@@ -73,3 +73,15 @@ def test_measured_store_ops_equal_the_model():
     for r in bad:  # no rank released the naive scheme's barriers: impossible, so reported
         r["builds"][2]["ops"]["set"] = model.rank_ops("naive", "gloo", r["rank"], 1, 2, 2)["groups"].ops["set"]
     assert any("last-worker" in p for p in bench.check_counts(bad))
+
+
+@pytest.mark.parametrize("scheme", model.SCHEMES)
+@pytest.mark.parametrize("backend", model.BACKENDS)
+@pytest.mark.parametrize("layout", [(2, 2, 2), (1, 4, 2), (2, 3, 1)])
+def test_server_total_is_the_sum_over_ranks(scheme, backend, layout):
+    """The aggregate model (cheap at scale) equals the per-rank model summed; one last-worker set per barrier."""
+    w = layout[0] * layout[1] * layout[2]
+    per_rank = [model.rank_ops(scheme, backend, r, *layout) for r in range(w)]
+    total = sum(o["init"].requests + o["groups"].requests for o in per_rank)
+    barriers = per_rank[0]["init"].barriers + per_rank[0]["groups"].barriers
+    assert total + barriers == model.startup_time(scheme, backend, *layout, 1e-5, 1e-5)["server_requests"]
