@@ -170,6 +170,22 @@ def _check_overlap(group, rank: int) -> None:
             weight_grad.set_split(False)
         return [y, z, xi.grad] + [p.grad for p in (gate.weight, up.weight, row.weight, gate.bias, up.bias)]
 
+    # Fused: one sequence all-gather for gate and up together; apart: one each.
+    gathers: list[str] = []
+
+    def seen(op: comm.CommOp) -> None:
+        gathers.append(op.name)
+
+    comm.add_interceptor(seen)
+    try:
+        layers = [ColumnParallelLinear(6, 10, tp_group=group, sequence_parallel=True) for _ in range(2)]
+        column_parallel_linear(x, tuple(layers))
+        fused, gathers[:] = gathers.count("all_gather"), []
+        layers[0](x), layers[1](x)
+        assert (fused, gathers.count("all_gather")) == (1, 2), (fused, gathers)
+    finally:
+        comm.remove_interceptor(seen)
+
     plain = run(0, False, False)
     for chunks, fused, split in ((0, True, False), (2, False, False), (2, True, False), (4, True, True)):
         for i, (got, want) in enumerate(zip(run(chunks, fused, split), plain)):
