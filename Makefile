@@ -25,7 +25,7 @@ browser:
 	  else echo "warning: chromium missing and not root; the browser test will be skipped"; fi; }
 
 test: $(STAMP) browser
-	$(BIN)/python -m pytest tests -ra
+	$(BIN)/python -m pytest tests -ra --durations=25
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
