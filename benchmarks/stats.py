@@ -7,10 +7,18 @@ whole repetitions keeps the pairing). A ratio whose interval contains 1.0 is "wi
 tell the two sides apart, whatever the point estimate says.
 
 The bootstrap assumes repetitions are exchangeable. Slow drifts of machine load break that a little; the
-pairing removes most of their effect on the ratio, which is why we never bootstrap unpaired medians.
+pairing removes most of their effect on the ratio, which is why we never bootstrap unpaired medians. Repetitions
+inside one run of processes share more than the load (allocator state, thread placement), so a benchmark can
+repeat its run in K independent blocks of fresh processes; `two_level_ci` then resamples blocks first and pairs
+within each chosen block, so the interval widens when the blocks disagree. With one block it is the plain bootstrap
+and the docs say "interval within one run (blocks: 1)".
+
+Counts (precision, recall, false alarms over scenarios) get Wilson's score interval, which stays inside [0, 1] and
+is not degenerate at 0/n or n/n. A claim against a target is met only when the whole interval is on the right side.
 """
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from collections.abc import Callable, Sequence
@@ -46,6 +54,56 @@ def bootstrap_ci(values: Sequence[float], stat: Callable[[Sequence[float]], floa
     return float(boots[lo_i]), float(boots[hi_i])
 
 
+def two_level_ci(blocks: Sequence[Sequence[float]], stat: Callable[[Sequence[float]], float] = statistics.median,
+                 confidence: float = CONFIDENCE, resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of `stat` over the pooled samples, resampling blocks, then samples within each block."""
+    blocks = [list(b) for b in blocks]
+    if not blocks or any(not b for b in blocks):
+        raise ValueError("no samples (or an empty block)")
+    if len(blocks) == 1:
+        return bootstrap_ci(blocks[0], stat, confidence, resamples, seed)
+    rng = random.Random(seed)
+    k = len(blocks)
+    boots = []
+    for _ in range(resamples):
+        pooled: list[float] = []
+        for _ in range(k):
+            b = blocks[rng.randrange(k)]
+            pooled.extend(b[rng.randrange(len(b))] for _ in range(len(b)))
+        boots.append(stat(pooled))
+    boots.sort()
+    lo_i = int((1 - confidence) / 2 * resamples)
+    hi_i = min(resamples - 1, int((1 + confidence) / 2 * resamples))
+    return float(boots[lo_i]), float(boots[hi_i])
+
+
+def wilson_ci(successes: int, trials: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """Wilson score interval of a proportion successes / trials."""
+    if trials <= 0:
+        raise ValueError("no trials")
+    if not 0 <= successes <= trials:
+        raise ValueError(f"successes {successes} outside 0..{trials}")
+    z = statistics.NormalDist().inv_cdf((1 + confidence) / 2)
+    p, n = successes / trials, trials
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    lo = 0.0 if successes == 0 else max(0.0, centre - half)  # exact ends where rounding would leave 1e-17
+    hi = 1.0 if successes == trials else min(1.0, centre + half)
+    return lo, hi
+
+
+def claim(lo: float, hi: float, target: float, lower_is_better: bool = True) -> str:
+    """'met' when the whole interval is on the right side of the target, 'missed' when it is wholly on the wrong
+    side, else 'unresolved' (the interval crosses the target: this run cannot say)."""
+    good, bad = (hi <= target, lo > target) if lower_is_better else (lo >= target, hi < target)
+    return "met" if good else "missed" if bad else "unresolved"
+
+
+def blocks_label(blocks: int) -> str:
+    """How an interval was formed, for the docs."""
+    return "interval within one run (blocks: 1)" if blocks == 1 else f"pooled over {blocks} blocks of fresh processes"
+
+
 def verdict(lo: float, hi: float, lower_is_better: bool = True) -> str:
     """'within noise' when the interval holds 1.0, else which side it favours."""
     if lo <= 1.0 <= hi:
@@ -61,10 +119,41 @@ def summarize_ratios(ratios: Sequence[float], lower_is_better: bool = True) -> d
             "verdict": verdict(lo, hi, lower_is_better), "ratios": [float(r) for r in ratios]}
 
 
+def summarize_blocks(blocks: Sequence[Sequence[float]], lower_is_better: bool = True) -> dict:
+    """summarize_ratios over K blocks of paired ratios: pooled median, two-level interval, block count."""
+    pooled = [float(r) for b in blocks for r in b]
+    lo, hi = two_level_ci(blocks)
+    return {"ratio": float(statistics.median(pooled)), "ci95": [lo, hi], "n": len(pooled), "blocks": len(blocks),
+            "verdict": verdict(lo, hi, lower_is_better), "ratios": pooled}
+
+
 def fmt(summary: dict, digits: int = 3) -> str:
     """'0.985 [0.971, 1.002] within noise' for a Markdown table cell."""
     lo, hi = summary["ci95"]
     return f"{summary['ratio']:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}] {summary['verdict']}"
+
+
+def interval_table(rows: Sequence[dict], digits: int = 3) -> str:
+    """A Markdown table of figures with intervals. Each row: figure, value, ci95, n, basis (how the interval was
+    formed), and optionally target and claim (see `claim`)."""
+    lines = ["| figure | value [95% CI] | n | interval | target | claim |", "|---|---|---:|---|---|---|"]
+    for r in rows:
+        lo, hi = r["ci95"]
+        lines.append(f"| {r['figure']} | {r['value']:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}] | {r['n']} "
+                     f"| {r['basis']} | {r.get('target', '-')} | {r.get('claim', '-')} |")
+    return "\n".join(lines)
+
+
+def write_block(path: Path, tag: str, body: str) -> None:
+    """Replace the text between `<!-- tag -->` and `<!-- /tag -->` in a Markdown file (the markers stay).
+
+    For hand-written sections that carry a generated part: the prose around the markers is never touched."""
+    text = path.read_text()
+    start, end = f"<!-- {tag} -->", f"<!-- /{tag} -->"
+    i, j = text.find(start), text.find(end)
+    if i < 0 or j < i:
+        raise ValueError(f"{path} has no block {start} ... {end}: add the markers where the block belongs")
+    path.write_text(text[:i + len(start)] + "\n" + body.strip("\n") + "\n" + text[j:])
 
 
 def write_section(path: Path, title: str, body: str) -> None:
