@@ -5,10 +5,16 @@ compute and links, pauses and late arrivals of 10-50% of a rank's own iteration 
 faults. A finding is a true positive when its kind and ranks match an injected fault (a link finding must name
 both ends; a collective-group finding must contain both). Peer compared: the reference MegatronApp rule
 (DP peers only, fixed 0.9/1.1 thresholds on mean compute, exactly one culprit) run on the same traces.
-Run: python -m benchmarks.bench_scan_detect  (writes benchmarks/results/scan_detect.json)
+Intervals: precision, recall and the false-alarm rate are proportions over injected faults, findings and healthy
+runs; each gets a 95% Wilson interval (the simulation is deterministic per scenario seed, so the uncertainty is which
+scenarios were drawn, not timing). Faults of one scenario are not fully independent trials: read the intervals as
+slightly narrow.
+Run: python -m benchmarks.bench_scan_detect              (writes benchmarks/results/scan_detect.json, docs block)
+     python -m benchmarks.bench_scan_detect --from-json  (re-render the intervals from the stored result)
 """
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 import time
@@ -16,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import stats
 from megatronapp.scan.detect import analyse
 from megatronapp.scan.format import read_dir
 from megatronapp.scan.simulate import Fault, simulate
@@ -23,6 +30,9 @@ from megatronapp.scan.simulate import Fault, simulate
 TP, PP, RANKS = 2, 4, 64  # dp = 8
 KIND = {"slow-compute": "slow-compute", "slow-link": "slow-link", "pause": "transient-pause",
         "late-arrival": "late-arrival"}
+RESULTS = Path(__file__).parent / "results" / "scan_detect.json"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+BLOCK = "intervals:bench_scan_detect"
 SELF_MS = 53.0  # a rank's own work per iteration in the simulator's default costs (4 microbatches)
 
 
@@ -74,7 +84,47 @@ def reference_rule(an) -> set[int]:
     return flagged
 
 
-def main() -> dict:
+def _proportion(figure: str, k: int, n: int, target: float | None = None, higher_is_better: bool = True) -> dict:
+    lo, hi = stats.wilson_ci(k, n)
+    row = {"figure": figure, "value": k / n, "ci95": [lo, hi], "n": n, "basis": "Wilson, over scenarios"}
+    if target is not None:
+        row.update(target=f"{'>=' if higher_is_better else '<='} {target}",
+                   claim=stats.claim(lo, hi, target, lower_is_better=not higher_is_better))
+    return row
+
+
+def intervals(res: dict) -> list[dict]:
+    """Precision, recall, false-alarm rate on healthy runs and the reference rule's recall, with Wilson intervals."""
+    tp, fp, fn = res["true_positives"], res["false_positives"], res["missed"]
+    healthy = [r for r in res["rows"] if not r["faults"]]
+    alarmed = sum(1 for r in healthy if r["found"])
+    ref_n = round(tp + fn)  # the reference rule is scored on the same injected faults
+    ref_k = round(res["reference_recall"] * ref_n)
+    rate = _proportion(f"healthy runs with a false alarm ({alarmed}/{len(healthy)})", alarmed, len(healthy))
+    rate.update(target="0", claim="unresolved: none seen, but a rate up to the upper end is not excluded"
+                if alarmed == 0 else "missed")
+    return [_proportion(f"precision ({tp}/{tp + fp} findings)", tp, tp + fp, 0.95),
+            _proportion(f"recall ({tp}/{tp + fn} injected faults)", tp, tp + fn, 0.95),
+            rate,
+            _proportion(f"reference rule's recall ({ref_k}/{ref_n})", ref_k, ref_n)]
+
+
+def docs_block(res: dict) -> str:
+    return (stats.interval_table(intervals(res)) + f"\n\n`bench_scan_detect`: {res['scenarios']} simulated "
+            f"scenarios on {res['grid']['ranks']} ranks (deterministic: rerunning gives the same counts).")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--from-json", action="store_true", help="re-render the docs intervals from the stored result")
+    args = ap.parse_args(argv)
+    if args.from_json:
+        res = json.loads(RESULTS.read_text())
+        res["intervals"] = intervals(res)
+        RESULTS.write_text(json.dumps(res, indent=1))
+        stats.write_block(DOCS, BLOCK, docs_block(res))
+        print(stats.interval_table(res["intervals"]))
+        return res
     rows, tp, fp, fn, healthy_alarms, ref_tp, ref_fp, ref_fn = [], 0, 0, 0, 0, 0, 0, 0
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,9 +161,12 @@ def main() -> dict:
            "reference_recall": round(ref_tp / max(ref_tp + ref_fn, 1), 4),
            "grid": {"ranks": RANKS, "tp": TP, "pp": PP, "dp": RANKS // (TP * PP), "iterations": 5},
            "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}
-    out = Path(__file__).parent / "results" / "scan_detect.json"
+    res["intervals"] = intervals(res)
+    out = RESULTS
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
+    stats.write_block(DOCS, BLOCK, docs_block(res))
+    print(stats.interval_table(res["intervals"]))
     print(f"MegaScan: precision {res['precision']}, recall {res['recall']}, healthy false alarms "
           f"{healthy_alarms} over {res['healthy_runs']} runs | reference rule: precision "
           f"{res['reference_precision']}, recall {res['reference_recall']} -> {out}")

@@ -4,20 +4,31 @@ Each size runs in a fresh child process (so peak memory is that size's own) with
 slow P2P link injected, and reports wall time per stage, peak RSS and whether both faults were named; then a
 healthy run of the same size (other seed), which must report nothing (false alarms at scale).
 Targets at 12,288 ranks: simulate + detect < 30 s, peak memory < 2 GB.
-Run: python -m benchmarks.bench_scan_scale [--sizes 1024,4096,12288]  (writes benchmarks/results/scan_scale.json)
+Intervals: with --blocks K every size runs K times (fresh children each time) and the median total time and peak
+memory get a bootstrap 95% interval over the blocks; one block leaves a single measurement, shown as such. Healthy
+runs without a finding give a Wilson interval on the false-alarm rate at scale.
+Run: python -m benchmarks.bench_scan_scale [--sizes 1024,4096,12288] [--blocks 3]
+                                               (writes benchmarks/results/scan_scale.json, docs block)
+     python -m benchmarks.bench_scan_scale --from-json  (re-render the intervals from the stored result)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import stats
+
 TP, PP = 8, 4
+RESULTS = Path(__file__).parent / "results" / "scan_scale.json"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+BLOCK = "intervals:bench_scan_scale"
 
 
 def one(ranks: int, out_dir: str, healthy: bool = False) -> dict:
@@ -48,9 +59,45 @@ def one(ranks: int, out_dir: str, healthy: bool = False) -> dict:
             "findings": len(report.findings), "problems": len(problems)}
 
 
+def intervals(result: dict) -> list[dict]:
+    """Total time and peak memory of the faulty run at each size (median over blocks, bootstrap interval), and the
+    false-alarm rate over every healthy run."""
+    targets, out = result["targets"], []
+    sizes = sorted({r["ranks"] for r in result["rows"]})
+    for n in sizes:
+        runs = [r for r in result["rows"] if r["ranks"] == n and not r["healthy"]]
+        for key, label, unit, target in (("total_s", "simulate + read + detect", "s", targets["total_s_at_12288"]),
+                                         ("peak_rss_mb", "peak memory", "MB", targets["peak_mb_at_12288"])):
+            vals = [r[key] for r in runs]
+            lo, hi = stats.bootstrap_ci(vals)
+            row = {"figure": f"{n:,} ranks, {label} ({unit})", "value": statistics.median(vals), "ci95": [lo, hi],
+                   "n": len(vals), "basis": "single run: no interval" if len(vals) == 1
+                   else f"bootstrap over {len(vals)} blocks"}
+            if n == 12288:
+                row.update(target=f"< {target}", claim=stats.claim(lo, hi, target) if len(vals) > 1
+                           else ("met" if vals[0] < target else "missed") + " (one run)")
+            out.append(row)
+    healthy = [r for r in result["rows"] if r["healthy"]]
+    if healthy:
+        alarmed = sum(1 for r in healthy if r["findings"])
+        lo, hi = stats.wilson_ci(alarmed, len(healthy))
+        out.append({"figure": f"healthy runs at scale with a finding ({alarmed}/{len(healthy)})",
+                    "value": alarmed / len(healthy), "ci95": [lo, hi], "n": len(healthy),
+                    "basis": "Wilson, over runs", "target": "0",
+                    "claim": "unresolved: none seen in few runs" if alarmed == 0 else "missed"})
+    return out
+
+
+def docs_block(result: dict) -> str:
+    return (stats.interval_table(intervals(result), digits=1) + "\n\n`bench_scan_scale`: wall times on a shared "
+            "2-core machine; a single run per size has no interval (rerun with `--blocks 3` on a quiet machine).")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1024,4096,12288")
+    ap.add_argument("--blocks", type=int, default=1, help="runs of every size, each in fresh child processes")
+    ap.add_argument("--from-json", action="store_true", help="re-render the docs intervals from the stored result")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--healthy", action="store_true", help=argparse.SUPPRESS)
@@ -58,8 +105,18 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(one(args.child, args.dir, args.healthy)))
         return
+    if args.from_json:
+        stored = json.loads(RESULTS.read_text())
+        stored["intervals"] = intervals(stored)
+        RESULTS.write_text(json.dumps(stored, indent=1))
+        stats.write_block(DOCS, BLOCK, docs_block(stored))
+        print(stats.interval_table(stored["intervals"], digits=1))
+        return
+    if args.blocks < 1:
+        raise SystemExit("--blocks must be >= 1")
     rows = []
-    for n, healthy in ((int(x), h) for x in args.sizes.split(",") for h in (False, True)):
+    for _, n, healthy in ((b, int(x), h) for b in range(args.blocks) for x in args.sizes.split(",")
+                          for h in (False, True)):
         with tempfile.TemporaryDirectory() as tmp:
             out = subprocess.run([sys.executable, "-m", "benchmarks.bench_scan_scale", "--child", str(n),
                                   "--dir", tmp, *(["--healthy"] if healthy else [])],
@@ -70,10 +127,13 @@ def main() -> None:
         print(f"{n:>6} ranks: simulate {row['simulate_s']:6.1f}s  read {row['read_s']:6.1f}s  detect "
               f"{row['detect_s']:6.1f}s  total {row['total_s']:6.1f}s  peak {row['peak_rss_mb']:7.0f} MB  "
               f"{verdict}")
-    path = Path(__file__).parent / "results" / "scan_scale.json"
+    path = RESULTS
     path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps({"rows": rows, "targets": {"total_s_at_12288": 30, "peak_mb_at_12288": 2048}},
-                               indent=1))
+    result = {"rows": rows, "blocks": args.blocks, "targets": {"total_s_at_12288": 30, "peak_mb_at_12288": 2048}}
+    result["intervals"] = intervals(result)
+    path.write_text(json.dumps(result, indent=1))
+    stats.write_block(DOCS, BLOCK, docs_block(result))
+    print(stats.interval_table(result["intervals"], digits=1))
     print(f"-> {path}")
 
 
