@@ -23,7 +23,13 @@ ratios, and for each schedule the simulator's predicted pipeline time against th
 SimConfig model calibrated from the schedule's own run, the same calibrated from the interleaved run (a true
 prediction), and a replay of each step's own task costs).
 
-Run: python -m benchmarks.bench_dpp_real           (writes benchmarks/results/dpp_real.json)
+Intervals: step i of every schedule ran in the same rotation, so a/b of step i is a paired ratio; its median gets a
+95% interval by bootstrap over the steps, or with --blocks K over K launches of fresh rank processes (two-level
+bootstrap; the simulator columns then come from the first block). "within noise" when the interval holds 1.0.
+
+Run: python -m benchmarks.bench_dpp_real           (writes benchmarks/results/dpp_real.json, docs interval block)
+     python -m benchmarks.bench_dpp_real --blocks 3 (3 independent launches, pooled)
+     python -m benchmarks.bench_dpp_real --from-json (re-render the docs intervals from the stored result)
      python -m benchmarks.bench_dpp_real --quick   (tiny model, 2 ranks, 1 step; writes nothing)
 """
 from __future__ import annotations
@@ -45,6 +51,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import stats
 from megatronapp.config import RunConfig
 from megatronapp.dpp.calibrate import StepTimings, TaskTiming, calibrate
 from megatronapp.dpp.policies import default_target
@@ -54,6 +61,8 @@ from megatronapp.pipeline.tasks import StageView
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "dpp_real.json"
+DOCS = ROOT / "docs" / "benchmarks.md"
+BLOCK = "intervals:bench_dpp_real"
 TARGET_SIM_ERROR = 0.15  # the issue's bar: simulator within 15% of the measured step
 
 # name -> (faults specs, spike links "A-B,C-D" or "", spike probability, spike ms)
@@ -338,16 +347,59 @@ def summarise(per_rank: list[dict], case: str, size: dict[str, Any], specs: list
     return row
 
 
-def run(quick: bool = False, steps: int | None = None) -> dict[str, Any]:
-    """Run every case on real ranks; the summary with per-case ratios and simulator errors."""
+def intervals(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Paired step-time ratios of one case with their 95% intervals (pooled over blocks when there are several)."""
+    blocks = row.get("blocks") or [{"times_s": row["times_s"]}]
+    out = {}
+    for a, b in PAIRS:
+        sm = stats.summarize_blocks([stats.paired_ratios(bl["times_s"][a], bl["times_s"][b]) for bl in blocks])
+        sm.pop("ratios")
+        out[pair_name(a, b)] = sm
+    return out
+
+
+def docs_block(result: dict[str, Any]) -> str:
+    """The interval table of docs/benchmarks.md: every case x the four paired ratios."""
+    order = (PAIRS[1], PAIRS[2], PAIRS[3], PAIRS[0])
+    lines = ["| case | " + " | ".join(f"{a} / {b}" for a, b in order) + " |", "|---|" + "---|" * len(order)]
+    for r in result["cases"]:
+        iv = r.get("intervals") or intervals(r)
+        lines.append(f"| {r['case']} | " + " | ".join(stats.fmt(iv[pair_name(a, b)]) for a, b in order) + " |")
+    blocks = result.get("blocks", 1)
+    n = len(result["cases"][0]["times_s"]["dpp-zb"])
+    return "\n".join(lines) + (f"\n\n{n} paired steps per case, {stats.blocks_label(blocks)}; load average at the "
+                               f"end {tuple(round(x, 1) for x in result['machine']['load_avg_at_end'])}. "
+                               "\"worse\" = the first schedule is slower with the whole interval above 1.")
+
+
+def _pool_blocks(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Rows of the first launch, with every launch's step times kept per block and the paired ratios pooled."""
+    rows = runs[0]
+    for i, row in enumerate(rows):
+        row["blocks"] = [{"times_s": rr[i]["times_s"], "pipeline_s": rr[i]["pipeline_s"]} for rr in runs]
+        for key, field in (("paired_ratio", "times_s"), ("paired_pipeline_ratio", "pipeline_s")):
+            for a, b in PAIRS:
+                row[key][pair_name(a, b)] = statistics.median(
+                    x / y for bl in row["blocks"] for x, y in zip(bl[field][a], bl[field][b]))
+    return rows
+
+
+def run(quick: bool = False, steps: int | None = None, blocks: int = 1) -> dict[str, Any]:
+    """Run every case on real ranks in `blocks` independent launches; the summary with per-case ratios, their
+    intervals and simulator errors (those of the first launch)."""
     size, cases = (dict(QUICK), QUICK_CASES) if quick else (dict(FULL), FULL_CASES)
     if steps is not None:
         size["steps"] = steps
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn(worker, size["pp"], size, cases, tmp)
-        per_rank = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(size["pp"])]
-    rows = [summarise(per_rank, c, size, cases[c][0]) for c in cases]
+    runs = []
+    for _ in range(blocks):
+        with tempfile.TemporaryDirectory() as tmp:
+            spawn(worker, size["pp"], size, cases, tmp)
+            per_rank = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(size["pp"])]
+        runs.append([summarise(per_rank, c, size, cases[c][0]) for c in cases])
+    rows = runs[0] if blocks == 1 else _pool_blocks(runs)
+    for row in rows:
+        row["intervals"] = intervals(row)
     cfg = RunConfig.from_dict(run_config("dpp-zb", size))
     return {
         "benchmark": "MegaDPP on real ranks: dpp-zb and dpp-adaptive vs interleaved 1F1B and ZB-H1, simulator "
@@ -364,7 +416,7 @@ def run(quick: bool = False, steps: int | None = None) -> dict[str, Any]:
                                "rotates every repetition), barrier-fenced; medians over the measured steps after "
                                "warm-up (2 per case, 3 more before the first); pipeline time: first task start to "
                                "last task end over all ranks; zb-h1 runs the same model as one chunk per stage"},
-        "target_sim_error": TARGET_SIM_ERROR, "cases": rows,
+        "target_sim_error": TARGET_SIM_ERROR, "blocks": blocks, "cases": rows,
     }
 
 
@@ -395,15 +447,28 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model on 2 ranks, 1 measured step; writes nothing")
     ap.add_argument("--steps", type=int, default=None, help="measured steps per schedule (after warm-up)")
+    ap.add_argument("--blocks", type=int, default=1, help="independent launches of fresh rank processes, pooled")
+    ap.add_argument("--from-json", action="store_true", help="re-render the docs intervals from the stored result")
     args = ap.parse_args(argv)
-    result = run(quick=args.quick, steps=args.steps)
+    if args.from_json:
+        stored = json.loads(RESULTS.read_text())
+        for row in stored["cases"]:
+            row["intervals"] = intervals(row)
+        RESULTS.write_text(json.dumps(stored, indent=1) + "\n")
+        stats.write_block(DOCS, BLOCK, docs_block(stored))
+        print(docs_block(stored))
+        return
+    if args.blocks < 1:
+        raise SystemExit("--blocks must be >= 1")
+    result = run(quick=args.quick, steps=args.steps, blocks=args.blocks)
     print(table(result))
     print(f"wall {result['wall_s']} s, load average at end {result['machine']['load_avg_at_end']}")
     if args.quick:
         return
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    stats.write_block(DOCS, BLOCK, docs_block(result))
+    print(f"wrote {RESULTS.relative_to(ROOT)} and the interval block of {DOCS.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

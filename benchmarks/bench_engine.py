@@ -8,9 +8,13 @@ Cases (2 ranks each, gloo on CPU; see benchmarks/engine_peers.py for the peers):
 Both sides live in the same rank processes and alternate step by step (ours first on even repetitions, the
 peer first on odd ones), each step fenced by barriers, so machine noise falls on both alike. The first steps'
 losses of both sides are compared: equal losses on steps 1 and 2 show that forward, backward, clipping and
-the optimizer compute the same thing. Reported: median step time after warm-up and the ratio ours/peer.
+the optimizer compute the same thing. Reported: median step time after warm-up and the ratio ours/peer, and the
+paired ratios (wall and CPU) with 95% intervals: bootstrap over repetitions, or with --blocks K over K independent
+launches of fresh rank processes, pooled by the two-level bootstrap (benchmarks/stats.py).
 
 Run: python -m benchmarks.bench_engine            (writes benchmarks/results/engine.json, docs/benchmarks.md)
+     python -m benchmarks.bench_engine --blocks 3 (3 independent launches, pooled)
+     python -m benchmarks.bench_engine --from-json (re-render the docs section from the stored result)
      python -m benchmarks.bench_engine --quick    (tiny model, 2 steps, writes nothing)
      python -m benchmarks.bench_engine --profile  (cProfile of both sides on rank 0, writes nothing)
 """
@@ -34,6 +38,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import stats
 from benchmarks.engine_peers import PEERS
 from megatronapp.config import RunConfig
 from megatronapp.launch import spawn
@@ -158,8 +163,9 @@ def _world(parallel: dict[str, Any]) -> int:
     return parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("dp", 1)
 
 
-def summarise(name: str, label: str, parallel: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
-    """Medians, ratio and loss agreement of one case."""
+def summarise(name: str, label: str, parallel: dict[str, Any], rec: dict[str, Any],
+              blocks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Medians, ratio and loss agreement of one case; `blocks` are the per-launch records when rec pools several."""
     med = {s: statistics.median(rec["times"][s]) for s in ("ours", "peer")}
     # Steps of one repetition ran back to back, so their ratio sees nearly the same machine load.
     paired = statistics.median(a / b for a, b in zip(rec["times"]["ours"], rec["times"]["peer"]))
@@ -169,12 +175,35 @@ def summarise(name: str, label: str, parallel: dict[str, Any], rec: dict[str, An
             "ratio": med["ours"] / med["peer"], "paired_ratio": paired,
             "cpu_median_s": cpu, "cpu_ratio": cpu["ours"] / cpu["peer"], "times_s": rec["times"], "cpu_s": rec["cpu"],
             "losses": rec["losses"], "recv_buffers_stage0": rec.get("recv_buffers"),
-            "first_losses_max_abs_diff": loss_diff, "losses_match": loss_diff < 1e-4}
+            "first_losses_max_abs_diff": loss_diff, "losses_match": loss_diff < 1e-4,
+            **({"blocks": [{"times_s": b["times"], "cpu_s": b["cpu"]} for b in blocks]} if blocks else {})}
+
+
+def ratio_intervals(row: dict[str, Any]) -> dict[str, Any]:
+    """Paired ours/peer ratios of wall and CPU time: pooled median, 95% interval, verdict (one block if the row
+    was recorded in one launch)."""
+    blocks = row.get("blocks") or [{"times_s": row["times_s"], "cpu_s": row["cpu_s"]}]
+    out = {}
+    for key, field in (("paired", "times_s"), ("cpu", "cpu_s")):
+        out[key] = stats.summarize_blocks([stats.paired_ratios(b[field]["ours"], b[field]["peer"]) for b in blocks])
+        out[key].pop("ratios")  # the samples are in the row already
+        lo, hi = out[key]["ci95"]
+        out[key]["claim"] = stats.claim(lo, hi, TARGET)
+    return out
+
+
+def _pool(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record of several launches: times and CPU concatenated, losses and buffers of the first launch."""
+    if len(recs) == 1:
+        return recs[0]
+    return {**recs[0], **{f: {s: [x for r in recs for x in r[f][s]] for s in ("ours", "peer")}
+                          for f in ("times", "cpu")}}
 
 
 def run(quick: bool = False, pp4: bool = False, profile: bool = False,
-        steps: int | None = None) -> dict[str, Any]:
-    """Run every case (world 2, plus pp=4 on 4 ranks if asked); the summary with per-case ratios."""
+        steps: int | None = None, blocks: int = 1) -> dict[str, Any]:
+    """Run every case (world 2, plus pp=4 on 4 ranks if asked) in `blocks` independent launches; the summary
+    with per-case ratios and their intervals."""
     size = dict(QUICK if quick else FULL)
     if steps is not None:
         size["steps"] = steps
@@ -184,13 +213,18 @@ def run(quick: bool = False, pp4: bool = False, profile: bool = False,
     rows, profiles = [], {}
     t0 = time.perf_counter()
     for world, cases in groups.items():
-        with tempfile.TemporaryDirectory() as tmp:
-            spawn(worker, world, cases, size, tmp, profile)
-            for i, (name, _kind, label, parallel) in enumerate(cases):
-                rec = json.loads((Path(tmp) / f"case{i}.json").read_text())
-                rows.append(summarise(name, label, parallel, rec))
-                if "profile" in rec:
-                    profiles[name] = rec["profile"]
+        recs: list[list[dict[str, Any]]] = [[] for _ in cases]
+        for _ in range(blocks):  # every block a fresh launch of the rank processes
+            with tempfile.TemporaryDirectory() as tmp:
+                spawn(worker, world, cases, size, tmp, profile)
+                for i in range(len(cases)):
+                    recs[i].append(json.loads((Path(tmp) / f"case{i}.json").read_text()))
+        for i, (name, _kind, label, parallel) in enumerate(cases):
+            rec = _pool(recs[i])
+            rows.append(summarise(name, label, parallel, rec, recs[i] if blocks > 1 else None))
+            rows[-1]["intervals"] = ratio_intervals(rows[-1])
+            if "profile" in recs[i][0]:
+                profiles[name] = recs[i][0]["profile"]
     cfg = RunConfig.from_dict(case_config({}, size))
     return {
         "benchmark": "engine step time vs PyTorch-native peers",
@@ -202,7 +236,7 @@ def run(quick: bool = False, pp4: bool = False, profile: bool = False,
         "config": {"size": size, "model": cfg.to_dict()["model"], "train": cfg.to_dict()["train"],
                    "params": cfg.model.num_params(), "protocol": "both sides in the same rank processes, "
                    "alternating step by step, barrier-fenced; medians over the measured steps after warm-up"},
-        "target_ratio": TARGET,
+        "target_ratio": TARGET, "blocks": blocks,
         "cases": rows,
         **({"profiles": profiles} if profiles else {}),
     }
@@ -210,14 +244,15 @@ def run(quick: bool = False, pp4: bool = False, profile: bool = False,
 
 def table(result: dict[str, Any]) -> str:
     """A Markdown table of medians and ratios."""
-    lines = ["| case | peer | ours (s/step) | peer (s/step) | ours/peer | paired | CPU ours/peer | losses equal "
-             "| recv buffers stage 0 (before -> after) |",
-             "|---|---|---:|---:|---:|---:|---:|---|---|"]
+    lines = ["| case | peer | ours (s/step) | peer (s/step) | ours/peer | paired [95% CI] | CPU paired [95% CI] "
+             "| target <= 1.05 (paired / CPU) | losses equal | recv buffers stage 0 (before -> after) |",
+             "|---|---|---:|---:|---:|---|---|---|---|---|"]
     for r in result["cases"]:
-        mark = "" if r["ratio"] <= TARGET else " (over 1.05)"
+        iv = r.get("intervals") or ratio_intervals(r)
         eq = "yes" if r["losses_match"] else f"no (diff {r['first_losses_max_abs_diff']:.2e})"
         lines.append(f"| {r['case']} | {r['peer']} | {r['median_s']['ours']:.4f} | {r['median_s']['peer']:.4f} "
-                     f"| {r['ratio']:.3f}{mark} | {r['paired_ratio']:.3f} | {r['cpu_ratio']:.3f} | {eq} "
+                     f"| {r['ratio']:.3f} | {stats.fmt(iv['paired'])} | {stats.fmt(iv['cpu'])} "
+                     f"| {iv['paired']['claim']} / {iv['cpu']['claim']} | {eq} "
                      f"| {_buffers(r.get('recv_buffers_stage0'))} |")
     return "\n".join(lines)
 
@@ -240,7 +275,11 @@ def docs_section(result: dict[str, Any]) -> str:
         "the same losses on the first two steps (checked), so they do the same work. \"paired\" is the median of "
          "the per-repetition ratios (the two steps of a repetition run back to back, so they share the machine's "
          "load): on a shared, noisy machine it is the steadier estimate. \"CPU\" compares the CPU seconds of both "
-         "ranks per step (medians): the work done, which other jobs on the machine barely change."), "",
+         "ranks per step (medians): the work done, which other jobs on the machine barely change. Intervals: 95%, "
+         f"{stats.blocks_label(result.get('blocks', 1))} (bootstrap over repetitions"
+         f"{'' if result.get('blocks', 1) == 1 else ', blocks resampled first'}); \"within noise\" when the "
+         "interval holds 1.0; the target is met only when the whole interval is at or below 1.05, \"unresolved\" "
+         "when it crosses 1.05."), "",
         table(result), "",
         ("`--profile` prints a cProfile of both sides on rank 0 (nothing written); `--pp4` adds pp=4 1F1B on 4 "
          "ranks, which oversubscribes 2 cores; `--quick` is the smoke run."), "",
@@ -270,8 +309,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pp4", action="store_true", help="also pp=4 1F1B on 4 ranks (oversubscribes 2 cores)")
     ap.add_argument("--profile", action="store_true", help="cProfile both sides on rank 0; writes nothing")
     ap.add_argument("--steps", type=int, default=None, help="measured steps per side (after warm-up)")
+    ap.add_argument("--blocks", type=int, default=1, help="independent launches of fresh rank processes, pooled")
+    ap.add_argument("--from-json", action="store_true",
+                    help="re-render the docs section (with intervals) from the stored result; measure nothing")
     args = ap.parse_args(argv)
-    result = run(quick=args.quick, pp4=args.pp4, profile=args.profile, steps=args.steps)
+    if args.from_json:
+        stored = json.loads(RESULTS.read_text())
+        for r in stored["cases"]:
+            r["intervals"] = ratio_intervals(r)
+        RESULTS.write_text(json.dumps(stored, indent=1) + "\n")
+        write_docs(stored)
+        print(table(stored))
+        return
+    if args.blocks < 1:
+        raise SystemExit("--blocks must be >= 1")
+    result = run(quick=args.quick, pp4=args.pp4, profile=args.profile, steps=args.steps, blocks=args.blocks)
     for r in result["cases"]:
         print(f"{r['case']:<30} first losses ours {r['losses']['ours'][:2]} peer {r['losses']['peer'][:2]}")
     print(table(result))

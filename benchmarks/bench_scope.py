@@ -6,7 +6,10 @@ KV-cached generation three ways in one process, serialising each message to JSON
   ours       every per-layer point (q, k, v, attention, attention out, MLP out, layer in/out) + logits +
              logit lens + PCA, compressed on the host with the default menu (pooled, fp16, base64)
   reference  the same points, every tensor as a JSON list of floats
-Writes benchmarks/results/scope.json and prints a table (copied into docs/megascope.md).
+Writes benchmarks/results/scope.json and prints a table (copied into docs/megascope.md). The modes run in turn in
+every repetition, so each repetition gives paired speed ratios; their median and 95% interval (bootstrap over
+repetitions) go to the JSON and the interval block of docs/benchmarks.md. `--from-json` re-renders that block
+from the stored result (results recorded before per-repetition samples were kept have none: rerun).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import stats
 from megatronapp.data.tokenizer import ByteTokenizer
 from megatronapp.scope import generate as gen_mod
 from megatronapp.scope.default_model import load_default_model
@@ -24,6 +28,8 @@ from megatronapp.scope.generate import ScopeModel
 from megatronapp.scope.protocol import Generate
 
 ALL_POINTS = ["in", "attn.q", "attn.k", "attn.v", "attn.probs", "attn.out", "mlp.out", "out", "logits"]
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+BLOCK = "intervals:bench_scope"
 PROMPTS = ["After Monday comes ", "The sky is ", "3 + 4 = ", "Tom has 2 apples. "]
 
 
@@ -48,22 +54,60 @@ def run_once(sm: ScopeModel, mode: str, new_tokens: int) -> dict:
             "bytes_per_token": shipped[0] / done["new_tokens"]}
 
 
+def intervals(result: dict) -> list[dict]:
+    """Paired speed ratios per repetition (ours vs reference, ours vs off), median and 95% interval."""
+    reps = result.get("per_repeat")
+    if not reps:
+        raise ValueError("stored result has no per-repetition samples (recorded before intervals): rerun "
+                         "python -m benchmarks.bench_scope")
+    out = []
+    for other, figure, target in (("reference", "all capture, compressed: tokens/s vs the reference design", ">= 1"),
+                                  ("off", "all capture, compressed: tokens/s vs capture off", "-")):
+        ratios = [r["ours"]["tokens_per_s"] / r[other]["tokens_per_s"] for r in reps]
+        sm = stats.summarize_ratios(ratios, lower_is_better=False)
+        row = {"figure": figure, "value": sm["ratio"], "ci95": sm["ci95"], "n": sm["n"],
+               "basis": "bootstrap over repetitions, one process"}
+        if target != "-":
+            row.update(target=target, claim=stats.claim(*sm["ci95"], 1.0, lower_is_better=False))
+        out.append(row)
+    return out
+
+
+def docs_block(result: dict) -> str:
+    try:
+        body = stats.interval_table(intervals(result), digits=2)
+    except ValueError:
+        body = ("No interval yet: the stored `scope.json` (best of each mode only) predates per-repetition samples; "
+                "rerun `python -m benchmarks.bench_scope --repeats 8` on a quiet machine.")
+    return body + (f"\n\nBytes per token ({result['reference_vs_ours_bytes']:.1f}x fewer) are counted, not timed: "
+                   "the same greedy tokens give the same bytes in every repetition, so that ratio has no interval.")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "scope.json")
+    ap.add_argument("--from-json", action="store_true", help="re-render the docs intervals from the stored result")
     args = ap.parse_args(argv)
+    if args.from_json:
+        stored = json.loads(args.out.read_text())
+        stats.write_block(DOCS, BLOCK, docs_block(stored))
+        print(docs_block(stored))
+        return 0
     torch.set_num_threads(args.threads)
     model, cfg, meta = load_default_model()
     sm = ScopeModel(model, cfg, ByteTokenizer(), name="embedded gpt2-tiny", meta=meta)
     run_once(sm, "ours", 4)  # warm-up
     best: dict[str, dict] = {}
-    # interleave the modes so machine noise hits all of them alike; keep each mode's fastest run
+    per_repeat: list[dict[str, dict]] = []
+    # interleave the modes so machine noise hits all of them alike; keep each mode's fastest run, and every run
     for _ in range(args.repeats):
+        per_repeat.append({})
         for mode in ("off", "ours", "reference"):
             r = run_once(sm, mode, args.tokens)
+            per_repeat[-1][mode] = r
             if mode not in best or r["tokens_per_s"] > best[mode]["tokens_per_s"]:
                 best[mode] = r
     result = {
@@ -72,9 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         "ours_vs_reference_speed": best["ours"]["tokens_per_s"] / best["reference"]["tokens_per_s"],
         "ours_vs_off_speed": best["ours"]["tokens_per_s"] / best["off"]["tokens_per_s"],
         "reference_vs_ours_bytes": best["reference"]["bytes_per_token"] / best["ours"]["bytes_per_token"],
+        "per_repeat": per_repeat,
     }
+    result["intervals"] = intervals(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.out.resolve() == (Path(__file__).resolve().parent / "results" / "scope.json"):
+        stats.write_block(DOCS, BLOCK, docs_block(result))
     print(f"{'mode':<10} {'tokens/s':>10} {'bytes/token':>12}")
     for mode, r in best.items():
         print(f"{mode:<10} {r['tokens_per_s']:>10.1f} {r['bytes_per_token']:>12.0f}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from benchmarks.bench_dpp_real import PAIRS, QUICK_CASES, SCHEDULES, pair_name, run, table
+from benchmarks.bench_dpp_real import PAIRS, QUICK_CASES, SCHEDULES, docs_block, pair_name, run, table
 
 from megatronapp.dpp.calibrate import StepTimings, TaskTiming, calibrate, replay
 
@@ -43,6 +43,10 @@ def test_quick_run_produces_numbers():
         assert wire["blocked_s"][s][0]["F"] < 0.002, (s, wire["blocked_s"][s])
     assert wire["sim_links"]["link_latency"][0] > 0 and base["sim_links"] == {}
     assert "| none |" in table(result)
+    # one paired sample a pair on the quick run: degenerate intervals, but every pair has one and it renders
+    for r in result["cases"]:
+        assert set(r["intervals"]) == {pair_name(a, b) for a, b in PAIRS}
+    assert "interval within one run (blocks: 1)" in docs_block(result)
 
 
 def _two_stage_step(f: float, b: float, send_block: float) -> StepTimings:

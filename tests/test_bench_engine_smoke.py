@@ -31,11 +31,27 @@ def test_write_docs_replaces_only_its_section(tmp_path):
     fake = {"timestamp": "T", "config": {"size": dict(bench_engine.QUICK)}, "target_ratio": 1.05,
             "machine": {"cpus": 2, "processor": "x", "torch": "t", "load_avg_at_end": (1.0, 1.0, 1.0)},
             "cases": [{"case": "tp=2", "peer": "p", "median_s": {"ours": 1.0, "peer": 2.0}, "ratio": 0.5,
-                       "paired_ratio": 0.5, "cpu_ratio": 0.9, "losses_match": True, "first_losses_max_abs_diff": 0.0}]}
+                       "paired_ratio": 0.5, "cpu_ratio": 0.9, "losses_match": True, "first_losses_max_abs_diff": 0.0,
+                       "times_s": {"ours": [1.0, 1.0, 1.0], "peer": [2.0, 2.0, 2.0]},
+                       "cpu_s": {"ours": [0.9, 0.9, 0.9], "peer": [1.0, 1.0, 1.0]}}]}
     bench_engine.write_docs(fake, doc)
     bench_engine.write_docs(fake, doc)  # idempotent: the section is replaced, not appended twice
     text = doc.read_text()
     assert "old table" not in text and text.count(bench_engine.SECTION) == 1
     assert "keep me\n" in text and "keep me too" in text
-    assert "| tp=2 | p | 1.0000 | 2.0000 | 0.500 | 0.500 | 0.900 | yes |" in text
+    assert ("| tp=2 | p | 1.0000 | 2.0000 | 0.500 | 0.500 [0.500, 0.500] better | 0.900 [0.900, 0.900] better "
+            "| met / met | yes |") in text
+    assert "interval within one run (blocks: 1)" in text
     assert text.index("## Other benchmark") < text.index(bench_engine.SECTION) < text.index("## Later section")
+
+
+def test_blocks_pool_into_one_interval_that_widens_when_launches_disagree():
+    recs = [{"times": {"ours": [s * 1.0] * 4, "peer": [1.0] * 4}, "cpu": {"ours": [1.0] * 4, "peer": [1.0] * 4},
+             "losses": {"ours": [1.0], "peer": [1.0]}} for s in (0.98, 1.0, 1.1)]
+    pooled = bench_engine._pool(recs)
+    assert pooled["times"]["ours"] == [0.98] * 4 + [1.0] * 4 + [1.1] * 4
+    row = bench_engine.summarise("dp=2", "p", {"dp": 2}, pooled, recs)
+    iv = bench_engine.ratio_intervals(row)
+    assert iv["paired"]["blocks"] == 3 and iv["paired"]["n"] == 12
+    assert iv["paired"]["ci95"] == [0.98, 1.1] and iv["paired"]["verdict"] == "within noise"
+    assert iv["paired"]["claim"] == "unresolved" and iv["cpu"]["claim"] == "met"
