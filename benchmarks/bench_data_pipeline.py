@@ -7,9 +7,10 @@ alike. Two readers:
   in-memory   the engine's own BatchSource (the corpus is tokenized once at start-up): data time is small
   slow reader the same source with a 20 ms sleep per batch, standing in for storage or on-the-fly tokenization
               (simulated, labelled so): what MegaScale's pipeline exists to hide
-Reported per case: median data_s of the TP group's reader (rank 0) and of its TP peer (rank 1, which waits for
-the reader's broadcast), median step time, and the paired ratio on/off per repetition with a bootstrap 95%
-interval (benchmarks/stats.py).
+Reported per case: the reader's (rank 0's) time to get its batch (building it, or taking it from the prefetch
+queue: what prefetching removes), data_s of the reader and of its TP peer (rank 1; data_s also holds the
+host-to-device copy and the TP broadcast, where a rank waits for the other), median step time, and paired
+ratios on/off per repetition with a bootstrap 95% interval (benchmarks/stats.py).
 
 Run: python -m benchmarks.bench_data_pipeline          (writes benchmarks/results/data_pipeline.json, docs section)
      python -m benchmarks.bench_data_pipeline --quick  (few steps, writes nothing)
@@ -57,6 +58,15 @@ def _slow(get):
     return read
 
 
+def _timed(read, into: list[float]):
+    def timed(step):
+        t0 = time.perf_counter()
+        batch = read(step)
+        into.append(time.perf_counter() - t0)
+        return batch
+    return timed
+
+
 def worker(rank: int, world: int, size: dict[str, int], outdir: str) -> None:
     from megatronapp.train.trainer import Trainer
 
@@ -67,17 +77,26 @@ def worker(rank: int, world: int, size: dict[str, int], outdir: str) -> None:
         if case == "slow reader":
             for tr in trainers.values():
                 tr.data.get = _slow(tr.data.get)
+        got: dict[str, list[float]] = {"on": [], "off": []}  # the reader's batch-get time per step
+        for side, tr in trainers.items():
+            tr._read = _timed(tr._read, got[side])
         for tr in trainers.values():  # warm-up (the prefetcher's first batch is built inside the first step)
             for _ in range(size["warmup"]):
                 tr.train_step()
         recs: dict[str, list[list[dict[str, float]]]] = {"on": [], "off": []}
+        for side in got:
+            got[side].clear()
         for rep in range(size["reps"]):
             for side in (("on", "off") if rep % 2 == 0 else ("off", "on")):
                 dist.barrier()
-                recs[side].append([trainers[side].train_step() for _ in range(size["block"])])
+                block = [trainers[side].train_step() for _ in range(size["block"])]
+                for r, g in zip(block, got[side][-size["block"]:] if got[side] else [0.0] * size["block"]):
+                    r["get_s"] = g
+                recs[side].append(block)
         for tr in trainers.values():
             tr.close()
-        result[case] = {side: [[{"data_s": r["data_s"], "step_time": r["step_time"], "loss": r["loss"]}
+        result[case] = {side: [[{"data_s": r["data_s"], "get_s": r["get_s"], "step_time": r["step_time"],
+                                 "loss": r["loss"]}
                                 for r in block] for block in blocks] for side, blocks in recs.items()}
     (Path(outdir) / f"rank{rank}.json").write_text(json.dumps(result))
 
@@ -96,13 +115,15 @@ def run(quick: bool = False) -> dict[str, Any]:
         reader, peer = ranks[0][case], ranks[1][case]
         per_rep = {key: stats.paired_ratios(
             [statistics.median(r[key] for r in b) for b in reader["on"]],
-            [statistics.median(r[key] for r in b) for b in reader["off"]]) for key in ("data_s", "step_time")}
+            [statistics.median(r[key] for r in b) for b in reader["off"]]) for key in ("get_s", "data_s", "step_time")}
         losses_equal = all(a["loss"] == b["loss"] for ba, bb in zip(reader["on"], reader["off"])
                            for a, b in zip(ba, bb))
         cases[case] = {
+            "reader_get_s": {s: _median(reader[s], "get_s") for s in ("on", "off")},
             "reader_data_s": {s: _median(reader[s], "data_s") for s in ("on", "off")},
             "peer_data_s": {s: _median(peer[s], "data_s") for s in ("on", "off")},
             "step_time_s": {s: _median(reader[s], "step_time") for s in ("on", "off")},
+            "get_s_ratio": stats.summarize_ratios(per_rep["get_s"]),
             "data_s_ratio": stats.summarize_ratios(per_rep["data_s"]),
             "step_time_ratio": stats.summarize_ratios(per_rep["step_time"]),
             "losses_equal": losses_equal,
@@ -118,21 +139,25 @@ def _ms(x: float) -> str:
 
 
 def report(result: dict[str, Any]) -> str:
-    rows = ["| reader | data_s reader on / off (ms) | data_s TP peer on / off (ms) | step on / off (ms) | "
-            "data_s ratio on/off | step time ratio on/off |", "|---|---|---|---|---|---|"]
+    rows = ["| reader | batch get on / off (ms) | data_s reader on / off (ms) | data_s TP peer on / off (ms) | "
+            "step on / off (ms) | batch get ratio on/off | data_s ratio on/off | step time ratio on/off |",
+            "|---|---|---|---|---|---|---|---|"]
     for case, c in result["cases"].items():
         label = case if case == "in-memory" else f"{case} ({1e3 * result['slow_read_s']:.0f} ms/batch, simulated)"
-        rows.append(f"| {label} | {_ms(c['reader_data_s']['on'])} / {_ms(c['reader_data_s']['off'])} | "
+        rows.append(f"| {label} | {_ms(c['reader_get_s']['on'])} / {_ms(c['reader_get_s']['off'])} | "
+                    f"{_ms(c['reader_data_s']['on'])} / {_ms(c['reader_data_s']['off'])} | "
                     f"{_ms(c['peer_data_s']['on'])} / {_ms(c['peer_data_s']['off'])} | "
                     f"{_ms(c['step_time_s']['on'])} / {_ms(c['step_time_s']['off'])} | "
-                    f"{stats.fmt(c['data_s_ratio'])} | {stats.fmt(c['step_time_ratio'])} |")
+                    f"{stats.fmt(c['get_s_ratio'])} | {stats.fmt(c['data_s_ratio'])} | "
+                    f"{stats.fmt(c['step_time_ratio'])} |")
     m = result["machine"]
     return "\n".join(rows) + (
         f"\n\n{result['config']}; {result['size']['reps']} repetitions of {result['size']['block']} steps per side, "
         f"alternating, paired ratio per repetition (median, bootstrap 95% interval). Losses of the two sides "
-        f"equal step for step: {all(c['losses_equal'] for c in result['cases'].values())}. data_s is the time a step "
-        f"waited for its batch (prefetch queue or build, host-to-device copy, TP broadcast); the TP peer's data_s "
-        f"is mostly waiting at the broadcast for its reader, so it measures rank skew as much as data. "
+        f"equal step for step: {all(c['losses_equal'] for c in result['cases'].values())}. Batch get: the reader's "
+        f"time to obtain its batch (build it, or take it from the prefetch queue). data_s: the time a step waited for "
+        f"its batch (get, host-to-device copy, TP broadcast); at the broadcast the two TP ranks wait for each other, "
+        f"so data_s also measures rank skew, which prefetching cannot remove. "
         f"Machine: {m['cpus']} CPUs, load {m['load_avg'][0]:.1f}, torch {m['torch']}. "
         f"Raw: `benchmarks/results/data_pipeline.json` (`python -m benchmarks.bench_data_pipeline`).")
 
