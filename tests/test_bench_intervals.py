@@ -85,11 +85,14 @@ def test_dpp_real_pools_blocks_and_renders_every_pair(tmp_path):
 
 
 def test_scope_figures_render_or_say_why_not(tmp_path):
-    reps = [{"off": {"tokens_per_s": 100.0}, "ours": {"tokens_per_s": 30.0}, "reference": {"tokens_per_s": s}}
-            for s in (15.0, 20.0, 25.0)]
+    reps = [{"off": {"seconds": 0.3, "cpu_s": 0.3}, "ours": {"seconds": 1.0, "cpu_s": 1.0},
+             "reference": {"seconds": s, "cpu_s": 0.9}} for s in (2.0, 1.5, 1.2)]
     result = {"per_repeat": reps, "reference_vs_ours_bytes": 13.0}
     rows = bench_scope.intervals(result)
+    assert [r["figure"].split(", ")[-1] for r in rows] == ["wall time", "CPU time"] * 2
     assert rows[0]["value"] == pytest.approx(1.5) and rows[0]["claim"] == "met"
+    assert rows[1]["value"] == pytest.approx(0.9) and rows[1]["claim"] == "missed"
+    assert rows[2]["value"] == pytest.approx(0.3)
     text = _render(tmp_path, bench_scope.BLOCK, bench_scope.docs_block(result))
     assert "13.0x fewer" in text
     assert "No interval yet" in bench_scope.docs_block({"reference_vs_ours_bytes": 13.0})
