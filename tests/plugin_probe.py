@@ -40,3 +40,14 @@ def fail_at_second_step(trainer: Any) -> None:
 
 
 NOT_CALLABLE = 3
+
+
+PACE_S = 0.4
+
+
+def paced_steps(trainer: Any) -> None:
+    """Sleep PACE_S after every step: a run lasts long enough for a test's signals to land mid-run on a fast
+    machine (the sleep changes no number, so the run still equals an unpaced one bit for bit)."""
+    import time
+
+    trainer.hooks.on("step_end", lambda step, rec: time.sleep(PACE_S))
