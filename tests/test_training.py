@@ -157,9 +157,10 @@ def test_data_worker_stops_when_training_fails_and_its_own_error_names_the_step(
     before = _prefetch_threads()
     d = _cfg(tmp_path / "a", **{"model.num_layers": 2, "train.steps": 3})
     d["attach"] = ["tests.plugin_probe:fail_at_second_step"]
-    with pytest.raises(RuntimeError, match="probe failure at step 1"):
+    with pytest.raises(RuntimeError, match="probe failure at step 1") as failed:
         run_rank(0, 1, d)
-    assert _prefetch_threads() == before, "an exception in training left the data worker running"
+    # `failed` holds the traceback, so the trainer is still alive: only run_rank's clean-up can have stopped it
+    assert failed.tb is not None and _prefetch_threads() == before, "a failed run left the data worker running"
     real_get = BatchSource.get
 
     def flaky(self, step):
