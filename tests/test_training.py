@@ -175,6 +175,20 @@ def test_data_worker_stops_when_training_fails_and_its_own_error_names_the_step(
     assert len((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()) == 2  # steps 0 and 1 trained
 
 
+def test_middle_pipeline_stages_read_no_data(tmp_path):
+    # pp=3 built in one process (no collectives are needed on these paths): stage 1 neither embeds ids nor
+    # computes the loss, so it gets placeholders and never touches the batch source; stage 0 reads
+    cfg = RunConfig.from_dict(_cfg(tmp_path, **{"parallel.pp": 3, "model.num_layers": 3}))
+    middle = Trainer(cfg, 1)
+    middle.data.get = lambda step: pytest.fail(f"a middle stage read the batch of step {step}")
+    assert middle._batch() == [(None, None)] * cfg.parallel.microbatches and middle.prefetcher is None
+    first = Trainer(cfg, 0)
+    ids, labels = first.data.get(0)
+    got = first._batch()
+    first.close()
+    assert torch.equal(torch.cat([a for a, _ in got]), ids) and torch.equal(torch.cat([b for _, b in got]), labels)
+
+
 def test_incomplete_checkpoint_is_never_loaded(tmp_path):
     cfg = RunConfig.from_dict(_cfg(tmp_path / "run", **{"train.steps": 2}))
     tr = Trainer(cfg)
