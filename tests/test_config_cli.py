@@ -79,6 +79,16 @@ def test_cli_flags_override_yaml(tmp_path):
     assert (off.parallel.dp_overlap, off.parallel.pp_overlap) == (False, False)
 
 
+def test_data_pipeline_and_tensorboard_flags_reach_the_config():
+    cfg = config_from_args(build_parser().parse_args(["train", "--data-prefetch", "0", "--tensorboard", "runs/tb"]))
+    assert (cfg.train.data_prefetch, cfg.train.tensorboard) == (0, "runs/tb")
+    default = config_from_args(build_parser().parse_args(["train"]))
+    assert (default.train.data_prefetch, default.train.tensorboard) == (2, None)
+    default.train.data_prefetch = -1
+    with pytest.raises(ConfigError, match=r"train.data_prefetch=-1 must be >= 0"):
+        validate(default)
+
+
 def test_cli_refuses_before_starting_processes(capsys):
     code = main(["train", "--nproc", "3", "--tp", "2", "--steps", "1", "--no-progress"])
     err = capsys.readouterr().err
