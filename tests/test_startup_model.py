@@ -69,6 +69,12 @@ def test_measured_store_ops_equal_the_model():
     bad = copy.deepcopy(recs)
     bad[1]["builds"][0]["ops"]["get"] += 1
     assert any("rank 1 ordered" in p for p in bench.check_counts(bad))
+    slow = copy.deepcopy(recs)  # a barrier that waited past torch's 10 s interval: one more add and wait
+    slow[2]["builds"][2]["ops"]["add"] += 1
+    slow[2]["builds"][2]["ops"]["wait"] += 1
+    assert bench.check_counts(slow) == []
+    slow[2]["builds"][2]["ops"]["wait"] -= 2
+    assert any("rank 2 naive" in p for p in bench.check_counts(slow))
     bad = copy.deepcopy(recs)
     for r in bad:  # no rank released the naive scheme's barriers: impossible, so reported
         r["builds"][2]["ops"]["set"] = model.rank_ops("naive", "gloo", r["rank"], 1, 2, 2)["groups"].ops["set"]
