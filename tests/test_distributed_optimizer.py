@@ -28,6 +28,13 @@ def test_zero_values_and_fbd_are_refused_naming_the_field():
     validate(RunConfig.from_dict(base_case("gpt2", **{"parallel.zero": 1})))  # dp=1: allowed, one shard
 
 
+def test_parameters_that_are_not_fp32_are_refused(tmp_path):
+    tr = Trainer(RunConfig.from_dict(_cfg(tmp_path / "run")))
+    tr.chunks[0].to(torch.bfloat16)
+    with pytest.raises(ValueError, match="parallel.zero=1 needs fp32 parameters.*bfloat16"):
+        DistributedOptimizer(tr.chunks, tr.topo, tr.cfg.train)
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
 def test_one_rank_zero_steps_exactly_like_the_plain_optimizer(tmp_path, optimizer):
     """At dp=1 the one shard is every parameter: same bits as torch's AdamW (and our LAMB) on whole tensors."""

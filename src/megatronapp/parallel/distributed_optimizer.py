@@ -3,9 +3,11 @@
 Gradients live in the same flat fp32 bucket buffers as plain DP (`GradReducer`), issued in the same fixed order
 (chunks last to first, buckets by index) whatever order a pipeline policy ran the backwards in; but a bucket is
 *reduce-scattered* instead of all-reduced. Every bucket is padded to a multiple of dp, so DP rank r owns the
-contiguous slice r of every bucket. It keeps AdamW or LAMB moments (and, for parameters that are not fp32, an
-fp32 master copy) for that slice only, updates it, and the updated parameters are all-gathered over DP into a flat
-parameter buffer per bucket that the parameters are views of (Megatron's param buffer), so no unflatten copy.
+contiguous slice r of every bucket. It keeps AdamW or LAMB moments for that slice only, updates it, and the
+updated parameters are all-gathered over DP into a flat parameter buffer per bucket that the parameters are views
+of (Megatron's param buffer), so no unflatten copy. The engine's parameters are fp32 (bf16 runs compute under
+autocast), so each parameter slice is its own fp32 master: no master copy is needed, and a parameter of another
+dtype is refused (the gradient buffers, plain DP's too, bind fp32 gradients to the parameters).
 
 Everything that needs the whole reduced gradient works on the owned slices instead:
 - replicated gradients (tied embeddings across stages, sequence-parallel partials across TP) are summed over
@@ -45,7 +47,7 @@ class _Segment:
     chunk: int
     grad: torch.Tensor  # flat view into the bucket's gradient buffer
     data: torch.Tensor  # flat view into the bucket's parameter buffer
-    shard: nn.Parameter  # what the optimizer steps: `data` itself for fp32 parameters, else an fp32 master copy
+    shard: nn.Parameter  # what the optimizer steps: an alias of `data` (the parameter is its own fp32 master)
 
 
 class _ShardedLAMB(torch.optim.Optimizer):
@@ -99,6 +101,11 @@ class DistributedOptimizer(GradReducer):
     def __init__(self, chunks: list[nn.Module], topo: Topology, tcfg: TrainConfig, bucket_mb: float = 4.0,
                  overlap: bool = True):
         self.topo, self.chunks = topo, chunks
+        for c in chunks:
+            for name, p in c.named_parameters():
+                if p.requires_grad and p.dtype != torch.float32:
+                    raise ValueError(f"parallel.zero=1 needs fp32 parameters (bf16 runs keep fp32 weights and compute "
+                                     f"under autocast); {name} is {p.dtype}")
         self.dp, self.dp_rank = topo.dp_group.size, topo.dp_group.rank_in(topo.rank)
         self.device = next(p.device for c in chunks for p in c.parameters())
         super().__init__(chunks, topo.dp_group, bucket_mb, overlap)
@@ -107,7 +114,6 @@ class DistributedOptimizer(GradReducer):
         self.tp_shard_mask = torch.tensor([bool(getattr(p, "tensor_parallel", False)) for p in self.all_params])
         self.segments: list[_Segment] = []
         self.pbufs: dict[tuple[int, int], torch.Tensor] = {}
-        self.masters_fp32 = 0  # bytes of fp32 master copies (parameters that are not fp32 themselves)
         for c, buckets in self.buckets.items():
             for bi, b in enumerate(buckets):
                 self.pbufs[(c, bi)] = self._bind_params(b, c, index)
@@ -127,19 +133,17 @@ class DistributedOptimizer(GradReducer):
 
     # -- layout -------------------------------------------------------------------------------------------
     def _bucket_params(self, chunk: nn.Module) -> list[list[nn.Parameter]]:
-        """As plain DP, but one dtype per bucket and a tied embedding alone in its bucket (so the first and the
-        last stage slice it identically)."""
+        """As plain DP, but a tied embedding alone in its bucket (so the first and last stage slice it alike)."""
         shared = chunk.shared_embedding_weight() if hasattr(chunk, "shared_embedding_weight") else None
         params = [p for p in chunk.parameters() if p.requires_grad][::-1]
         groups, cur, size = [], [], 0
         for p in params:
-            if p is shared or (cur and p.dtype != cur[0].dtype):
+            if p is shared:
                 if cur:
                     groups.append(cur)
+                groups.append([p])
                 cur, size = [], 0
-                if p is shared:
-                    groups.append([p])
-                    continue
+                continue
             cur.append(p)
             size += p.numel() * 4
             if size >= self.bucket_bytes:
@@ -160,7 +164,7 @@ class DistributedOptimizer(GradReducer):
 
     def _bind_params(self, b: _Bucket, chunk: int, index: dict[int, int]) -> torch.Tensor:
         """Move the bucket's parameters into one flat buffer (they become views of it); record owned segments."""
-        pbuf = torch.zeros(b.buffer.numel(), dtype=b.params[0].dtype, device=b.buffer.device)
+        pbuf = torch.zeros_like(b.buffer)  # fp32, like the parameters
         lo, hi = self._owned(b)
         offset = 0
         for p in b.params:
@@ -170,11 +174,7 @@ class DistributedOptimizer(GradReducer):
             a, z = max(lo, offset), min(hi, offset + n)
             if a < z:
                 data = pbuf[a:z]
-                if p.dtype == torch.float32:
-                    shard = nn.Parameter(data)  # shares the storage: the update lands in the parameter
-                else:
-                    shard = nn.Parameter(data.detach().float().clone())
-                    self.masters_fp32 += shard.numel() * 4
+                shard = nn.Parameter(data)  # shares the storage: the update lands in the parameter
                 shard.grad = b.buffer[a:z]
                 self.segments.append(_Segment(p, index[id(p)], chunk, b.buffer[a:z], data, shard))
             offset += n
@@ -249,9 +249,6 @@ class DistributedOptimizer(GradReducer):
     def step(self) -> None:
         """Update the owned slices, then all-gather every bucket's parameters over DP (issued together)."""
         self.inner.step()
-        for s in self.segments:
-            if s.shard.data_ptr() != s.data.data_ptr():
-                s.data.copy_(s.shard)  # an fp32 master back into a lower-precision parameter
         handles = [comm.all_gather_inplace_async(self.pbufs[(c, bi)], self.dp_group, label=f"param chunk {c} "
                                                  f"bucket {bi}") for c, bi in self._order]
         for h in handles:
@@ -265,16 +262,15 @@ class DistributedOptimizer(GradReducer):
             h.wait()
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: moments (and steps) plus fp32 master copies."""
-        return _state_tensor_bytes(self.inner) + self.masters_fp32
+        """Bytes of optimizer state on this rank: moments and step counters (no master copies: see above)."""
+        return _state_tensor_bytes(self.inner)
 
     def _layout(self) -> list[list[int]]:
         return [[s.index, s.shard.numel()] for s in self.segments]
 
     def state_dict(self) -> dict:
-        masters = [s.shard.detach().clone() for s in self.segments if s.shard.data_ptr() != s.data.data_ptr()]
         return {"zero": 1, "dp": self.dp, "dp_rank": self.dp_rank, "layout": self._layout(),
-                "inner": self.inner.state_dict(), "masters": masters}
+                "inner": self.inner.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("zero") != 1 or state.get("dp") != self.dp or state.get("layout") != self._layout():
@@ -282,11 +278,6 @@ class DistributedOptimizer(GradReducer):
                              f"and another slicing of the buckets; this run has zero=1, dp={self.dp}: resume with "
                              f"the same parallel.zero, dp and parallel.grad_bucket_mb")
         self.inner.load_state_dict(state["inner"])
-        masters = iter(state["masters"])
-        with torch.no_grad():
-            for s in self.segments:
-                if s.shard.data_ptr() != s.data.data_ptr():
-                    s.shard.copy_(next(masters))
 
 
 def _state_tensor_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -295,7 +286,7 @@ def _state_tensor_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def optimizer_state_bytes(optimizer) -> int:
-    """Bytes this rank holds for the optimizer (moments, step counters, fp32 masters), for either optimizer."""
+    """Bytes this rank holds for optimizer state (moments, step counters), for either optimizer."""
     if isinstance(optimizer, DistributedOptimizer):
         return optimizer.state_bytes()
     return _state_tensor_bytes(optimizer)
