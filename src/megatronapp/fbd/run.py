@@ -64,6 +64,11 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
     out = Path(t.out)
     log = MetricsLog(out / "metrics.jsonl") if lead else None
     progress = Progress(t.steps, enabled=lead and t.progress)
+    tb = None
+    if lead and t.tensorboard:  # the engine's writer, imported only with the flag
+        from megatronapp.train.tensorboard import TensorBoardLog
+
+        tb = TensorBoardLog(t.tensorboard)
     tokens_per_step = t.global_batch_size * t.seq_len
     history: list[dict[str, float]] = []
     t_start = time.perf_counter()
@@ -77,11 +82,15 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
             history.append(rec)
             if lead:
                 log.log(rec)
+                if tb is not None:
+                    tb.log(rec)
                 progress.update(r.step, rec["loss"], rec["tokens_per_s"], 0.0, rec["mem_bytes"], rec["lr"])
     finally:
         r.close()
         if log is not None:
             log.close()
+        if tb is not None:
+            tb.close()
     wall = time.perf_counter() - t_start
     summary = {"steps": r.step, "role": r.role, "world_size": world, "out": str(out),
                "first_loss": history[0]["loss"] if history else math.nan,
