@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatronapp.scan import ring
 from megatronapp.scan.evidence import excursion_noise, floor_findings, posting_stall, stall_link_findings
 from megatronapp.scan.findings import KINDS, Finding, Report, Thresholds
 from megatronapp.scan.format import CAT_INDEX, RankTrace
@@ -463,8 +464,18 @@ def links_and_waits(tb: Table, ph: Phases, th: Thresholds, offsets: dict[int, in
         ci = cls * S + tb.seq[coll][first]
         uc, cm, _ = group_median(ci, ctime)
         ratio = ctime / np.maximum(_lookup(uc, cm, ci), 1.0)
-        findings += _link_findings(tb, th, g_of, cls, ratio, ctime, lambda g: tb.groups[int(g)][1],
-                                   "collective")
+        # A slow group is narrowed to the slow link inside it where the members' exit order singles one out.
+        # Exits are put on one clock through the groups that leave together (ring.bridge_offsets), also when
+        # offsets are given: their alignment anchored on the slow group's exits too, which do not coincide.
+        slow = _link_findings(tb, th, g_of, cls, ratio, ctime, lambda g: tb.groups[int(g)][1], "collective")
+        gids = [[g for g, (_, r) in enumerate(tb.groups) if r == f.ranks] for f in slow]
+        bridge = ring.bridge_offsets(tb, coll, inst, {g for x in gids for g in x}) \
+            if any(len(f.ranks) > 2 for f in slow) else {}
+        for f, mine_g in zip(slow, gids):
+            mine = np.isin(tb.gkey[coll], mine_g)
+            rk = tb.rank[coll][mine]
+            value = tb.end[coll][mine] - np.array([bridge.get(int(r), np.nan) for r in rk])
+            findings.append(ring.localise(tb, th, f, tb.groups[mine_g[0]][0], rk, inst[mine], value))
 
     cw_all = _seg_cumwait(tb, wait)
     blame_rows = [f(cw_all) for f in deferred]  # (culprit row index, ns)

@@ -6,6 +6,11 @@ ends with the DP gradient all-reduce and the optimizer. A rank starts an op when
 delay propagates the way it does on hardware: a slow rank makes its TP peers wait in the all-reduce, the next
 stage wait in recv, and every DP replica wait at the gradient all-reduce.
 
+Collectives are rings (group order, as NCCL's default and the engine's): healthy members leave together, a
+moment after the last arrival plus the collective's cost; a slow link between two ring neighbours makes its
+receiver leave last and every member after it a step earlier, its sender first (`ring_shift`), which is what
+MegaScan's localisation of a slow link inside a group reads. Without a slow link the outputs are what they were.
+
 Vectorised over the (dp, tp) plane: one numpy step per (stage, task) of the static 1F1B order, so 12,288 ranks
 cost the same number of Python steps as 8. Each rank's clock has its own offset (files are written in local
 time, like real ones); the ground truth goes to `ground_truth.json`, never into the rank files.
@@ -177,6 +182,25 @@ class SimResult:
     drift_ppm: list[float] = field(default_factory=list)  # local clock = offset + (1 + ppm * 1e-6) * true time
 
 
+def ring_shift(n: int, a: int, b: int, factor: float) -> np.ndarray:
+    """Per ring position: how much earlier than the last member it leaves a ring collective whose link between
+    positions a and b is `factor` times slower, in units of the collective's nominal cost.
+
+    A ring all-reduce over n members is 2(n-1) steps of one chunk (cost c = C / (2(n-1))) from each member to its
+    successor. The slow link carries its chunks at f*c each, so its receiver q gets chunk k at ~(k+1)*f*c and is
+    last out at f*C; the member d places downstream of q gets every chunk d hops later at healthy speed, so it
+    leaves d*(f-1)*c earlier, and the link's sender (d = n-1) leaves first. Only the direction the ring uses is
+    slow in effect (a->b when b follows a, else b->a). A ring of two uses both directions of the cable: everyone
+    leaves together, as does a ring that does not use the link at all (ranks not adjacent in group order; NCCL's
+    trees or other rings might, which this model leaves to the group-wide slowdown)."""
+    out = np.zeros(n)
+    if n <= 2 or (b - a) % n not in (1, n - 1):
+        return out
+    q = b if (b - a) % n == 1 else a
+    d = (np.arange(n) - q) % n
+    return d * (factor - 1.0) / (2 * (n - 1))
+
+
 def simulate_spans(world: int, tp: int, pp: int, dp: int, iterations: int, microbatches: int,
                    faults: list[Fault], seed: int, costs: Costs) -> dict[str, np.ndarray]:
     """Run the simulation; return one concatenated span table in true (global) time, ns."""
@@ -193,6 +217,10 @@ def simulate_spans(world: int, tp: int, pp: int, dp: int, iterations: int, micro
     p2p_fac = np.ones((pp, pp, dp, tp))  # [src stage, dst stage] per column
     tp_fac = np.ones((pp, dp))
     dp_fac = np.ones((pp, tp))
+    # How much earlier than the group's last member each member leaves a ring collective (in units of the
+    # collective's nominal cost): zero unless one ring link is slow (ring_shift).
+    tp_shift = np.zeros((pp, dp, tp))
+    dp_shift = np.zeros((pp, dp, tp))
 
     def where(r: int) -> tuple[int, int, int]:
         if not 0 <= r < world:
@@ -213,9 +241,11 @@ def simulate_spans(world: int, tp: int, pp: int, dp: int, iterations: int, micro
                 p2p_fac[sa, sb, da, ta] *= f.factor
                 p2p_fac[sb, sa, da, ta] *= f.factor
             elif (sa, da) == (sb, db):
-                tp_fac[sa, da] *= f.factor  # a ring all-reduce runs at the pace of its slowest link
+                tp_fac[sa, da] *= f.factor  # the ring's last member out leaves at the pace of its slowest link
+                tp_shift[sa, da, :] += ring_shift(tp, ta, tb, f.factor)
             elif (sa, ta) == (sb, tb):
                 dp_fac[sa, ta] *= f.factor
+                dp_shift[sa, :, ta] += ring_shift(dp, da, db, f.factor)
             else:
                 raise ValueError(f"slow-link {f.ranks[0]}-{f.ranks[1]}: the two ranks share no TP, DP or "
                                  "adjacent-stage PP link; pick neighbours in one parallel group")
@@ -257,8 +287,10 @@ def simulate_spans(world: int, tp: int, pp: int, dp: int, iterations: int, micro
                 c = c + paused[s]  # a GC / preemption pause lands inside the first forward
             arrive = T[s] + c
             if tp > 1:
-                end = arrive.max(axis=1) + costs.tp_all_reduce * MS * tp_fac[s] * noise(costs.comm_noise, dp)
-                leave = end[:, None] + rng.uniform(0, 0.02 * MS, (dp, tp))
+                nz = noise(costs.comm_noise, dp)
+                end = arrive.max(axis=1) + costs.tp_all_reduce * MS * tp_fac[s] * nz
+                early = costs.tp_all_reduce * MS * nz[:, None] * tp_shift[s]
+                leave = end[:, None] - early + rng.uniform(0, 0.02 * MS, (dp, tp))
                 out.emit(R[s], "all_reduce", "comm", arrive, leave - arrive, it, 1, tp_seq[s], None, 4 << 20, j)
                 tp_seq[s] += 1
                 arrive = leave
@@ -268,8 +300,10 @@ def simulate_spans(world: int, tp: int, pp: int, dp: int, iterations: int, micro
             if 0 <= dst < pp:
                 sent[(s, kind, j)] = T[s].copy()  # isend: the stage goes on, the receiver picks it up
         if dp > 1:
-            end = T.max(axis=1) + costs.dp_all_reduce * MS * dp_fac * noise(costs.comm_noise, (pp, tp))
-            leave = end[:, None, :] + rng.uniform(0, 0.05 * MS, T.shape)
+            nz = noise(costs.comm_noise, (pp, tp))
+            end = T.max(axis=1) + costs.dp_all_reduce * MS * dp_fac * nz
+            early = costs.dp_all_reduce * MS * nz[:, None, :] * dp_shift
+            leave = end[:, None, :] - early + rng.uniform(0, 0.05 * MS, T.shape)
             for s in range(pp):
                 out.emit(R[s], "all_reduce", "comm", T[s], leave[s] - T[s], it, 3, dp_seq[s], None,
                          costs.grad_bytes)
