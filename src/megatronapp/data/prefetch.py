@@ -77,7 +77,7 @@ class Prefetcher:
                 got, batch, error = self._queue.get(timeout=_POLL_S)
                 break
             except queue.Empty:
-                if not self._thread.is_alive():
+                if not self._thread.is_alive() and self._queue.empty():  # (a last item, e.g. its error, is read)
                     raise DataWorkerError(f"the data worker stopped before building the batch of step {step}"
                                           ) from None
         if error is not None:
