@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from megatronapp.cli import main
 from megatronapp.resilience.diagnose import analyse, report
 
@@ -31,3 +33,21 @@ def test_outlier_statistics_name_the_slow_rank_only():
     text = report(a)
     assert "rank 2 (DP2-PP0-TP0): GEMM" in text and "rank 3 (DP3-PP0-TP0): memory check FAILED" in text
     assert analyse([_rank(0, 1.0), _rank(1, 1.1), _rank(2, 0.9)])["gemm"] == []  # noise is not an outlier
+
+
+def test_group_probe_names_the_slow_ring_link_on_real_ranks(tmp_path, capsys):
+    # The probe MegaScan's slow-link finding suggests: only the ring-neighbour links of one DP group.
+    out = tmp_path / "ring.json"
+    code = main(["diagnose", "--nproc", "4", "--group", "dp:2", "--inject", "slow-link=1-2:20", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["ring"] == {"group": "dp[0, 1, 2, 3]", "links": ["0-1", "1-2", "2-3", "3-0"]}
+    assert sorted(k for r in result["raw"] for k in r["pairs"]) == ["0-1", "1-2", "2-3", "3-0"]  # no other pair
+    assert [o["who"] for o in result["p2p_latency"]] == ["1-2"]
+    assert "ring links of dp[0, 1, 2, 3] probed: 0-1, 1-2, 2-3, 3-0; slow: 1-2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", ["ep:1", "dp:x", "dp:9"])
+def test_group_probe_rejects_a_bad_group(bad, capsys):
+    assert main(["diagnose", "--nproc", "4", "--group", bad]) != 0  # refused before any rank starts
+    assert f"--group '{bad}'" in capsys.readouterr().err

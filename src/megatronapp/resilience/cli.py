@@ -32,7 +32,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
     from megatronapp import faults
-    from megatronapp.resilience.diagnose import report, run
+    from megatronapp.resilience.diagnose import GROUP_KINDS, report, run
 
     tp, pp = args.tp or 1, args.pp or 1
     dp = args.dp or args.nproc // (tp * pp)
@@ -40,7 +40,16 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc {args.nproc} must be >= 2 and equal tp*pp*dp = {tp}*{pp}*{dp}")
     for spec in args.inject:
         faults.parse(spec)
-    result = run(args.nproc, (tp, pp, dp), args.inject)
+    group = None
+    if args.group:
+        kind, _, at = args.group.partition(":")
+        if kind not in GROUP_KINDS or (at and not at.isdigit()):
+            raise ConfigError(f"--group {args.group!r}: expected KIND[:RANK] with KIND one of "
+                              f"{', '.join(GROUP_KINDS)} (e.g. dp:5, the DP group holding rank 5)")
+        group = (kind, int(at or 0))
+        if group[1] >= args.nproc:
+            raise ConfigError(f"--group {args.group!r}: rank {group[1]} is outside --nproc {args.nproc}")
+    result = run(args.nproc, (tp, pp, dp), args.inject, group)
     print(report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -58,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--dp", type=int)
     d.add_argument("--inject", action="append", default=[],
                    help="make a rank or link bad: slow-compute=RANK:FACTOR, slow-link=A-B:MS (repeatable)")
+    d.add_argument("--group", metavar="KIND[:RANK]",
+                   help="test only the ring-neighbour links of one group (tp, pp, dp or world; the one holding "
+                        "RANK, default 0) instead of every pair: confirms a slow link MegaScan found inside it")
     d.add_argument("--json", help="also write the results here")
     d.set_defaults(func=cmd_diagnose)
     p = sub.add_parser("resilience", help="resilience tools: effective-training-time simulation")

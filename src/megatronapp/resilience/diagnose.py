@@ -72,6 +72,35 @@ def _pairs_rounds(world: int) -> list[list[tuple[int, int]]]:
     return rounds
 
 
+GROUP_KINDS = ("tp", "pp", "dp", "world")
+
+
+def group_members(topo: topology_mod.Topology, kind: str, rank: int) -> tuple[int, ...]:
+    """Global ranks, in group order, of the `kind` group that holds `rank`."""
+    return tuple(range(topo.world_size)) if kind == "world" else getattr(topo, f"{kind}_ranks")(rank)
+
+
+def ring_pairs(topo: topology_mod.Topology, kind: str, rank: int) -> list[tuple[int, int]]:
+    """The ring-neighbour links (a -> b, group order, wrapping) of the `kind` group that holds `rank`: the links a
+    ring collective over that group uses (NCCL's default ring and gloo's follow rank order within the group)."""
+    members = group_members(topo, kind, rank)
+    n = len(members)
+    return [] if n < 2 else [(members[i], members[(i + 1) % n]) for i in range(n if n > 2 else 1)]
+
+
+def _ring_rounds(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Ring links in rounds of disjoint pairs (even links, odd links, and the closing one of an odd ring)."""
+    rounds: list[list[tuple[int, int]]] = []
+    for link in pairs:
+        for rd in rounds:
+            if not {*link} & {r for p in rd for r in p}:
+                rd.append(link)
+                break
+        else:
+            rounds.append([link])
+    return rounds
+
+
 def _p2p(me: int, peer: int, world_group: topology_mod.Group) -> dict[str, float] | None:
     """Ping-pong with `peer`; the lower rank times it and returns latency (s) and bandwidth (GiB/s)."""
     small, big = torch.zeros(1), torch.zeros(1 << 20)  # 4 B and 4 MiB
@@ -90,8 +119,12 @@ def _p2p(me: int, peer: int, world_group: topology_mod.Group) -> dict[str, float
     return {"latency_s": lat, "gib_s": big.numel() * 4 / (1 << 30) / max(bw_t - lat, 1e-9)} if me < peer else None
 
 
-def diagnose_rank(rank: int, world: int, shape: tuple[int, int, int], inject: list[str], out: str) -> None:
-    """Entry of one rank (launch.spawn): every test, results to `<out>/rank<r>.json`."""
+def diagnose_rank(rank: int, world: int, shape: tuple[int, int, int], inject: list[str], out: str,
+                  group: tuple[str, int] | None = None) -> None:
+    """Entry of one rank (launch.spawn): every test, results to `<out>/rank<r>.json`.
+
+    With `group` (kind, rank) the pairs tested are the ring-neighbour links of that one group, not every pair of
+    the world (which at scale is out of reach): the probe that confirms a slow link MegaScan found inside it."""
     from megatronapp import faults  # the drills are a plug-in module; diagnose uses them as the trainer does
 
     comm.reset()
@@ -102,9 +135,14 @@ def diagnose_rank(rank: int, world: int, shape: tuple[int, int, int], inject: li
         res: dict[str, Any] = {"rank": rank, "label": topo.coord.label(), "gemm_tflops": _gemm(),
                                "memory": _memory(), "pairs": {}, "groups": {}}
         world_group = topo.groups["world"]
-        for pairs in _pairs_rounds(world):
+        rings = ring_pairs(topo, *group) if group else []
+        if group:
+            res["ring"] = {"group": f"{group[0]}{list(group_members(topo, *group))}",
+                           "links": [f"{a}-{b}" for a, b in rings]}
+        for pairs in _ring_rounds(rings) if group else _pairs_rounds(world):
             for a, b in pairs:
                 if rank in (a, b):
+                    # The lower rank times the pair; the ring link keeps its direction in the name.
                     got = _p2p(rank, b if rank == a else a, world_group)
                     if got:
                         res["pairs"][f"{a}-{b}"] = got
@@ -157,7 +195,8 @@ def analyse(results: list[dict[str, Any]]) -> dict[str, Any]:
     slow_groups = [o for same in kinds.values() for o in _outliers(same, higher_is_better=False)]
     ends = Counter(int(e) for o in slow_bw + slow_lat for e in o["who"].split("-"))
     link_suspect = [r for r, c in ends.items() if c == max(ends.values())] if ends else []
-    return {"ranks": {r["rank"]: r["label"] for r in results}, "gemm": gemm, "memory": memory,
+    ring = next((r["ring"] for r in results if r.get("ring")), None)
+    return {"ranks": {r["rank"]: r["label"] for r in results}, "ring": ring, "gemm": gemm, "memory": memory,
             "memory_errors": bad_memory, "p2p_bandwidth": slow_bw, "p2p_latency": slow_lat,
             "allreduce": slow_groups, "link_suspects": sorted(link_suspect) if len(ends) > 1 else [],
             "raw": results}
@@ -180,16 +219,21 @@ def report(a: dict[str, Any]) -> str:
         lines.append(f"link {o['who']}: P2P latency {o['value'] * 1e6:.0f} us, {o['factor']:.1f}x the median pair")
     for o in a["allreduce"]:
         lines.append(f"group {o['who']}: all-reduce {o['value'] * 1e3:.2f} ms, {o['factor']:.1f}x similar groups")
+    if a.get("ring"):
+        slow = {o["who"] for o in a["p2p_bandwidth"] + a["p2p_latency"]}
+        lines.append(f"ring links of {a['ring']['group']} probed: {', '.join(a['ring']['links'])}; "
+                     + (f"slow: {', '.join(sorted(slow))}" if slow else "none stands out"))
     if a["link_suspects"]:
         lines.append(f"rank(s) at the end of most slow links: {', '.join(map(str, a['link_suspects']))}")
     return "\n".join(lines) if lines else "no outliers: every rank, pair and group within the noise of its peers"
 
 
-def run(nproc: int, shape: tuple[int, int, int], inject: list[str]) -> dict[str, Any]:
-    """Spawn the ranks, run every test, analyse."""
+def run(nproc: int, shape: tuple[int, int, int], inject: list[str], group: tuple[str, int] | None = None
+        ) -> dict[str, Any]:
+    """Spawn the ranks, run every test, analyse (`group`: probe only that group's ring links)."""
     from megatronapp.launch import spawn
 
     with tempfile.TemporaryDirectory(prefix="diagnose-") as out:
-        spawn(diagnose_rank, nproc, shape, inject, out)
+        spawn(diagnose_rank, nproc, shape, inject, out, group)
         results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(nproc)]
     return analyse(results)
