@@ -469,13 +469,16 @@ def links_and_waits(tb: Table, ph: Phases, th: Thresholds, offsets: dict[int, in
         # offsets are given: their alignment anchored on the slow group's exits too, which do not coincide.
         slow = _link_findings(tb, th, g_of, cls, ratio, ctime, lambda g: tb.groups[int(g)][1], "collective")
         gids = [[g for g, (_, r) in enumerate(tb.groups) if r == f.ranks] for f in slow]
-        bridge = ring.bridge_offsets(tb, coll, inst, {g for x in gids for g in x}) \
-            if any(len(f.ranks) > 2 for f in slow) else {}
+        flagged = {g for x in gids for g in x}
+        bridge, part = ring.bridge_offsets(tb, coll, inst, flagged) if any(len(f.ranks) > 2 for f in slow) \
+            else (None, None)
         for f, mine_g in zip(slow, gids):
             mine = np.isin(tb.gkey[coll], mine_g)
             rk = tb.rank[coll][mine]
-            value = tb.end[coll][mine] - np.array([bridge.get(int(r), np.nan) for r in rk])
+            one_clock = bridge is not None and len(set(part[list(f.ranks)])) == 1
+            value = tb.end[coll][mine] - (bridge[rk] if one_clock else np.nan)
             findings.append(ring.localise(tb, th, f, tb.groups[mine_g[0]][0], rk, inst[mine], value))
+        findings += ring.scan_groups(tb, th, coll, inst, flagged)  # weak ring links the group test cannot see
 
     cw_all = _seg_cumwait(tb, wait)
     blame_rows = [f(cw_all) for f in deferred]  # (culprit row index, ns)

@@ -95,6 +95,13 @@ class Report:
                              f"iterations {ev['iterations']}")
             elif "iterations" in ev:
                 lines.append(f"      iterations {ev['iterations']}; ops {ev.get('ops', {})}")
+            if ev.get("method") == "ring exit pattern":
+                more = " ..." if len(ev["group"]) > 8 else ""
+                lines.append(f"      in {ev['group_kind']} group {ev['group'][:8]}{more} ({len(ev['group'])} ranks)"
+                             f": exits step {ev['exit_step_ms']:.3f} ms across this link, "
+                             f"the next largest {ev['next_step_ms']:.3f} ms")
+            if ev.get("probe"):
+                lines.append(f"      confirm: {ev['probe']}")
             if ev.get("others_waited_ms"):
                 lines.append(f"      others waited {ev['others_waited_ms']:.1f} ms for it")
             if ev.get("method") == "send stalls":

@@ -9,10 +9,13 @@ rings leave together (no step), and a slow member (compute) arrives late but lea
 
 Per group: each member's exit, put on one clock through the groups that DO leave together (bridge_offsets: a
 duration in the collective would mix in arrival skew, which at a DP all-reduce is as large as the step), minus
-the instance median, then the median over every instance the group ran. The best-fitting
-sawtooth names the step; the pair is reported only when that step
-stands clear of every other neighbour-to-neighbour difference (robust z over the n candidate pairs, twice the
-runner-up, and in most instances). Otherwise the finding stays on the group and says the pair could not be told.
+the instance median, then the median over every instance the group ran. The best-fitting sawtooth names the
+step; the pair is reported only when that step stands clear of every other neighbour-to-neighbour difference
+(robust z over the n candidate pairs, twice the runner-up, and in most instances). Otherwise the finding stays
+on the group and says the pair could not be told.
+A weak link hardly slows its group as a whole (the last arriver's duration rises only (1+f)/2-fold), so every
+group of three or more is also screened for a step (scan_groups), and the candidates are judged on offsets
+bridged without them, against healthy groups of the same kind left out the same way (their steps are the noise).
 Limits: the ring is assumed to follow group order (NCCL's rings follow rank order within a node but may reorder
 across nodes, and tree algorithms have no ring); a ring of two is already a pair.
 """
@@ -28,7 +31,8 @@ if TYPE_CHECKING:
     from megatronapp.scan.detect import Table
 
 MS = 1e6
-_SWEEPS = 30  # relaxation sweeps over the bridge graph
+_CG_STEPS = 300  # conjugate-gradient steps for the bridge's least squares (converges in far fewer)
+_MAX_SCREENED = 8  # groups judged again after the screen (each costs one bridge)
 
 
 def _coord(tb: Table, r: int) -> dict:
@@ -42,8 +46,9 @@ def probe_command(tb: Table, kind: str, rank: int) -> str:
     return f"megatronapp diagnose --nproc {tb.world} --tp {tp} --pp {pp} --dp {dp} --group {kind}:{rank}"
 
 
-def bridge_offsets(tb: Table, coll: np.ndarray, inst: np.ndarray, slow: set[int]) -> dict[int, float]:
-    """Clock offsets (ns, relative within each connected part) from the exits of every HEALTHY collective group.
+def bridge_offsets(tb: Table, coll: np.ndarray, inst: np.ndarray, slow: set[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank: clock offset (ns; NaN if unreached) from the exits of every HEALTHY collective group, and the
+    connected part it was reached in (offsets of different parts are unrelated: compare within one part only).
 
     Without a global clock, members of the slow group are compared through groups that leave together: a DP
     member's TP peers sit in other DP groups, whose members leave together, and whose TP peers are the slow
@@ -74,25 +79,51 @@ def bridge_offsets(tb: Table, coll: np.ndarray, inst: np.ndarray, slow: set[int]
         adj.setdefault(root, []).append((r, d))
         adj.setdefault(r, []).append((root, -d))
     off: dict[int, float] = {}
+    part = np.full(tb.world, -1)
     for start in adj:
         if start in off:
             continue
         off[start] = 0.0
+        part[start] = start
         todo = deque([start])
         while todo:
             u = todo.popleft()
             for v, d in adj[u]:
                 if v not in off:
                     off[v] = off[u] + d
+                    part[v] = start
                     todo.append(v)
-    # One path's errors add up hop by hop; a few relaxation sweeps average over all the paths nearby.
+    # One path's errors add up hop by hop: least squares over every edge instead (conjugate gradients on the
+    # graph Laplacian, from the breadth-first offsets), so each offset averages all the paths to it.
     x = np.zeros(tb.world)
     x[list(off)] = list(off.values())
-    deg = np.bincount(src, minlength=tb.world) + np.bincount(dst, minlength=tb.world)
-    for _ in range(_SWEEPS):
-        acc = np.bincount(src, x[dst] + med, tb.world) + np.bincount(dst, x[src] - med, tb.world)
-        x = np.where(deg > 0, acc / np.maximum(deg, 1), x)
-    return {r: float(x[r]) for r in off}
+    W = tb.world
+    deg = np.bincount(src, minlength=W) + np.bincount(dst, minlength=W)
+
+    def lap(v: np.ndarray) -> np.ndarray:
+        return deg * v - np.bincount(src, v[dst], W) - np.bincount(dst, v[src], W)
+
+    # Solved for the correction to the breadth-first offsets: clocks days apart make offsets ~1e14 ns, and the
+    # iteration must not work with those (rounding); the correction is microseconds.
+    rhs = np.bincount(src, med, W) - np.bincount(dst, med, W)
+    res = rhs - lap(x)
+    y = np.zeros(W)
+    d = res.copy()
+    rr = float(res @ res)
+    for _ in range(_CG_STEPS):
+        if rr <= W * 1.0:  # 1 ns RMS per rank: far below any step that matters (they are >= 10 us)
+            break
+        ld = lap(d)
+        curv = float(d @ ld)
+        if curv <= 0:
+            break
+        alpha = rr / curv
+        y += alpha * d
+        res -= alpha * ld
+        rr, rr_old = float(res @ res), rr
+        d = res + (rr / rr_old) * d
+    x = x + y
+    return np.where(part >= 0, x, np.nan), part
 
 
 def exit_pattern(members: tuple[int, ...], rank: np.ndarray, inst: np.ndarray, value: np.ndarray
@@ -108,8 +139,21 @@ def exit_pattern(members: tuple[int, ...], rank: np.ndarray, inst: np.ndarray, v
     return (np.median(res, axis=0) if len(res) else np.full(len(members), np.nan)), res
 
 
+def sawtooth(r: np.ndarray, noise: float = 0.0) -> tuple[int, float, float, float]:
+    """(receiver position q, its step above the typical one, the next largest step, robust z) of the best-fitting
+    sawtooth: receiver q highest, each later member one notch lower (by correlation over all q)."""
+    n = len(r)
+    step = r - np.roll(r, 1)  # step[i]: member i's exit minus its ring predecessor's
+    t = -((np.arange(n)[None, :] - np.arange(n)[:, None]) % n).astype(float)
+    q = int(np.argmax((t - t.mean(axis=1, keepdims=True)) @ (r - r.mean())))
+    others = np.delete(step, q)
+    med = float(np.median(others))
+    spread = 1.4826 * float(np.median(np.abs(others - med)))
+    return q, float(step[q] - med), float(np.max(others) - med), float(step[q] - med) / max(spread, noise, 10.0)
+
+
 def localise(tb: Table, th: Thresholds, f: Finding, kind: str, rank: np.ndarray, inst: np.ndarray,
-             value: np.ndarray) -> Finding:
+             value: np.ndarray, comparisons: int = 1, noise: float = 0.0) -> Finding:
     """The group finding `f` turned into a finding on the pair whose link is slow, or `f` saying why not."""
     members = f.ranks
     n = len(members)
@@ -117,21 +161,11 @@ def localise(tb: Table, th: Thresholds, f: Finding, kind: str, rank: np.ndarray,
         return f
     probe = probe_command(tb, kind, members[0]) if kind in ("tp", "pp", "dp", "world") else None
     r, per_inst = exit_pattern(members, rank, inst, value)
-    step = r - np.roll(r, 1)  # step[i]: member i's exit minus its ring predecessor's
-    if len(per_inst) and np.isfinite(step).all():
-        # Sawtooth fit: receiver q highest, each later member one notch lower; the best q by correlation.
-        t = -((np.arange(n)[None, :] - np.arange(n)[:, None]) % n).astype(float)
-        score = (t - t.mean(axis=1, keepdims=True)) @ (r - r.mean())
-        q = int(np.argmax(score))
-        others = np.delete(step, q)
-        med = float(np.median(others))
-        spread = 1.4826 * float(np.median(np.abs(others - med)))
-        runner = float(np.max(others) - med)
-        jump = float(step[q] - med)
-        z = jump / max(spread, 10.0)  # ns: identical steps are not infinitely sure
+    if len(per_inst) and np.isfinite(r).all():
+        q, jump, runner, z = sawtooth(r, noise)
         inst_step = per_inst[:, q] - per_inst[:, q - 1]
         frac = float(np.mean(inst_step >= jump / 2))
-        zmin = th.z_for(th.link_z, n)
+        zmin = th.z_for(th.link_z, n * comparisons)
         if jump > 0 and z >= zmin and jump >= 2 * max(runner, 0.0) and frac >= th.persistent:
             a, b = int(members[q - 1]), int(members[q])
             ev = {**f.evidence, "method": "ring exit pattern", "group": list(members), "group_kind": kind,
@@ -152,3 +186,109 @@ def localise(tb: Table, th: Thresholds, f: Finding, kind: str, rank: np.ndarray,
     if probe:
         f.evidence["probe"] = probe
     return f
+
+
+def scan_groups(tb: Table, th: Thresholds, coll: np.ndarray, inst: np.ndarray, flagged: set[int]) -> list[Finding]:
+    """Slow ring links in groups the group test left alone: a weak link in a small group raises the group's
+    shortest duration (the last arriver's) only (1+f)/2-fold, but still puts a step in the exits.
+
+    Two passes: every group of three or more is screened on offsets bridged through all unflagged groups (its own
+    step is then partly absorbed, so the screen is lenient), and the groups that pass are judged again on offsets
+    bridged without them, by `localise` with the candidate count of the whole screen in the z."""
+    from megatronapp.scan.detect import group_median
+
+    W = tb.world
+    sizes = np.array([len(r) for _, r in tb.groups])
+    pool = [g for g in np.unique(tb.gkey[coll]).tolist() if sizes[g] >= 3 and g not in flagged]
+    if not pool:
+        return []
+    off, part = bridge_offsets(tb, coll, inst, flagged)
+    v = tb.end[coll] - off[tb.rank[coll]]
+    ok = np.isfinite(v)
+    ui, imed, _ = group_median(inst[ok], v[ok])
+    res = v[ok] - imed[np.searchsorted(ui, inst[ok])]
+    uk, rmed, _ = group_median(tb.gkey[coll][ok] * W + tb.rank[coll][ok], res)
+    zmin = th.z_for(th.link_z, int(sizes[pool].sum()))
+    pattern: dict[int, np.ndarray] = {}
+    for g in pool:
+        keys = g * W + np.asarray(tb.groups[g][1])
+        at = np.searchsorted(uk, keys).clip(0, max(len(uk) - 1, 0))
+        if len(uk) and np.array_equal(uk[at], keys) and len(set(part[list(tb.groups[g][1])])) == 1:
+            pattern[g] = rmed[at]
+    # The noise of one step is that of every group of the kind (mostly healthy): the bridge's error is in it,
+    # which a group's own few steps cannot show.
+    kind_of = {g: (tb.groups[g][0], int(sizes[g])) for g in pattern}
+    dev: dict[tuple, list] = {}
+    for g, r in pattern.items():
+        st = r - np.roll(r, 1)
+        dev.setdefault(kind_of[g], []).append(st - np.median(st))
+    noise = {k: 1.4826 * float(np.median(np.abs(np.concatenate(v)))) for k, v in dev.items()}
+    cand = []
+    for g, r in pattern.items():
+        q, jump, runner, z = sawtooth(r, noise[kind_of[g]])
+        if jump > 0 and z >= zmin / 2:
+            cand.append((z, g))
+    out = []
+    for kind in sorted({kind_of[g] for _, g in cand}):
+        mine_c = [g for _, g in sorted(cand, reverse=True) if kind_of[g] == kind][:_MAX_SCREENED]
+        # Judged on offsets bridged WITHOUT the candidates (their exits are not together), and so are a set of
+        # healthy groups of the same kind left out the same way: their steps are the noise of that judgement (a
+        # group left out hangs on one edge per member, and those errors line up into steps). Groups of one kind
+        # are disjoint; at most half of them per connected part are left out, so the bridge stays connected.
+        per_part: dict[int, list[int]] = {}
+        for g in pattern:
+            if kind_of[g] == kind:
+                per_part.setdefault(int(part[tb.groups[g][1][0]]), []).append(g)
+        out_set, calib = set(), []
+        for gs in per_part.values():
+            room = len(gs) // 2
+            for g in [g for g in gs if g in mine_c][:room]:
+                out_set.add(g)
+            for g in [g for g in gs if g not in mine_c][:room - len(out_set & set(gs))]:
+                calib.append(g)
+        if not calib or not out_set:
+            continue
+        off2, part2 = bridge_offsets(tb, coll, inst, set(flagged) | out_set | set(calib))
+
+        def steps_of(g: int, off2=off2, part2=part2) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+            members = tb.groups[g][1]
+            mine = tb.gkey[coll] == g
+            value = tb.end[coll[mine]] - off2[tb.rank[coll[mine]]]
+            if len(set(part2[list(members)])) > 1:
+                value = value * np.nan  # the group's members are not on one bridged clock
+            r, per = exit_pattern(members, tb.rank[coll[mine]], inst[mine], value)
+            return r, per, mine, value
+
+        dev = []
+        for g in calib:
+            r, per, _, _ = steps_of(g)
+            if len(per):
+                st = r - np.roll(r, 1)
+                dev.append(st - np.median(st))
+        if not dev:
+            continue
+        kind_noise = 1.4826 * float(np.median(np.abs(np.concatenate(dev))))
+        for g in out_set:
+            name, members = tb.groups[g]
+            r, per, mine, value = steps_of(g)
+            if not len(per):
+                continue
+            q, jump, _, z = sawtooth(r, kind_noise)
+            rows = coll[mine]
+            # The group's nominal cost: the last arriver's duration ((1+f)/2 of the ring's); f from the step model.
+            cost = float(np.median([tb.dur[rows][inst[mine] == k].min() for k in np.unique(inst[mine])]))
+            n = len(members)
+            factor = 1.0 + max(jump, 0.0) * 2 * (n - 1) / (n * max(cost, 1.0))
+            if factor < 1 + th.link_rel or jump < th.link_abs_ms * MS:
+                continue  # a step, but one that costs the link less than a slow link must (as for groups)
+            conf = round(min(1.0, 0.5 + (z - zmin) / (4 * zmin)), 3)
+            f = Finding("slow-link", tuple(int(x) for x in members), [_coord(tb, x) for x in members],
+                        f"{factor:.2f}x on one ring link (est.)", round(factor, 3),
+                        round((factor - 1) * cost / MS, 4), max(conf, 0.5),
+                        {"what": "collective", "transfers": int(len(per)), "median_ms": round(cost / MS, 4),
+                         "peer_median_ms": round(cost / MS, 4), "screened": "group within its peers' range",
+                         "step_noise_ms": round(kind_noise / MS, 4)})
+            got = localise(tb, th, f, name, tb.rank[rows], inst[mine], value, len(pool), kind_noise)
+            if len(got.ranks) == 2:
+                out.append(got)  # a group that passed only the lenient screen is not reported
+    return out
