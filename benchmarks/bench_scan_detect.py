@@ -3,8 +3,9 @@
 Scenarios: fault kinds x positions (first/middle/last stage, different DP/TP slots) x severities (10-50% for
 compute and links, pauses and late arrivals of 10-50% of a rank's own iteration work), single and multiple
 faults. A finding is a true positive when its kind and ranks match an injected fault (a link finding must name
-both ends; a collective-group finding must contain both). Peer compared: the reference MegatronApp rule
-(DP peers only, fixed 0.9/1.1 thresholds on mean compute, exactly one culprit) run on the same traces.
+both ends; a collective-group finding must contain both, except for a link between DP ring neighbours, which
+must be named as that pair: the group is no answer an operator can act on). Peer compared: the reference
+MegatronApp rule (DP peers only, fixed 0.9/1.1 thresholds on mean compute, exactly one culprit) run on the same traces.
 Intervals: precision, recall and the false-alarm rate are proportions over injected faults, findings and healthy
 runs; each gets a 95% Wilson interval (the simulation is deterministic per scenario seed, so the uncertainty is which
 scenarios were drawn, not timing). Faults of one scenario are not fully independent trials: read the intervals as
@@ -61,13 +62,27 @@ def scenarios() -> list[tuple[str, list[Fault]]]:
         out.append((f"multi {k}", [Fault("slow-compute", (a,), factor=1.2), Fault("pause", (b,), ms=20, every=2),
                                    Fault("slow-link", (rank(d, p, 1), rank(d, p + 1, 1)), factor=1.3)]
                     + ([Fault("late-arrival", (c,), ms=10)] if c not in (a, b) else [])))
+    # A slow link between two DP ring neighbours (8-rank DP groups), to be named as the pair, not the group.
+    # Added last, so the earlier scenarios keep their seeds.
+    for sev in (0.1, 0.2, 0.3, 0.5):
+        for d, p, t in ((0, 0, 0), (3, 1, 1), (5, 2, 0), (7, 3, 1)):  # (7 -> 0: the ring's closing link)
+            a, b = rank(d, p, t), rank((d + 1) % 8, p, t)
+            out.append((f"slow-link dp {a}-{b} x{1 + sev:g}", [Fault("slow-link", (a, b), factor=1 + sev)]))
     return out
 
 
 def matches(finding, fault: Fault) -> bool:
     if finding.kind != KIND[fault.kind]:
         return False
+    if fault.kind == "slow-link" and _dp_neighbours(*fault.ranks):
+        return set(fault.ranks) == set(finding.ranks)  # the pair inside the DP group, not the group
     return set(fault.ranks) <= set(finding.ranks) if fault.kind == "slow-link" else finding.ranks == fault.ranks
+
+
+def _dp_neighbours(a: int, b: int) -> bool:
+    """Same stage and TP slot, different DP replica: a link inside a DP group (of more than two ranks)."""
+    dp = RANKS // (TP * PP)
+    return a % TP == b % TP and a // (TP * dp) == b // (TP * dp) and a != b and dp > 2
 
 
 def reference_rule(an) -> set[int]:
