@@ -82,7 +82,8 @@ def group_members(topo: topology_mod.Topology, kind: str, rank: int) -> tuple[in
 
 def ring_pairs(topo: topology_mod.Topology, kind: str, rank: int) -> list[tuple[int, int]]:
     """The ring-neighbour links (a -> b, group order, wrapping) of the `kind` group that holds `rank`: the links a
-    ring collective over that group uses (NCCL's default ring and gloo's follow rank order within the group)."""
+    ring collective over that group uses (NCCL's default ring follows rank order within a node; the
+    pair a MegaScan finding names is a pair of neighbours in group order)."""
     members = group_members(topo, kind, rank)
     n = len(members)
     return [] if n < 2 else [(members[i], members[(i + 1) % n]) for i in range(n if n > 2 else 1)]

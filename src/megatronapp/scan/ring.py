@@ -1,6 +1,6 @@
 """A slow collective group narrowed to the slow link inside it, from the order in which its members leave.
 
-A ring collective (NCCL's default for all-reduce, reduce-scatter and all-gather; the engine's gloo rings too)
+A ring collective (NCCL's default for all-reduce, reduce-scatter and all-gather; gloo's ring algorithm likewise)
 passes chunks from each member to its successor in group order. A slow link (a -> b) delays every chunk b
 receives, and everyone downstream of b receives (and forwards) later in turn, so b leaves last, each member after
 it a little earlier, and a, the link's sender, first (see simulate.ring_shift for the model). Seen around the
