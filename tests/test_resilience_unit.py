@@ -116,3 +116,40 @@ def test_a_failure_after_the_final_checkpoint_is_not_restarted(tmp_path):
     ckpt.finalize(root, 4, {"step": 4, "world_size": 1})
     (tmp_path / "summary.json").write_text(json.dumps({"steps": 4, "final_loss": 1.5}))
     assert _already_finished(cfg) == {"steps": 4, "final_loss": 1.5}
+
+
+def test_a_running_rank_with_a_late_heartbeat_gets_time_to_beat_before_it_is_judged(tmp_path):
+    """A stale heartbeat from a process that still runs is waited out (the host may be overloaded); one from a
+    stopped process is not."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    from megatronapp.config import RunConfig
+    from megatronapp.resilience.supervisor import Attempt, Options
+
+    cfg = RunConfig()
+    cfg.train.out = str(tmp_path)
+    att = Attempt(cfg, 0, Options(heartbeat_s=0.05), lambda m: None)
+    stale = {0: {"time": time.time() - 10.0}}
+    fresh = {0: {"time": time.time() + 1.0}}
+    calls = []
+    att.beats = lambda: calls.append(1) or fresh
+    job = SimpleNamespace(pids={0: os.getpid()})  # this process: running
+    assert att._settle(stale, job, stale_after=2.0) is fresh and calls == [1]
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        child.send_signal(signal.SIGSTOP)
+        deadline = time.time() + 5
+        while time.time() < deadline and "T" not in open(f"/proc/{child.pid}/stat").read().split()[2]:
+            time.sleep(0.01)
+        calls.clear()
+        t0 = time.time()
+        job = SimpleNamespace(pids={0: child.pid})  # stopped: its heartbeat will not come back
+        assert att._settle(stale, job, stale_after=2.0) is stale and calls == [] and time.time() - t0 < 1.0
+    finally:
+        child.kill()
+        child.wait()

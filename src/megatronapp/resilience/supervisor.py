@@ -153,10 +153,28 @@ class Attempt:
         sig = launch.signal_name(cause.signum) if cause.signum else None
         return Failure("exit", cause.rank, self.labels[cause.rank], cause.message, step, time.time(), signal=sig)
 
+    def _settle(self, beats: dict[int, dict[str, Any]], job: launch.LocalJob,
+                stale_after: float) -> dict[int, dict[str, Any]]:
+        """Before judging, give ranks that still run (not stopped, not dead) but whose heartbeat is stale up to
+        two more staleness periods to beat again. On an overloaded host every heartbeat thread can starve for
+        seconds at once (seen: three of four ranks 3.8 s behind at load 9); naming such a rank the cause would
+        hide the rank that the fresh flight recorders point at."""
+        deadline = time.time() + 2 * stale_after
+        while time.time() < deadline:
+            now = time.time()
+            late = [r for r, b in beats.items() if now - b["time"] > stale_after
+                    and _process_state(job.pids[r]) not in ("T", "Z", None)]
+            if not late:
+                break
+            time.sleep(self.opts.heartbeat_s)
+            beats = self.beats()
+        return beats
+
     def _hang_failure(self, beats: dict[int, dict[str, Any]], job: launch.LocalJob, idle_s: float,
                       timeout: float) -> Failure:
-        now = time.time()
         stale_after = max(3 * self.opts.heartbeat_s, 2.0)
+        beats = self._settle(beats, job, stale_after)
+        now = time.time()
         notes: dict[int, str] = {}
         unresponsive = []
         for r in range(self.world):
