@@ -268,9 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wall {result['wall_s']} s")
     if args.quick:
         return
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    stats.write_section(DOCS, SECTION, docs_body(result))
+    stats.save(result, RESULTS, DOCS, SECTION, docs_body(result))
     print(f"wrote {RESULTS.relative_to(ROOT)} and {DOCS.relative_to(ROOT)}")
 
 

@@ -291,16 +291,7 @@ def docs_section(result: dict[str, Any]) -> str:
 
 def write_docs(result: dict[str, Any], path: Path = DOCS) -> None:
     """Replace (or append) this benchmark's section of docs/benchmarks.md, leaving other sections alone."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = docs_section(result)
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("" if nxt < 0 else "\n" + text[nxt + 1:])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    stats.replace_section(path, docs_section(result))
 
 
 def main(argv: list[str] | None = None) -> None:

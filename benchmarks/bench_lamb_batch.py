@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import stats
 from megatronapp.config import RunConfig, TrainConfig, preset
 from megatronapp.data import corpus
 from megatronapp.data.tokenizer import ByteTokenizer
@@ -240,15 +241,7 @@ def edges(result: dict[str, Any]) -> str:
 
 def write_docs(result: dict[str, Any], verdict: str, path: Path = DOCS) -> None:
     """Replace (or append) this benchmark's section of docs/benchmarks.md, leaving other sections alone."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = docs_section(result, verdict)
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("" if nxt < 0 else "\n" + text[nxt + 1:])
-    path.write_text(text)
+    stats.replace_section(path, docs_section(result, verdict))
 
 
 def verdict_of(result: dict[str, Any]) -> str:

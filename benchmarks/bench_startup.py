@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks import stats
 from megatronapp.launch import _loopback_store, free_port
 from megatronapp.parallel import startup_model as model
 from megatronapp.parallel import topology
@@ -339,15 +340,7 @@ def summary(result: dict[str, Any]) -> str:
 
 def write_docs(result: dict[str, Any], path: Path = DOCS) -> None:
     """Replace (or append) this benchmark's section of docs/benchmarks.md, leaving other sections alone."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = docs_section(result)
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("" if nxt < 0 else "\n" + text[nxt + 1:])
-    path.write_text(text)
+    stats.replace_section(path, docs_section(result))
 
 
 def main(argv: list[str] | None = None) -> None:

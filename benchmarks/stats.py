@@ -18,6 +18,7 @@ is not degenerate at 0/n or n/n. A claim against a target is met only when the w
 """
 from __future__ import annotations
 
+import json
 import math
 import random
 import statistics
@@ -158,8 +159,13 @@ def write_block(path: Path, tag: str, body: str) -> None:
 
 def write_section(path: Path, title: str, body: str) -> None:
     """Replace the section `title` ('## ...') of a Markdown file, or append it; other sections are kept."""
+    replace_section(path, title + "\n\n" + body.strip("\n") + "\n")
+
+
+def replace_section(path: Path, section: str) -> None:
+    """Replace (or append) the section whose first line, its '## ' title, `section` starts with."""
+    title = section.split("\n", 1)[0]
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = title + "\n\n" + body.strip("\n") + "\n"
     start = text.find(title + "\n")
     if start < 0:
         text = text.rstrip("\n") + "\n\n" + section
@@ -168,3 +174,10 @@ def write_section(path: Path, title: str, body: str) -> None:
         text = text[:start] + section + ("" if nxt < 0 else "\n" + text[nxt + 1:])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def save(result: dict, results: Path, docs: Path, title: str, body: str) -> None:
+    """Write a benchmark's raw result as JSON and its section of the docs."""
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(result, indent=1) + "\n")
+    write_section(docs, title, body)

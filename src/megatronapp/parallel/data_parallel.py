@@ -64,12 +64,23 @@ class GradReducer:
                     for p in b.params:
                         self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(c, bi, p)))
 
+    def _solo(self, chunk: nn.Module) -> set[int]:
+        """Ids of parameters that get a bucket of their own (none in plain DP)."""
+        return set()
+
     def _bucket_params(self, chunk: nn.Module) -> list[list[nn.Parameter]]:
         """The chunk's trainable parameters cut into buckets of about `bucket_bytes` of fp32 gradient."""
         # Reverse registration order approximates the order in which backward finishes gradients.
         params = [p for p in chunk.parameters() if p.requires_grad][::-1]
+        solo = self._solo(chunk)
         groups, cur, size = [], [], 0
         for p in params:
+            if id(p) in solo:
+                if cur:
+                    groups.append(cur)
+                groups.append([p])
+                cur, size = [], 0
+                continue
             cur.append(p)
             size += p.numel() * 4
             if size >= self.bucket_bytes:

@@ -132,26 +132,10 @@ class DistributedOptimizer(GradReducer):
         self._counted = self._counted_segments()
 
     # -- layout -------------------------------------------------------------------------------------------
-    def _bucket_params(self, chunk: nn.Module) -> list[list[nn.Parameter]]:
-        """As plain DP, but a tied embedding alone in its bucket (so the first and last stage slice it alike)."""
+    def _solo(self, chunk: nn.Module) -> set[int]:
+        """A tied embedding alone in its bucket, so the first and last stage slice it alike."""
         shared = chunk.shared_embedding_weight() if hasattr(chunk, "shared_embedding_weight") else None
-        params = [p for p in chunk.parameters() if p.requires_grad][::-1]
-        groups, cur, size = [], [], 0
-        for p in params:
-            if p is shared:
-                if cur:
-                    groups.append(cur)
-                groups.append([p])
-                cur, size = [], 0
-                continue
-            cur.append(p)
-            size += p.numel() * 4
-            if size >= self.bucket_bytes:
-                groups.append(cur)
-                cur, size = [], 0
-        if cur:
-            groups.append(cur)
-        return groups
+        return set() if shared is None else {id(shared)}
 
     def _new_buffer(self, params: list[nn.Parameter]) -> torch.Tensor:
         n = sum(p.numel() for p in params)
