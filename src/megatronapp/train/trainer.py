@@ -214,6 +214,10 @@ class Trainer:
         if 0 < topo.coord.pp < topo.pp - 1:
             return [(None, None)] * m
         tp = topo.tp_group
+        if tp.size == 1:  # nobody to share with: no staging tensor, no broadcast
+            ids, labels = self._read(self.step)
+            return split_microbatches(ids.to(self.device, non_blocking=True),
+                                      labels.to(self.device, non_blocking=True), m)
         both = torch.empty((2, self.data.local_batch, cfg.train.seq_len), dtype=torch.long, device=self.device)
         if tp.ranks[0] == self.rank:
             ids, labels = self._read(self.step)
