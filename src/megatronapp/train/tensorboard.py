@@ -25,9 +25,13 @@ TAGS: dict[str, str] = {
 
 
 class TensorBoardLog:
-    """Scalars of each step's metrics record, at x = the record's step."""
+    """Scalars of each step's metrics record, at x = the record's step.
 
-    def __init__(self, logdir: str | Path):
+    `resumed_at`: the step a resumed run starts from. Steps after it that an earlier attempt already logged
+    into the same directory (a run restarted after a failure replays them) are purged for TensorBoard's readers
+    (torch's `purge_step`), so each step shows one value, the replayed one, which is what the run kept."""
+
+    def __init__(self, logdir: str | Path, resumed_at: int = 0):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # torch's writer needs the `tensorboard` package
@@ -35,7 +39,7 @@ class TensorBoardLog:
                                ) from None
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
-        self._w = SummaryWriter(log_dir=str(self.logdir))
+        self._w = SummaryWriter(log_dir=str(self.logdir), purge_step=resumed_at + 1 if resumed_at > 0 else None)
 
     def log(self, record: dict[str, Any]) -> None:
         step = int(record["step"])

@@ -301,7 +301,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
     if lead and t.tensorboard:
         from megatronapp.train.tensorboard import TensorBoardLog  # imported only with the flag: start-up time
 
-        tb = TensorBoardLog(t.tensorboard)
+        tb = TensorBoardLog(t.tensorboard, resumed_at=tr.step)
     else:
         tb = None
     flops_tok = cfg.model.flops_per_token(t.seq_len)
