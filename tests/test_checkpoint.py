@@ -169,3 +169,63 @@ def test_async_savers_of_several_ranks_complete_a_step_only_when_all_files_are_d
     d = ckpt.step_dir(root, 5)
     assert ckpt.verify(d) is None and sorted(ckpt.load_meta(d)["files"]) == ["rank00000.pt", "rank00001.pt"]
     assert torch.equal(ckpt.load_rank(d, 1)["w"], torch.zeros(3))
+
+
+def _delay_background_writes(monkeypatch, seconds: float) -> None:
+    """The background thread starts late, so the snapshot barrier has to do the whole copy."""
+    from megatronapp.train.async_checkpoint import AsyncSaver
+
+    write = AsyncSaver._write
+
+    def late(self, *args):
+        time.sleep(seconds)
+        write(self, *args)
+
+    monkeypatch.setattr(AsyncSaver, "_write", late)
+
+
+def test_overlapped_snapshot_holds_the_state_of_the_save_call_bit_for_bit(tmp_path, monkeypatch):
+    from megatronapp.train.async_checkpoint import AsyncSaver
+
+    _delay_background_writes(monkeypatch, 0.5)
+    # the contract: after snapshot_barrier() the state may change; the file holds the values at save()
+    saver = AsyncSaver(tmp_path / "a", 0, 1, overlap_copy=True)
+    w = torch.randn(3 << 20)  # several copy pieces
+    before = w.clone()
+    saver.save(1, {"w": w}, {"step": 1, "world_size": 1})
+    saver.snapshot_barrier()
+    w.add_(1.0)
+    saver.wait()
+    assert torch.equal(ckpt.load_rank(ckpt.step_dir(tmp_path / "a", 1), 0)["w"], before)
+    # the control: without the barrier the late copy sees the change (so the check above can fail)
+    saver = AsyncSaver(tmp_path / "b", 0, 1, overlap_copy=True)
+    saver.save(1, {"w": w}, {"step": 1, "world_size": 1})
+    w.add_(1.0)
+    saver.wait()
+    assert torch.equal(ckpt.load_rank(ckpt.step_dir(tmp_path / "b", 1), 0)["w"], w)
+
+    # the trainer holds the barrier before its optimizer step: the step right after save() changes every
+    # parameter and moment, and the checkpoint still equals a synchronous save taken at the same point
+    base = _cfg(tmp_path / "sync", **{"train.steps": 3})
+    sync = Trainer(RunConfig.from_dict(base))
+    asyn = Trainer(RunConfig.from_dict({**base, "train": {**base["train"], "out": str(tmp_path / "async"),
+                                                          "async_save": True}}))
+    for tr in (sync, asyn):
+        tr.train_step()
+        tr.train_step()
+    d_sync = sync.save()
+    d_async = asyn.save()
+    before = [{k: v.clone() for k, v in c.state_dict().items()} for c in asyn.chunks]
+    asyn.train_step()  # mutates the state while the background thread has not started copying
+    assert any(not torch.equal(before[0][k], v) for k, v in asyn.chunks[0].state_dict().items())
+    asyn.finish_saves()
+    a, s = ckpt.load_rank(d_async, 0), ckpt.load_rank(d_sync, 0)
+    assert a["step"] == s["step"] == 2
+    for ca, cs in zip(a["chunks"], s["chunks"]):
+        assert ca.keys() == cs.keys() and all(torch.equal(ca[k], cs[k]) for k in cs)
+    opt_a, opt_s = a["optimizer"]["state"], s["optimizer"]["state"]
+    assert opt_a.keys() == opt_s.keys()
+    for i in opt_s:
+        assert all(torch.equal(opt_a[i][k], opt_s[i][k]) for k in opt_s[i])
+    assert torch.equal(a["rng"]["torch"], s["rng"]["torch"])
+    assert len(asyn.save_stalls) == 1 and asyn.save_stalls[0] > 0

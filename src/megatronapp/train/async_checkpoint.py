@@ -1,16 +1,25 @@
-"""Two-stage asynchronous checkpoints (MegaScale, ByteCheckpoint): training stalls only for a host-memory copy.
+"""Two-stage asynchronous checkpoints (MegaScale, ByteCheckpoint): training stalls only for a host-memory copy,
+and with `overlap_copy` not even for that.
 
-Stage 1, on the training critical path: `snapshot()` copies every tensor of the rank's state to host memory
-(pinned, when it lives on a GPU, so the copy is a DMA). Stage 2, in a background thread: serialise, checksum,
-write, fsync into the step's temporary directory (`checkpoint.save_rank`); rank 0's thread then waits for every
-rank's durable file (their checksum files, on the shared directory: no process group is touched off the training
-thread, so the collective order of the job is untouched) and renames the step into place (`checkpoint.finalize`),
-keeping the newest K. At most one save is in flight: the next `save()` first waits for the previous one.
+Stage 1: copy every tensor of the rank's state into host memory (reused buffers; pinned when the state lives on a
+GPU, so the copy is a DMA). Stage 2, in a background thread: serialise, checksum, write, fsync into the step's
+temporary directory (`checkpoint.save_rank`); rank 0's thread then waits for every rank's durable file (their
+checksum files, on the shared directory: no process group is touched off the training thread, so the collective
+order of the job is untouched) and renames the step into place (`checkpoint.finalize`), keeping the newest K. At
+most one save is in flight: the next `save()` first waits for the previous one.
+
+Where stage 1 runs. The state only changes at the optimizer step, so the copy need not hold up training: with
+`overlap_copy` the background thread copies while the next step's forward and backward run, and the trainer calls
+`snapshot_barrier()` right before the optimizer mutates the state. The barrier does not wait idle: the training
+thread copies whatever pieces the background thread has not taken yet (work is shared piece by piece), then waits
+only for the pieces in flight. Without `overlap_copy` (callers that cannot promise the barrier) `save()` copies
+everything before it returns.
 """
 from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -18,63 +27,139 @@ import torch
 
 from megatronapp.train import checkpoint as ckpt
 
+PIECE_NUMEL = 1 << 22  # copy work is shared in pieces of 4 Mi elements, so the barrier can take over any part
 
-def snapshot(obj: Any, reuse: Any = None) -> Any:
-    """A host-memory copy of every tensor in a nest of dicts, lists and tuples (other values are shared). Tensors
-    of `reuse`, a previous snapshot of the same structure no longer in use, are overwritten instead of allocating
-    anew: fresh memory costs a page fault per 4 KiB, which is most of a copy's time."""
+
+def snapshot_plan(obj: Any, reuse: Any = None) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The host-memory structure of a nest of dicts, lists and tuples (other values are shared) and the
+    (destination, source) copies that fill it. Tensors of `reuse`, a previous snapshot of the same structure no
+    longer in use, are the destinations when shapes and dtypes match: fresh memory costs a page fault per 4 KiB,
+    which is most of a copy's time. Nothing is copied yet."""
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def copy(x: Any, old: Any) -> Any:
+    def plan(x: Any, old: Any) -> Any:
         if isinstance(x, torch.Tensor):
             x = x.detach()
             same = isinstance(old, torch.Tensor) and old.shape == x.shape and old.dtype == x.dtype
-            if x.device.type == "cpu":
-                return old.copy_(x) if same else x.clone()
-            host = old if same else torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            copies.append((host, x))
+            host = old if same else torch.empty(x.shape, dtype=x.dtype, pin_memory=x.device.type == "cuda")
+            if host.is_contiguous() and x.is_contiguous() and x.numel() > PIECE_NUMEL:
+                flat_h, flat_x = host.view(-1), x.view(-1)
+                copies.extend((flat_h[i:i + PIECE_NUMEL], flat_x[i:i + PIECE_NUMEL])
+                              for i in range(0, x.numel(), PIECE_NUMEL))
+            else:
+                copies.append((host, x))
             return host
         if isinstance(x, dict):
             old = old if isinstance(old, dict) else {}
-            return {k: copy(v, old.get(k)) for k, v in x.items()}
+            return {k: plan(v, old.get(k)) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
             old = old if isinstance(old, (list, tuple)) and len(old) == len(x) else [None] * len(x)
-            return type(x)(copy(v, o) for v, o in zip(x, old))
+            return type(x)(plan(v, o) for v, o in zip(x, old))
         return x
 
-    out = copy(obj, reuse)
-    for host, dev in copies:
-        host.copy_(dev, non_blocking=True)
-    if copies:
-        torch.cuda.synchronize()  # the training step may overwrite the originals once we return
+    return plan(obj, reuse), copies
+
+
+class _Copier:
+    """Runs a snapshot's copies from any number of threads: each takes the next piece not yet taken."""
+
+    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.copies = copies
+        self.cuda = any(src.device.type == "cuda" for _, src in copies)
+        self.stream = torch.cuda.Stream() if self.cuda else None
+        if self.cuda:  # the copies must see the optimizer step that produced the state (on the current stream)
+            self.stream.wait_stream(torch.cuda.current_stream())
+        self._next = self._done = 0
+        self._cond = threading.Condition()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        """Copy pieces until none is left to take."""
+        with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+            while True:
+                with self._cond:
+                    i = self._next
+                    if i >= len(self.copies) or self.error is not None:
+                        return
+                    self._next += 1
+                try:
+                    dst, src = self.copies[i]
+                    dst.copy_(src, non_blocking=src.device.type == "cuda")
+                except BaseException as e:  # noqa: BLE001 - reported by finish()
+                    with self._cond:
+                        self.error = e
+                        self._cond.notify_all()
+                    return
+                with self._cond:
+                    self._done += 1
+                    if self._done == len(self.copies):
+                        self._cond.notify_all()
+
+    def finish(self) -> None:
+        """Help with what is left, then wait for the pieces other threads are copying."""
+        self.run()
+        with self._cond:
+            while self._done < len(self.copies) and self.error is None:
+                self._cond.wait()
+        if self.error is not None:
+            raise ckpt.CheckpointError(f"checkpoint snapshot failed: {type(self.error).__name__}: {self.error}")
+        if self.cuda:
+            self.stream.synchronize()  # the DMAs are done: the optimizer may overwrite the originals
+
+
+def snapshot(obj: Any, reuse: Any = None) -> Any:
+    """A host-memory copy of every tensor in a nest of dicts, lists and tuples, complete when it returns."""
+    out, copies = snapshot_plan(obj, reuse)
+    _Copier(copies).finish()
     return out
 
 
 class AsyncSaver:
     """This rank's background checkpoint writer; one save in flight at a time."""
 
-    def __init__(self, root: Path, rank: int, world: int, keep: int = 0, finalize_timeout_s: float = 600.0):
+    def __init__(self, root: Path, rank: int, world: int, keep: int = 0, finalize_timeout_s: float = 600.0,
+                 overlap_copy: bool = False):
         self.root, self.rank, self.world, self.keep = Path(root), rank, world, keep
         self.finalize_timeout_s = finalize_timeout_s
+        self.overlap_copy = overlap_copy
         self._thread: threading.Thread | None = None
+        self._copier: _Copier | None = None  # the snapshot still being copied (overlap_copy)
         self._error: BaseException | None = None
         self._pending: int | None = None
         self._buffers: Any = None  # the previous snapshot: its memory is reused once its save is done
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> float:
-        """Stage 1 now (returns the seconds it stalled training, waiting for a previous save included);
-        stage 2 in the background."""
+        """Snapshot `state` and write it in the background; returns the seconds this call held up training
+        (waiting for a previous save included). With `overlap_copy` the copy runs in the background too, and the
+        caller must call `snapshot_barrier()` before it changes any tensor of `state`."""
         t0 = time.perf_counter()
         self.wait()
-        snap = self._buffers = snapshot(state, self._buffers)
+        snap, copies = snapshot_plan(state, self._buffers)
+        self._buffers = snap
+        copier = _Copier(copies)
+        if self.overlap_copy:
+            self._copier = copier
+        else:
+            copier.finish()
         self._pending = step
-        self._thread = threading.Thread(target=self._write, args=(step, snap, meta), name=f"ckpt-{step}",
+        self._thread = threading.Thread(target=self._write, args=(step, snap, meta, copier), name=f"ckpt-{step}",
                                         daemon=True)  # a crashed run must not wait for its last save
         self._thread.start()
         return time.perf_counter() - t0
 
-    def _write(self, step: int, snap: dict[str, Any], meta: dict[str, Any]) -> None:
+    def snapshot_barrier(self) -> float:
+        """Return once the snapshot of the save in flight is complete (the state may then change); the training
+        thread copies what the background thread has not reached. Returns the seconds it took."""
+        if self._copier is None:
+            return 0.0
+        t0 = time.perf_counter()
+        copier, self._copier = self._copier, None
+        copier.finish()
+        return time.perf_counter() - t0
+
+    def _write(self, step: int, snap: dict[str, Any], meta: dict[str, Any], copier: _Copier) -> None:
         try:
+            copier.finish()
             ckpt.save_rank(self.root, step, self.rank, snap)
             if self.rank == 0:
                 self._await_files(step)
@@ -95,6 +180,7 @@ class AsyncSaver:
         """Finish the save in flight (on every rank: until its directory is complete); returns its step."""
         if self._thread is None:
             return None
+        self._copier = None  # the background thread finishes the copy before it writes
         self._thread.join()
         self._thread = None
         step, self._pending = self._pending, None

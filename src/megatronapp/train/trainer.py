@@ -90,9 +90,11 @@ def global_loss(losses: list[float], topo: topology_mod.Topology, device: torch.
 
 
 def finish_step(chunks: list[torch.nn.Module], topo: topology_mod.Topology, optimizer: Any, reducer: GradReducer,
-                cfg: RunConfig, step: int, losses: list[float], device: torch.device) -> tuple[float, float, float]:
+                cfg: RunConfig, step: int, losses: list[float], device: torch.device,
+                before_update: Any = None) -> tuple[float, float, float]:
     """After the step's backwards: DP reduction, replicated gradients, global clipping, LR and optimizer step.
-    Returns (global loss, gradient norm before clipping, learning rate)."""
+    `before_update()`, if given, runs right before the optimizer changes parameters or state (the checkpoint
+    snapshot barrier). Returns (global loss, gradient norm before clipping, learning rate)."""
     reducer.finish()
     if isinstance(reducer, DistributedOptimizer):  # ZeRO-1: each rank holds its slice of the reduced gradient
         reducer.sync_replicated_grads(cfg.parallel.sequence_parallel)
@@ -102,6 +104,8 @@ def finish_step(chunks: list[torch.nn.Module], topo: topology_mod.Topology, opti
         grad_norm = clip_grad_norm(chunks, topo, cfg.train.grad_clip)
     lr = lr_at(step, cfg.train)
     set_lr(optimizer, lr)
+    if before_update is not None:
+        before_update()
     with tracing.span("optimizer", "optimizer"):
         optimizer.step()
     return global_loss(losses, topo, device), grad_norm, lr
@@ -142,8 +146,9 @@ class Trainer:
                                          pp_overlap=p.pp_overlap)
         self.step = 0
         self.hooks = plugins.Hooks()
+        # overlap_copy: the snapshot is copied during the next step; train_step holds the barrier before the update
         self.saver = AsyncSaver(self.out / "checkpoints", self.rank, self.topo.world_size,
-                                keep=t.keep_checkpoints) if t.async_save else None
+                                keep=t.keep_checkpoints, overlap_copy=True) if t.async_save else None
         self.save_stalls: list[float] = []  # seconds each save held up training
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.dtype == "bf16"
                          else nullcontext())
@@ -176,7 +181,7 @@ class Trainer:
         with self.autocast:
             result = self.executor.step(mbs, loss_scale=1.0 / cfg.parallel.microbatches)
         loss, grad_norm, lr = finish_step(self.chunks, topo, self.optimizer, self.reducer, cfg, self.step,
-                                          result.losses, self.device)
+                                          result.losses, self.device, before_update=self.snapshot_barrier)
         self.step += 1
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time": time.perf_counter() - t0,
                 "data_s": data_s, "wait_s": result.wait_s, "peak_inflight": result.peak_inflight,
@@ -259,6 +264,14 @@ class Trainer:
         self.hooks.fire("checkpoint_saved", self.step, d)
         return d
 
+    def snapshot_barrier(self) -> None:
+        """Before anything changes the saved state: the snapshot of the save in flight must be complete. Its wait
+        counts in that save's stall."""
+        if self.saver is not None and self.saver.overlap_copy:
+            waited = self.saver.snapshot_barrier()
+            if waited and self.save_stalls:
+                self.save_stalls[-1] += waited
+
     def finish_saves(self) -> None:
         """Wait for a background save (and announce it); a no-op for synchronous checkpoints."""
         done = self.saver.wait() if self.saver is not None else None
@@ -266,6 +279,7 @@ class Trainer:
             self.hooks.fire("checkpoint_saved", done, ckpt.step_dir(self.out / "checkpoints", done))
 
     def load(self, d: Path) -> None:
+        self.snapshot_barrier()  # loading overwrites the state a save in flight may still be copying
         meta = ckpt.load_meta(d)
         saved = meta.get("config", {}).get("parallel", {})
         now = dataclasses.asdict(self.cfg.parallel)
