@@ -229,3 +229,117 @@ def test_overlapped_snapshot_holds_the_state_of_the_save_call_bit_for_bit(tmp_pa
         assert all(torch.equal(opt_a[i][k], opt_s[i][k]) for k in opt_s[i])
     assert torch.equal(a["rng"]["torch"], s["rng"]["torch"])
     assert len(asyn.save_stalls) == 1 and asyn.save_stalls[0] > 0
+
+
+# -- one reader per DP group on resume ----------------------------------------------------------------------
+def test_broadcast_encoding_round_trips_a_rank_state_exactly(tmp_path):
+    from megatronapp.train.checkpoint_read import decode, encode
+
+    tr, d, _ = _two_steps(tmp_path)
+    state = ckpt.load_rank(d, 0)
+    state["extra"] = {3: (1, 2.5, None, True, "x"), "bf": torch.ones(2, dtype=torch.bfloat16), "e": torch.empty(0)}
+    desc, tensors = encode(state)
+    data = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+    got = decode(desc, data)
+
+    def same(a, b):
+        assert type(a) is type(b)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        elif isinstance(a, dict):
+            assert list(a) == list(b) and all(same(a[k], b[k]) is None for k in a)
+        elif isinstance(a, (list, tuple)):
+            assert len(a) == len(b) and all(same(x, y) is None for x, y in zip(a, b))
+        else:
+            assert a == b
+
+    same(state, got)
+    with pytest.raises(ckpt.CheckpointError, match="type _Payload cannot be broadcast"):
+        encode({"x": _Payload("pass")})
+
+
+def _reads_of_rank_files(log: list) -> None:
+    """Record every open of a rank file for reading in this process (Python's audit hook sees every open)."""
+    import re
+
+    def hook(event, args):
+        if event == "open" and isinstance(args[0], (str, os.PathLike)) and re.search(r"rank\d{5}\.pt$", str(args[0])):
+            mode, flags = args[1], args[2]
+            reading = ("r" in mode and "+" not in mode) if isinstance(mode, str) else (flags & 3) == os.O_RDONLY
+            if reading:
+                log.append(str(args[0]))
+
+    sys.addaudithook(hook)
+
+
+def _dp_resume_worker(rank: int, world: int, root: str) -> None:
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from megatronapp.parallel import comm
+    from megatronapp.train.trainer import run_rank
+
+    root_p = Path(root)
+    layout = {"parallel.dp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "parallel.comm_semantics": "nccl",
+              "train.steps": 4, "model.num_layers": 2}
+    run_rank(rank, world, _cfg(root_p / "straight", **{**layout, "train.save_interval": 2}))
+    resumed = _cfg(root_p / "resumed", **layout)
+    resumed["train"]["resume"] = str(root_p / "straight" / "checkpoints" / "step_00000002")
+    opened: list = []
+    _reads_of_rank_files(opened)
+    run_rank(rank, world, resumed)
+    (root_p / f"opened_rank{rank}.json").write_text(json.dumps(opened))
+    # a reader that fails (its file corrupt): every member of its DP group raises, naming the reader
+    dist.barrier()
+    bad = root_p / "copy" / "step_00000004"
+    if rank == 2:
+        import shutil
+
+        shutil.copytree(root_p / "straight" / "checkpoints" / bad.name, bad)
+        f = bad / "rank00002.pt"
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        f.write_bytes(bytes(data))
+    dist.barrier()
+    failing = _cfg(root_p / "failing", **layout)
+    failing["train"]["resume"] = str(bad)
+    comm.reset()
+    try:
+        Trainer(RunConfig.from_dict(failing), rank)
+        outcome = "loaded"
+    except ckpt.CheckpointError as e:
+        outcome = str(e)
+    (root_p / f"failing_rank{rank}.txt").write_text(outcome)
+
+
+@pytest.mark.slow
+def test_resume_reads_one_file_per_dp_group_and_continues_bit_for_bit(tmp_path):
+    import json
+
+    from megatronapp.launch import spawn
+    from megatronapp.train.metrics import read_metrics
+
+    spawn(_dp_resume_worker, 4, str(tmp_path))  # dp=2 x pp=2: DP groups {0, 1} and {2, 3}, readers 0 and 2
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    src = straight / "checkpoints" / "step_00000002"
+    opened = {r: json.loads((tmp_path / f"opened_rank{r}.json").read_text()) for r in range(4)}
+    assert opened == {0: [str(src / "rank00000.pt")], 1: [], 2: [str(src / "rank00002.pt")], 3: []}
+    # the replicas continue exactly as the uninterrupted run: every step's loss, final weights and moments
+    assert ({r["step"]: r["loss"] for r in read_metrics(resumed / "metrics.jsonl")}
+            == {r["step"]: r["loss"] for r in read_metrics(straight / "metrics.jsonl") if r["step"] > 2})
+    for r in range(4):
+        a = ckpt.load_rank(ckpt.step_dir(resumed / "checkpoints", 4), r)
+        b = ckpt.load_rank(ckpt.step_dir(straight / "checkpoints", 4), r)
+        for ca, cb in zip(a["chunks"], b["chunks"]):
+            assert ca.keys() == cb.keys() and all(torch.equal(ca[k], cb[k]) for k in cb), r
+        sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sb for k in sb[i]), r
+        assert a["coord"] == b["coord"]
+    # reader failure: both members of the failing group say so, the reader's message included; group {0, 1} loads
+    failing = {r: (tmp_path / f"failing_rank{r}.txt").read_text() for r in range(4)}
+    assert failing[0] == failing[1] == "loaded"
+    assert "rank00002.pt is corrupt or truncated" in failing[2]
+    assert failing[3].startswith("rank 2, the reader of this rank's DP group, could not load")
+    assert "rank00002.pt is corrupt or truncated" in failing[3]

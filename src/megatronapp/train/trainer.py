@@ -35,6 +35,7 @@ from megatronapp.pipeline.partition import stage_chunks
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train import plugins
 from megatronapp.train.async_checkpoint import AsyncSaver
+from megatronapp.train.checkpoint_read import read_state
 from megatronapp.train.metrics import MetricsLog, Progress, mfu, mfu_denominator, peak_memory_bytes, read_metrics
 from megatronapp.train.optim import build_optimizer, lr_at, set_lr
 
@@ -290,7 +291,8 @@ class Trainer:
         if saved.get("zero", 0) != now["zero"]:  # sharded and whole optimizer states do not convert
             raise ckpt.CheckpointError(f"checkpoint {d} was saved with parallel.zero={saved.get('zero', 0)}, this run "
                                        f"has {now['zero']}; resume with the same parallel.zero (--zero)")
-        state = ckpt.load_rank(d, self.rank)
+        # plain DP: one reader per DP group broadcasts to its replicas; ZeRO-1 slices differ, each rank reads its own
+        state = read_state(d, self.topo, sharded=bool(self.cfg.parallel.zero), device=self.device)
         for chunk, sd in zip(self.chunks, state["chunks"]):
             chunk.load_state_dict(sd)
         self.optimizer.load_state_dict(state["optimizer"])
