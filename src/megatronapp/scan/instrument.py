@@ -31,8 +31,10 @@ from megatronapp.parallel.topology import Group
 from megatronapp.scan.format import rank_file
 from megatronapp.scan.tracer import Tracer, base_header, handshake
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-               "broadcast", "barrier")
+# Every c10d collective of the `torch.distributed` namespace that moves tensors (FSDP2 calls the `*_single` names).
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+               "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "reduce",
+               "gather", "scatter", "broadcast", "all_reduce_coalesced", "all_gather_coalesced", "barrier")
 P2P = ("send", "recv", "isend", "irecv")
 
 
@@ -224,6 +226,19 @@ def _module_hooks(st: _State, modules: Any, granularity: str) -> None:
                     tracing.close_span(stack.pop())
 
             st.hooks += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+        # The backward of each traced module as a compute span of its own ("backward", or "backward.NAME" for
+        # "forward.NAME"): a second kind of op lets detection tell a slow rank (every kind slower) from a rank
+        # the machine happened to delay (one kind). It opens when the module's output gradient is ready and
+        # closes when autograd finishes the backward pass (a callback queued on the engine, as DDP and FSDP do):
+        # a module-level "backward done" hook fires at once when the module's inputs need no gradient.
+        bname = "backward" + name[len("forward"):] if name.startswith("forward") else f"{name}.backward"
+
+        def bpre(_m: Any, _g: Any, bname: str = bname) -> None:
+            sp = tracing.open_span(bname, "compute")
+            if sp is not None:
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: tracing.close_span(sp))
+
+        st.hooks.append(mod.register_full_backward_pre_hook(bpre))
 
 
 _DIM_ALIASES = {"dp": ("dp", "data", "replicate", "shard", "fsdp", "dp_shard", "dp_replicate"),
@@ -279,9 +294,10 @@ def instrument(trace_dir: str | Path, granularity: str = "coarse", modules: Any 
     tracer = Tracer(rank_file(trace_dir, rank), header, interval=interval, iterations=iterations,
                     granularity=granularity, cuda=dist.get_backend() == "nccl")
     st = _State(tracer)
-    for name in (*COLLECTIVES, *P2P, "batch_isend_irecv", "P2POp"):
+    collectives = [n for n in COLLECTIVES if hasattr(dist, n)]  # names differ across torch versions
+    for name in (*collectives, *P2P, "batch_isend_irecv", "P2POp"):
         st.originals[name] = getattr(dist, name)
-    for name in COLLECTIVES:
+    for name in collectives:
         setattr(dist, name, _collective(name, st.originals[name]))
     for name in P2P:
         setattr(dist, name, _p2p(name, st.originals[name]))
