@@ -101,3 +101,41 @@ def test_bad_files_and_missing_ranks_named(tmp_path):
 def test_header_requires_identity(tmp_path):
     with pytest.raises(ValueError, match="coord"):
         RankWriter(tmp_path / "x.mst", {"rank": 0, "world": 1, "topo": [1, 1, 1]})
+
+
+def test_evenly_spaced_groups_are_stored_as_ranges_and_read_back(tmp_path):
+    path = rank_file(tmp_path, 0)
+    w = RankWriter(path, _header(0, 4096))
+    groups = [("dp", range(3, 4096, 8)), ("pp", np.array([0, 1024, 2048, 3072])), ("odd", [0, 1, 5]),
+              ("tp", (0, 1))]
+    w.write_columns(["all_reduce"], groups, {"name": np.zeros(4, int), "cat": np.ones(4, int),
+                                             "ts": np.arange(4) * 10, "dur": np.full(4, 5), "gid": np.arange(4)})
+    w.close()
+    raw = path.read_bytes()
+    assert raw.count(b'"range"') == 2 and b"4091" not in raw  # 512 DP members in a few bytes
+    t = read_rank(path)
+    assert t.groups == [("dp", tuple(range(3, 4096, 8))), ("pp", (0, 1024, 2048, 3072)), ("odd", (0, 1, 5)),
+                        ("tp", (0, 1))]
+    # Files of one directory share equal member tuples (memory at 12,288 ranks).
+    shared: dict = {}
+    a, b = read_rank(path, shared), read_rank(path, shared)
+    assert a.groups[0][1] is b.groups[0][1]
+
+
+def test_write_columns_takes_record_arrays_and_remaps_ids(tmp_path):
+    path = rank_file(tmp_path, 0)
+    w = RankWriter(path, _header(0))
+    w.write("data", "data", ts=0, dur=1, it=0)  # "data" is name 0 of this file
+    rec = np.zeros(3, RECORD)
+    rec["ts"], rec["dur"], rec["it"] = [10, 20, 30], [1, 2, -1], 0
+    rec["name"] = [0, 1, 1]  # indexes ["send", "data"] below, not the file's table
+    rec["gid"] = [0, -1, 0]
+    rec["peer"], rec["seq"] = [1, -1, 1], [0, -1, 1]
+    w.write_columns(["send", "data"], [("pp", (0, 1))], rec)
+    w.close()
+    t = read_rank(path)
+    assert [t.names[k] for k in t.name] == ["data", "send", "data"]
+    assert list(t.gid) == [-1, 0, -1] and list(t.ts) == [0, 10, 20]
+    assert list(t.opened["ts"]) == [30] and t.names[t.opened["name"][0]] == "data"  # dur -1: opened, kept apart
+    with pytest.raises(ValueError, match="format.RECORD"):
+        RankWriter(rank_file(tmp_path, 1), _header(1)).write_columns(["x"], [], np.zeros(2, np.int64))

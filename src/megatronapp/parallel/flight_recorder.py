@@ -20,8 +20,6 @@ import time
 from collections import deque
 from typing import Any
 
-import torch.distributed as dist
-
 CAPACITY = 128  # completed ops kept; in-flight ops are all kept (they are bounded by the pipeline's windows)
 
 
@@ -61,6 +59,8 @@ class FlightRecorder:
 
     def _me(self) -> int:
         if self._rank is None:
+            import torch.distributed as dist  # here, not at import: `scan detect` reads this module without torch
+
             self._rank = dist.get_rank() if dist.is_initialized() else 0
         return self._rank
 

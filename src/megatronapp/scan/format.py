@@ -3,7 +3,8 @@
 Layout: an 8-byte magic, then blocks `tag(4s) length(u32) crc32(u32) payload`. Tags:
   HEAD  JSON header (rank, world, coord, topo, host, pid, clock info, handshake samples)
   STRS  JSON list of new names appended to the string table
-  GRPS  JSON list of new [group name, [global ranks]] appended to the group table
+  GRPS  JSON list of new [group name, ranks] appended to the group table; ranks is a list of global ranks, or
+        {"range": [start, stop, step]} for evenly spaced ones (a DP group of 384 ranks costs 30 bytes, not 2 KB)
   SPAN  packed fixed-size span records (`RECORD` dtype), read with one `np.frombuffer`
   FOOT  JSON footer (records written, records dropped), merged into the header under "footer"
 A SPAN record with `dur` = -1 marks an op OPENED (written when a comm op starts, before it completes): a rank
@@ -124,11 +125,12 @@ class RankWriter:
     def _gid(self, group: str | None, ranks: Any) -> int:
         if group is None:
             return -1
-        key = (str(group), tuple(int(r) for r in ranks) if ranks is not None else ())
+        members = _members(ranks)
+        key = (str(group), members)
         i = self._groups.get(key)
         if i is None:
             i = self._groups[key] = len(self._groups)
-            self._new_groups.append([key[0], list(key[1])])
+            self._new_groups.append([key[0], _pack_members(ranks, members)])
         return i
 
     def write(self, name: str, cat: str | int, ts: int, dur: int, it: int, group: str | None = None,
@@ -142,24 +144,36 @@ class RankWriter:
         if len(self._rows) >= self._buffer:
             self.flush()
 
-    def write_columns(self, names: list[str], groups: list[tuple[str, Any]], cols: dict[str, np.ndarray]) -> None:
-        """Append many spans in one block: `cols` holds the COLUMNS as arrays, `name` indexing `names` and `gid`
-        indexing `groups` (-1: none). One numpy conversion instead of one call per span (simulated or bulk data)."""
-        n = len(cols["ts"])
+    def write_columns(self, names: list[str], groups: list[tuple[str, Any]],
+                      cols: dict[str, np.ndarray] | np.ndarray) -> None:
+        """Append many spans in one block: `cols` holds the COLUMNS as arrays (or is a `RECORD` array), `name`
+        indexing `names` and `gid` indexing `groups` (-1: none). One numpy conversion instead of one call per span
+        (simulated, bulk or a tracer's batch); `dur` = OPENED marks opened ops as in `write`."""
+        n = len(cols) if isinstance(cols, np.ndarray) else len(cols["ts"])
         if not n:
             return
         self.flush()  # row-wise spans first, so the file stays in the order spans were handed over
-        nmap = np.array([self._name(x) for x in names] + [-1], np.int32)
-        gmap = np.array([self._gid(g, r) for g, r in groups] + [-1], np.int32)
-        rec = np.zeros(n, RECORD)
-        for c in COLUMNS:
-            if c in cols:
-                rec[c] = cols[c]
-        rec["name"] = nmap[np.asarray(cols["name"])]
-        rec["gid"] = gmap[np.asarray(cols["gid"])] if "gid" in cols else -1
-        for c, default in (("seq", -1), ("peer", -1), ("mb", -1), ("chunk", -1), ("it", -1)):
-            if c not in cols:
-                rec[c] = default
+        nids = [self._name(x) for x in names]
+        gids = [self._gid(g, r) for g, r in groups]
+        if isinstance(cols, np.ndarray):
+            if cols.dtype != RECORD:
+                raise ValueError(f"write_columns: record array has dtype {cols.dtype}, expected format.RECORD")
+            rec = cols
+            # Writers that register names and groups in the same order every time (the simulator) need no remap.
+            if nids != list(range(len(nids))) or gids != list(range(len(gids))):
+                rec = cols.copy()
+                rec["name"] = np.array(nids + [-1], np.int32)[cols["name"]]
+                rec["gid"] = np.array(gids + [-1], np.int32)[cols["gid"]]
+        else:
+            rec = np.zeros(n, RECORD)
+            for c in COLUMNS:
+                if c in cols:
+                    rec[c] = cols[c]
+            rec["name"] = np.array(nids + [-1], np.int32)[np.asarray(cols["name"])]
+            rec["gid"] = np.array(gids + [-1], np.int32)[np.asarray(cols["gid"])] if "gid" in cols else -1
+            for c, default in (("seq", -1), ("peer", -1), ("mb", -1), ("chunk", -1), ("it", -1)):
+                if c not in cols:
+                    rec[c] = default
         self.flush()  # new names and groups must precede the block that uses them
         self._block(b"SPAN", rec.tobytes())
         self.records += n
@@ -197,6 +211,42 @@ class RankWriter:
         self.close()
 
 
+def _members(ranks: Any) -> tuple[int, ...]:
+    """A group's global ranks as a tuple of ints (from a range, numpy array, list or None)."""
+    if ranks is None:
+        return ()
+    if isinstance(ranks, range):
+        return tuple(ranks)
+    if isinstance(ranks, np.ndarray):
+        return tuple(ranks.astype(np.int64).tolist())
+    return tuple(map(int, ranks))
+
+
+def _pack_members(ranks: Any, members: tuple[int, ...]) -> list[int] | dict[str, list[int]]:
+    """GRPS form of a group: {"range": [start, stop, step]} when evenly spaced (3 or more), else the list."""
+    if isinstance(ranks, range) and len(ranks) >= 3:
+        return {"range": [ranks.start, ranks.stop, ranks.step]}
+    n = len(members)
+    if n >= 3:
+        step = members[1] - members[0]
+        if step and members[-1] - members[0] == step * (n - 1) and \
+                all(b - a == step for a, b in zip(members, members[1:])):
+            return {"range": [members[0], members[0] + step * n, step]}
+    return list(members)
+
+
+def _unpack_members(ranks: Any, cache: dict) -> tuple[int, ...]:
+    """The GRPS form back to a tuple; equal groups read from many files share one tuple (memory at scale)."""
+    if isinstance(ranks, dict):
+        start, stop, step = (int(x) for x in ranks["range"])
+        key = (start, stop, step)
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = tuple(range(start, stop, step))
+        return got
+    return tuple(map(int, ranks))
+
+
 def _jsonable(o: Any) -> Any:
     if isinstance(o, np.generic):
         return o.item()
@@ -205,8 +255,11 @@ def _jsonable(o: Any) -> Any:
     return str(o)
 
 
-def read_rank(path: str | Path) -> RankTrace:
-    """Read one rank file; a truncated or partly corrupt file yields what is intact plus `problems`."""
+def read_rank(path: str | Path, shared: dict | None = None) -> RankTrace:
+    """Read one rank file; a truncated or partly corrupt file yields what is intact plus `problems`.
+
+    `shared` (one dict across the files of a directory) lets equal group tables share their tuples."""
+    shared = {} if shared is None else shared
     p = Path(path)
     try:
         data = p.read_bytes()
@@ -257,7 +310,11 @@ def read_rank(path: str | Path) -> RankTrace:
         elif tag == b"STRS":
             names.extend(json.loads(payload))
         elif tag == b"GRPS":
-            groups.extend((str(g), tuple(int(r) for r in rs)) for g, rs in json.loads(payload))
+            try:
+                groups.extend((str(g), _unpack_members(rs, shared)) for g, rs in json.loads(payload))
+            except (TypeError, ValueError, KeyError):
+                problems.append(f"{p.name}: malformed group table at byte {body - _BLOCK.size}; rest ignored")
+                break
         elif tag == b"HEAD":
             header = json.loads(payload)
         else:
@@ -283,8 +340,11 @@ def read_rank(path: str | Path) -> RankTrace:
     except (KeyError, TypeError, ValueError):
         raise TraceFormatError(f"{p.name}: header lacks rank/world/coord/topo") from None
     is_open = cols["dur"] == OPENED
-    opened = {c: v[is_open] for c, v in cols.items()}
-    cols = {c: v[~is_open] for c, v in cols.items()}
+    if is_open.any():
+        opened = {c: v[is_open] for c, v in cols.items()}
+        cols = {c: v[~is_open] for c, v in cols.items()}
+    else:  # the common case: no copies
+        opened = {c: v[:0] for c, v in cols.items()}
     return RankTrace(rank=rank, world=world, coord=coord, topo=topo, header=header, names=names, groups=groups,
                      problems=problems, opened=opened, **cols)
 
@@ -299,11 +359,12 @@ def read_dir(path: str | Path) -> tuple[list[RankTrace], list[str]]:
     traces: list[RankTrace] = []
     problems: list[str] = []
     seen: dict[int, str] = {}
+    shared: dict = {}
     for f in sorted(d.iterdir()):
         if not FILE_PATTERN.search(f.name):
             continue
         try:
-            t = read_rank(f)
+            t = read_rank(f, shared)
         except TraceFormatError as e:
             problems.append(str(e))
             continue

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatronapp.scan.format import CAT_INDEX, RankWriter, rank_file
+from megatronapp.scan.format import CAT_INDEX, RECORD, RankWriter, rank_file
 
 FAULT_KINDS = ("slow-compute", "slow-link", "pause", "late-arrival")
 MS = 1_000_000  # ns
@@ -353,23 +353,27 @@ def simulate(out_dir: str | Path, ranks: int, tp: int, pp: int, dp: int | None =
     # Local clock = offset + (1 + drift) * true time; durations are read on the same drifting clock.
     ts_local = start + offsets[cols["rank"]] + np.round(drift[cols["rank"]] * start).astype(np.int64)
     dur = dur + np.round(drift[cols["rank"]] * dur).astype(np.int64)
+    # Every rank's records in one array (one conversion, not one per rank); each file gets its slice as one block.
+    # Names and groups are registered in the same order in every file, so the ids need no remapping.
+    rec = np.zeros(len(dur), RECORD)
+    g = cols["group"]
+    for k, v in (("name", cols["name"]), ("cat", cols["cat"]), ("ts", ts_local), ("dur", dur), ("it", cols["it"]),
+                 ("gid", np.where(g > 0, g - 1, -1)), ("seq", cols["seq"]), ("peer", cols["peer"]),
+                 ("nbytes", cols["nbytes"]), ("chunk", np.where(cols["cat"] == 0, 0, -1)), ("mb", cols["mb"])):
+        rec[k] = v
+    del cols, ts_local, g
     for r in range(ranks):
         s, d, t = r // (tp * dp), (r // tp) % dp, r % tp
-        group_ranks = (None, [x + tp * (d + dp * s) for x in range(tp)],
-                       [r % (tp * dp) + tp * dp * p for p in range(pp)],
-                       [t + tp * (q + dp * s) for q in range(dp)])
+        first = tp * (d + dp * s)  # (tp 0, this replica, this stage)
+        group_ranks = (None, range(first, first + tp), range(r % (tp * dp), ranks, tp * dp),
+                       range(t + tp * dp * s, t + tp * dp * (s + 1), tp))
         header = {"rank": r, "world": ranks, "coord": [d, s, t], "topo": [tp, pp, dp], "host": f"node{r // 8}",
                   "pid": 10_000 + r, "clock": "monotonic_ns", "simulated": True}
         if costs.stage_work is not None:
             header["stage_work"] = list(costs.stage_work)  # what a cost model of the job would say
-        a, b = bounds[r], bounds[r + 1]
-        g = cols["group"][a:b]
         with RankWriter(rank_file(out, r), header) as w:
             w.write_columns(NAMES, [(_Spans.GROUPS[k], group_ranks[k]) for k in (1, 2, 3)],
-                            {"name": cols["name"][a:b], "cat": cols["cat"][a:b], "ts": ts_local[a:b],
-                             "dur": dur[a:b], "it": cols["it"][a:b], "gid": np.where(g > 0, g - 1, -1),
-                             "seq": cols["seq"][a:b], "peer": cols["peer"][a:b], "nbytes": cols["nbytes"][a:b],
-                             "chunk": np.where(cols["cat"][a:b] == 0, 0, -1), "mb": cols["mb"][a:b]})
+                            rec[bounds[r]:bounds[r + 1]])
     res = SimResult(str(out), ranks, tp, pp, dp, iterations, m, flist, offsets.tolist(), len(dur),
                     (drift * 1e6).tolist())
     truth = {**asdict(res), "faults": [{**asdict(f), "label": f.label()} for f in flist]}
