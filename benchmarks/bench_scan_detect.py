@@ -10,8 +10,14 @@ Intervals: precision, recall and the false-alarm rate are proportions over injec
 runs; each gets a 95% Wilson interval (the simulation is deterministic per scenario seed, so the uncertainty is which
 scenarios were drawn, not timing). Faults of one scenario are not fully independent trials: read the intervals as
 slightly narrow.
+Second family (`--family real`, results apart in benchmarks/results/scan_detect_real.json): faults injected into
+REAL traces by causal re-timing (`scan/perturb.py`): four healthy traced engine runs stored in
+benchmarks/data/scan_real/ (pp4: tp1 pp4 dp1, 8 microbatches; tp2pp2dp2; dp4; pp2dp2; 10 traced steps each,
+a tiny GPT-2 on gloo ranks of the shared 2-core machine; regenerate with `--record`), each perturbed with known
+ground truth (scenarios_real()). The detector was not built from these traces.
 Run: python -m benchmarks.bench_scan_detect              (writes benchmarks/results/scan_detect.json, docs block)
      python -m benchmarks.bench_scan_detect --from-json  (re-render the intervals from the stored result)
+     python -m benchmarks.bench_scan_detect --family real  (perturbed real traces -> scan_detect_real.json)
 """
 from __future__ import annotations
 
@@ -132,7 +138,17 @@ def docs_block(res: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--from-json", action="store_true", help="re-render the docs intervals from the stored result")
+    ap.add_argument("--family", choices=["sim", "real"], default="sim",
+                    help="sim: the simulator's scenarios; real: faults injected into recorded real traces")
+    ap.add_argument("--record", action="store_true", help="re-record the healthy real traces of --family real")
     args = ap.parse_args(argv)
+    if args.record:
+        from benchmarks import scan_real_family
+        scan_real_family.record_all()
+        return {}
+    if args.family == "real":
+        from benchmarks import scan_real_family
+        return scan_real_family.run(DOCS, stats)
     if args.from_json:
         res = json.loads(RESULTS.read_text())
         res["intervals"] = intervals(res)

@@ -92,6 +92,8 @@ def hang_findings(traces: list[RankTrace]) -> list[Finding]:
         for m in missing:
             if not waits_for.get(m, (set(),))[0]:
                 blamed.setdefault(m, []).append(r)
+    if not blamed:
+        blamed = _cycle_root(waits_for)
     out = []
     for root, victims in sorted(blamed.items(), key=lambda kv: -len(kv[1])):
         key = waits_for[victims[0]][1]
@@ -108,6 +110,24 @@ def hang_findings(traces: list[RankTrace]) -> list[Finding]:
                            "the hang is inside the collective (a link or the communication library)",
                            1.0, 0.0, 0.8, {"op": _op(key), "stuck_ranks": sorted(inside)}))
     return out
+
+
+def _cycle_root(waits_for: dict[int, tuple[set, tuple]]) -> dict[int, list[int]]:
+    """When every waited-for rank waits itself (a cycle), drop the waits in receives posted ahead of time: a
+    pipeline posts the GRADIENT receive of a microbatch before it sends that microbatch's activation, which the
+    gradient depends on, so a rank whose only open op is such a receive is not blocked by its peer: it stopped
+    before sending. The ranks left waiting for nobody are the roots."""
+    def ahead(key: tuple) -> bool:
+        return key[0] == "recv" and "grad" in key[1]
+    blamed: dict[int, list[int]] = {}
+    for r, (missing, key) in waits_for.items():
+        if ahead(key):
+            continue
+        for m in missing:
+            m_missing, m_key = waits_for.get(m, (set(), ()))
+            if not m_missing or ahead(m_key):
+                blamed.setdefault(m, []).append(r)
+    return blamed
 
 
 def _coord(coords: dict, r: int) -> dict:
