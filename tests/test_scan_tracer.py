@@ -302,3 +302,68 @@ def test_open_ops_are_on_disk_after_sigusr1_before_they_close(tmp_path):
     t = read_rank(tmp_path / "rank00000.mst")
     assert "all_reduce" in [t.names[n] for n in t.name]  # and the finished span follows
     assert signal.getsignal(signal.SIGUSR1) != tr._on_signal  # handlers restored at close
+
+
+# ---- instrument(): the rest of c10d and the functional collectives ----------------------------------------
+def _coverage_loop(rank: int, world: int, out: str) -> None:
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from megatronapp import scan
+
+    scan.instrument(out)
+    other = 1 - rank
+    for _ in range(2):
+        with scan.step():
+            outs = [torch.empty(2) for _ in range(world)]
+            dist.all_to_all(outs, [torch.full((2,), 10.0 * rank + j) for j in range(world)])
+            assert outs[other][0].item() == 10.0 * other + rank
+            o = torch.empty(world)
+            w = dist.all_to_all_single(o, torch.arange(world, dtype=torch.float) + 10 * rank, async_op=True)
+            assert isinstance(w, dist.Work), type(w)  # the backend's own handle
+            w.wait()
+            assert o[other].item() == 10 * other + rank
+            t = torch.ones(3)
+            dist.reduce(t, dst=0)
+            if rank == 0:
+                assert t[0].item() == world
+            g = [torch.empty(2) for _ in range(world)] if rank == 0 else None
+            dist.gather(torch.full((2,), float(rank)), g, dst=0)
+            s = torch.empty(2)
+            dist.scatter(s, [torch.full((2,), float(j)) for j in range(world)] if rank == 0 else None, src=0)
+            assert s[0].item() == rank
+            dist.all_gather_single(torch.empty(2 * world), torch.ones(2))
+            dist.reduce_scatter_single(torch.empty(2), torch.ones(2 * world))
+            # Functional collectives: a span from issue to the wait on the result.
+            r = funcol.all_reduce(torch.ones(4), "sum", dist.group.WORLD)
+            assert r.sum().item() == 4 * world  # using the result waits on it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # the deprecated name: one span, not two
+                ag = funcol.all_gather_tensor(torch.full((2,), float(rank)), 0, dist.group.WORLD)
+            assert ag[2 * other].item() == other
+            rs = funcol.reduce_scatter_single(torch.ones(2 * world), "sum", 0, list(range(world)))
+            assert rs[0].item() == world
+            a2a = funcol.all_to_all_single(torch.arange(2.0) + 10 * rank, None, None, dist.group.WORLD)
+            assert a2a[other].item() == 10 * other + rank
+    scan.uninstrument()
+    assert funcol.all_reduce.__module__.startswith("torch")
+
+
+def test_instrument_covers_all_to_all_rooted_and_functional_collectives(tmp_path):
+    spawn(_coverage_loop, 2, str(tmp_path))
+    traces, problems = read_dir(tmp_path)
+    assert problems == [] and len(traces) == 2
+    want = {"all_to_all", "all_to_all_single", "reduce", "gather", "scatter", "all_gather_single",
+            "reduce_scatter_single", "all_reduce", "all_gather_tensor"}
+    for t in traces:
+        name = np.array(t.names)[t.name]
+        counts = {n: int((name == n).sum()) for n in set(name.tolist())}
+        assert want <= set(counts), counts
+        # per step: all_to_all_single and reduce_scatter_single from c10d AND functional, the rest once
+        assert counts["all_to_all_single"] == counts["reduce_scatter_single"] == 2 * 2, counts
+        assert counts["all_gather_single"] == counts["all_gather_tensor"] == counts["all_reduce"] == 2, counts
+        assert (t.dur >= 0).all()  # every span closed: functional ones at the wait on (a view of) the result
+    seqs = [[(t.names[n], int(s)) for n, s in zip(t.name, t.seq) if t.names[n] != "step"] for t in traces]
+    assert sorted(seqs[0]) == sorted(seqs[1]) and len(seqs[0]) == 2 * 11  # every instance matched

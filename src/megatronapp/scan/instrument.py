@@ -19,6 +19,7 @@ import itertools
 import sys
 import threading
 import types
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,10 @@ class _State:
         self.lock = threading.Lock()
         self.groups: dict[int, tuple[str, tuple[int, ...]]] = {}
         self.iteration = 0
+        self.funcol_originals: dict[str, Any] = {}
+        self.funcol_pending: dict[int, tuple[Any, Any]] = {}
+        self.in_funcol = threading.local()
+        self.in_funcol.active = False
 
     def next_seq(self, key: tuple) -> int:
         with self.lock:
@@ -197,6 +202,70 @@ def _batch(orig: Any) -> Any:
     return wrapper
 
 
+# Functional collectives (torch.distributed._functional_collectives: DTensor, tensor parallel, compiled code in
+# eager) return a tensor whose data is ready after `wait_tensor`; a span runs from issue to that wait.
+FUNCTIONAL = ("all_reduce", "all_gather_single", "all_gather_tensor", "reduce_scatter_single",
+              "reduce_scatter_tensor", "all_to_all_single", "broadcast", "all_gather_tensor_autograd",
+              "reduce_scatter_tensor_autograd", "all_to_all_single_autograd", "all_gather_single_autograd",
+              "reduce_scatter_single_autograd")
+_FUNCOL_PENDING_LIMIT = 4096  # outputs issued and not waited on yet (a job may never wait on some)
+
+
+def _functional(name: str, orig: Any, funcol: Any) -> Any:
+    group_pos = list(inspect.signature(orig).parameters).index("group")
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        st = _state
+        if st is None or not tracing.enabled() or getattr(st.in_funcol, "active", False):
+            return orig(*args, **kwargs)  # deprecated names call the new ones: one span, not two
+        group = kwargs.get("group", args[group_pos] if len(args) > group_pos else None)
+        try:
+            from torch.distributed import distributed_c10d as c10d
+
+            with warnings.catch_warnings():  # torch warns about ranks-list groups itself, in the call below
+                warnings.simplefilter("ignore", FutureWarning)
+                pg = c10d._resolve_process_group(funcol._resolve_group_name(group, kwargs.get("tag", "")))
+        except Exception:  # noqa: BLE001 (a group form we cannot name: run untraced rather than fail the job)
+            return orig(*args, **kwargs)
+        gname, ranks = st.group(pg)
+        sp = tracing.open_span(name.removesuffix("_autograd"), "comm", group=gname, group_ranks=list(ranks),
+                               seq=st.next_seq((gname, ranks)), bytes=_nbytes(args[0] if args else None),
+                               peer=None)
+        st.in_funcol.active = True
+        try:
+            out = orig(*args, **kwargs)
+        finally:
+            st.in_funcol.active = False
+        elem = getattr(out, "elem", None)
+        if sp is not None and isinstance(out, funcol.AsyncCollectiveTensor) and not out.completed \
+                and elem is not None:
+            with st.lock:  # keyed by storage: the wait may come through a view of the output (ag[0].item())
+                st.funcol_pending[elem.untyped_storage().data_ptr()] = (elem, sp)
+                while len(st.funcol_pending) > _FUNCOL_PENDING_LIMIT:
+                    st.funcol_pending.pop(next(iter(st.funcol_pending)))
+        else:
+            tracing.close_span(sp)  # already waited on (a plain tensor came back)
+        return out
+
+    wrapper._megascan_original = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wait_tensor(orig: Any) -> Any:
+    def wrapper(tensor: Any) -> Any:
+        out = orig(tensor)
+        st = _state
+        if st is not None and st.funcol_pending and isinstance(tensor, torch.Tensor):
+            with st.lock:
+                entry = st.funcol_pending.pop(tensor.untyped_storage().data_ptr(), None)
+            if entry is not None:
+                tracing.close_span(entry[1])
+        return out
+
+    wrapper._megascan_original = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
 def _unwrap(fn: Any) -> Any:
     return getattr(fn, "_megascan_original", fn)
 
@@ -303,6 +372,12 @@ def instrument(trace_dir: str | Path, granularity: str = "coarse", modules: Any 
         setattr(dist, name, _p2p(name, st.originals[name]))
     dist.batch_isend_irecv = _batch(st.originals["batch_isend_irecv"])
     dist.P2POp = _traced_p2pop(st.originals["P2POp"])
+    import torch.distributed._functional_collectives as funcol
+
+    for name in (*(n for n in FUNCTIONAL if hasattr(funcol, n)), "wait_tensor"):
+        st.funcol_originals[name] = getattr(funcol, name)
+        setattr(funcol, name, _wait_tensor(funcol.wait_tensor) if name == "wait_tensor"
+                else _functional(name, st.funcol_originals[name], funcol))
     _module_hooks(st, modules, granularity)
     _state = st
     tracing.install(tracer)
@@ -349,6 +424,10 @@ def uninstrument() -> None:
         return
     for name, fn in st.originals.items():
         setattr(dist, name, fn)
+    import torch.distributed._functional_collectives as funcol
+
+    for name, fn in st.funcol_originals.items():
+        setattr(funcol, name, fn)
     for h in st.hooks:
         h.remove()
     st.tracer.close()
