@@ -23,7 +23,10 @@ _EPS_US = 0.0005  # flow endpoints sit just inside their slice so viewers bind t
 
 
 def process_label(t: RankTrace) -> str:
-    """The timeline's name for a rank."""
+    """The timeline's name for a rank: the one its header gives (a MegaFBD rank names its role), else its
+    coordinates."""
+    if t.header.get("process_name"):
+        return str(t.header["process_name"])
     dp, pp, tp = t.coord
     return f"DP{dp}-PP{pp}-TP{tp} (rank {t.rank})"
 

@@ -264,8 +264,10 @@ def base_header(rank: int, world: int, coord: tuple[int, int, int], topo: tuple[
 
 
 def attach(cfg: Any, topo: Any, trace_dir: str | Path, *, clock: Callable[[], int] = time.monotonic_ns,
-           handshake_rounds: int = 5) -> Tracer:
-    """Create this rank's tracer from `cfg.trace`, run the clock handshake and install it as a span sink."""
+           handshake_rounds: int = 5, extra_header: dict | None = None) -> Tracer:
+    """Create this rank's tracer from `cfg.trace`, run the clock handshake and install it as a span sink.
+    `extra_header`: what the host says about this rank beyond its coordinates (e.g. a MegaFBD role and its
+    `process_name` in the merged timeline)."""
     import torch.distributed as dist
 
     from megatronapp.launch import pick_backend
@@ -273,7 +275,8 @@ def attach(cfg: Any, topo: Any, trace_dir: str | Path, *, clock: Callable[[], in
     tc = cfg.trace
     cuda = pick_backend(cfg.parallel.backend) == "nccl"
     c = topo.coord
-    header = base_header(topo.rank, topo.world_size, (c.dp, c.pp, c.tp), (topo.tp, topo.pp, topo.dp), clock)
+    header = {**(extra_header or {}),
+              **base_header(topo.rank, topo.world_size, (c.dp, c.pp, c.tp), (topo.tp, topo.pp, topo.dp), clock)}
     world = topo.groups.get("world")
     if world is not None and world.size > 1 and dist.is_initialized():
         # Before install: the handshake's own all-reduces are not spans of the job.
@@ -287,5 +290,6 @@ def attach(cfg: Any, topo: Any, trace_dir: str | Path, *, clock: Callable[[], in
 def plugin(trainer: Any) -> None:
     """Plug-in entry for `--trace`: attach this rank's tracer to the run and close it at shutdown."""
     cfg = trainer.cfg
-    tracer = attach(cfg, trainer.topo, cfg.trace.dir or str(trainer.out / "trace"))
+    tracer = attach(cfg, trainer.topo, cfg.trace.dir or str(trainer.out / "trace"),
+                    extra_header=getattr(trainer, "trace_header", None))  # MegaFBD ranks name their role
     trainer.hooks.on("shutdown", tracer.close)
