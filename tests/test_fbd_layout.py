@@ -23,6 +23,9 @@ PAIRS = {  # name: (backward tp, pp, dp, vpp; forward tp_f, pp_f, instances)
     "pp2dp2 <- fwd tp1pp1 x3": FbdLayout(1, 2, 2, 1, 1, 1, 3, 4),
     "pp2vpp2 <- fwd tp1pp1 x1": FbdLayout(1, 2, 1, 2, 1, 1, 1, 4),
     "pp4vpp2 <- fwd tp1pp2 x2": FbdLayout(1, 4, 1, 2, 1, 2, 2, 6),
+    # a forward tp between 1 and tp: each forward shard is the union of two backward shards
+    "tp4pp2 <- fwd tp2pp1 x1": FbdLayout(4, 2, 1, 1, 2, 1, 1, 8),
+    "tp4pp2dp2 <- fwd tp2pp2 x3": FbdLayout(4, 2, 2, 1, 2, 2, 3, 4),
 }
 
 
@@ -103,6 +106,28 @@ def test_every_stage_input_is_sent_once_in_the_order_it_is_expected(pair):
     assert n == L.dp * L.microbatches * (L.virtual_stages - 1) * L.tp
 
 
+@pytest.mark.parametrize("tp, tp_f", [(4, 2), (4, 1), (4, 4), (2, 1), (2, 2)])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_stage_input_conversion_resplits_the_sequence_for_every_backward_tp_rank(tp, tp_f, sequence_parallel):
+    """What backward TP rank t receives equals what the coupled pipeline would hand it: the whole hidden state,
+    or under sequence parallelism its slice t of tp. Checked on a tensor whose every sequence position differs."""
+    L = FbdLayout(tp, 2, 1, 1, tp_f, 1, 1, 4)
+    seq = 8
+    full = torch.arange(2 * seq * 3, dtype=torch.float32).view(2, seq, 3)  # (batch, sequence, hidden)
+    # what each forward TP rank holds after its stage: the whole sequence, unless it runs sequence-parallel
+    forward_sp = sequence_parallel and tp_f == tp and tp > 1
+    held = {f: full.chunk(tp_f, dim=1)[f] if forward_sp else full for f in range(tp_f)}
+    senders = set()
+    for t in range(tp):
+        f = L.forward_coord(L.input_sender(1, 0, t))[2]
+        senders.add(f)
+        i = L.input_part(t, sequence_parallel)
+        got = held[f] if i is None else held[f].chunk(tp, dim=1)[i]
+        want = full.chunk(tp, dim=1)[t] if sequence_parallel and tp > 1 else full
+        assert torch.equal(got, want), (tp, tp_f, sequence_parallel, t)
+    assert senders == set(range(tp_f))  # every forward TP rank sends its share
+
+
 def _fbd_cfg(**parallel) -> RunConfig:
     cfg = RunConfig()
     cfg.parallel.fbd, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.microbatches = True, 2, 2, 8
@@ -112,7 +137,7 @@ def _fbd_cfg(**parallel) -> RunConfig:
 
 
 @pytest.mark.parametrize("fields, word", [
-    ({"fbd_forward_tp": 3}, "parallel.fbd_forward_tp=3"),
+    ({"fbd_forward_tp": 3}, "parallel.fbd_forward_tp=3 must divide parallel.tp=2"),
     ({"fbd_forward_pp": 3}, "parallel.fbd_forward_pp=3"),
     ({"fbd_forward_instances": 0}, "parallel.fbd_forward_instances=0"),
     ({"schedule": "dpp"}, "parallel.schedule='dpp'"),

@@ -376,9 +376,10 @@ def _validate_fbd(p: ParallelConfig) -> None:
     for name in ("fbd_forward_tp", "fbd_forward_pp", "fbd_forward_instances"):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
-    if p.fbd_forward_tp not in (1, p.tp):
-        raise ConfigError(f"parallel.fbd_forward_tp={p.fbd_forward_tp}: the forward tensor-parallel size must be 1 "
-                          f"or parallel.tp={p.tp}")
+    if p.tp % p.fbd_forward_tp:
+        raise ConfigError(f"parallel.fbd_forward_tp={p.fbd_forward_tp} must divide parallel.tp={p.tp} (a forward TP "
+                          f"shard is a union of backward shards); choose from "
+                          f"{[d for d in range(1, p.tp + 1) if p.tp % d == 0]}")
     if p.pp % p.fbd_forward_pp:
         raise ConfigError(f"parallel.fbd_forward_pp={p.fbd_forward_pp} must divide parallel.pp={p.pp} (forward "
                           f"stages are groups of whole backward stages); choose from "

@@ -7,10 +7,16 @@ recompute the chunk with autograd, run backward (the last virtual stage from its
 gradient the next backward stage sends), send the input gradient to the previous stage. So a rank holds the
 activations of one (microbatch, chunk) at a time. The gradient channel is the engine's `StageLinks` (the
 `pp.grad.*` groups: one way per group, a header per message).
+
+Checkpoints are the engine's (`Trainer.save` / `Trainer.load`, called on this rank: it has the attributes they
+read): backward rank r writes exactly what engine rank r of the same tp x pp x dp layout writes, in the same
+directory format (atomic rename, `weights_only` load), and a resume checks the layout as the engine does. The
+forward ranks hold no state of their own: their weights arrive from the backward side at every step's start.
 """
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -20,17 +26,26 @@ from megatronapp.data.dataset import build_batch_source, split_microbatches
 from megatronapp.fbd.groups import FbdGroups
 from megatronapp.fbd.layout import FbdLayout
 from megatronapp.fbd.messages import Inbox
+from megatronapp.fbd.reader import StepReader
 from megatronapp.fbd.weights import WeightLink, param_specs
 from megatronapp.parallel.data_parallel import GradReducer
 from megatronapp.pipeline.p2p import StageLinks
+from megatronapp.train import checkpoint as ckpt
+from megatronapp.train import plugins
+from megatronapp.train.async_checkpoint import AsyncSaver
 from megatronapp.train.optim import build_optimizer
-from megatronapp.train.trainer import build_chunks, finish_step
+from megatronapp.train.trainer import Trainer, build_chunks, finish_step
 
 
 class BackwardRank:
     """State of one backward rank (an ordinary engine rank of the tp x pp x dp layout, minus the pipeline)."""
 
     role = "backward"
+    # the engine's checkpoint code itself (same files and checks), not a copy: it reads step, out, cfg, rank,
+    # topo, chunks, optimizer, saver, save_stalls and hooks, which this class has with the same meaning
+    save = Trainer.save
+    finish_saves = Trainer.finish_saves
+    load = Trainer.load
 
     def __init__(self, cfg: RunConfig, layout: FbdLayout, groups: FbdGroups, device: torch.device):
         self.cfg, self.layout, self.groups, self.device = cfg, layout, groups, device
@@ -43,6 +58,7 @@ class BackwardRank:
         self.optimizer = build_optimizer(self.params, t, tp_group=topo.tp_group)
         self.reducer = GradReducer(self.chunks, topo.dp_group, p.grad_bucket_mb)
         self.data, _ = build_batch_source(cfg, self.coord.dp)
+        self.reader = StepReader(self.data.get, t.data_prefetch, device)
         self.mbs = micro_batch_size(cfg)
         seq = t.seq_len // p.tp if p.sequence_parallel and p.tp > 1 else t.seq_len
         self.act_shape = (self.mbs, seq, cfg.model.hidden_size)
@@ -56,6 +72,13 @@ class BackwardRank:
         self.weights = WeightLink(layout, param_specs(cfg.model, layout), self.rank, named, groups.weights)
         self.step = 0
         self.peak_saved_bytes = 0  # filled by a benchmark's saved-tensor hooks, if any
+        self.out = Path(t.out)
+        self.hooks = plugins.Hooks()  # fired by fbd/run.py; `save` announces checkpoints through it
+        self.saver = AsyncSaver(self.out / "checkpoints", self.rank, topo.world_size,
+                                keep=t.keep_checkpoints) if t.async_save else None
+        self.save_stalls: list[float] = []
+        if t.resume:
+            self.load(ckpt.resolve(t.resume))
 
     # -- geometry -------------------------------------------------------------------------------------------
     def _v(self, chunk: int) -> int:
@@ -70,7 +93,8 @@ class BackwardRank:
         # The forward side of this step waits for exactly these weights (the previous step's result).
         with tracing.span("fbd.weights", "comm"):
             self.weights.send()
-        ids, labels = self.data.get(self.step)
+        with tracing.span("data", "data"):
+            ids, labels = self.reader.get(self.step)
         mbs = [(a.to(self.device), b.to(self.device)) for a, b in split_microbatches(ids, labels, L.microbatches)]
         vpp, V = len(self.chunks), L.virtual_stages
         self.reducer.zero_grad()
@@ -92,15 +116,17 @@ class BackwardRank:
                 wait += time.perf_counter() - w0
                 with tracing.span("recompute", "compute", chunk=c, microbatch=m), self.autocast:
                     out = self.chunks[c](x, labels=mbs[m][1] if v == V - 1 else None)
+                grad = None
+                if v != V - 1:  # waiting for the next stage is not compute: outside the span (MegaScan's phases)
+                    w0 = time.perf_counter()
+                    self.links.wait_for(("B", c, m), 600.0, lambda c=c, m=m: self._stuck(c, m))
+                    wait += time.perf_counter() - w0
+                    grad = self.links.take(("B", c, m)).to(out.dtype)
                 with tracing.span("backward", "compute", chunk=c, microbatch=m):
-                    if v == V - 1:
+                    if grad is None:
                         losses.append(float(out.detach()))
                         torch.autograd.backward(out * scale)
                     else:
-                        w0 = time.perf_counter()
-                        self.links.wait_for(("B", c, m), 600.0, lambda c=c, m=m: self._stuck(c, m))
-                        wait += time.perf_counter() - w0
-                        grad = self.links.take(("B", c, m)).to(out.dtype)
                         torch.autograd.backward(out, grad)
                 del out
                 if v > 0:
@@ -122,5 +148,11 @@ class BackwardRank:
         return (f"FBD backward rank {self.rank} ({self.coord.label()}) waits for the output gradient of chunk "
                 f"{chunk}, microbatch {m} from rank {self.topo.next_rank()}")
 
+    def snapshot_barrier(self) -> None:
+        """Called by the engine's `load` (and, in the engine, before each optimizer update): nothing to wait for
+        here, since this rank's AsyncSaver copies its snapshot inside `save()` (`overlap_copy` off), so no copy
+        of the state is ever in flight while training changes it."""
+
     def close(self) -> None:
+        self.reader.close()
         self.weights.finish_sends()

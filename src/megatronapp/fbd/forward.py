@@ -6,8 +6,12 @@ each job (dp replica, microbatch) of this instance, in order: take the input (to
 the previous forward stage's message), run this stage's segments (whole backward virtual stages) under
 `torch.no_grad()`, and after segment v send its output, the input of virtual stage v + 1, to that stage's
 backward ranks (one per backward TP rank: the whole hidden state, or under sequence parallelism with a
-forward tp of 1 the backward TP rank's sequence slice). A forward rank never waits for a backward rank inside a
-step, only for the weights at its start.
+forward tp below tp the backward TP rank's sequence slice, `layout.input_part`). A forward rank never waits
+for a backward rank inside a step, only for the weights at its start.
+
+A forward rank holds no state of its own across steps: its weights come from the backward side at every step's
+start, its batches are a pure function of (seed, step). So it saves nothing, and a resumed run only tells it
+the step to go on from (the checkpoint's `meta.json`); the first hand-off then brings the loaded weights.
 """
 from __future__ import annotations
 
@@ -22,8 +26,10 @@ from megatronapp.data.dataset import BatchSource, build_batch_source, split_micr
 from megatronapp.fbd.groups import FbdGroups
 from megatronapp.fbd.layout import FbdLayout
 from megatronapp.fbd.messages import Inbox, Outbox
+from megatronapp.fbd.reader import StepReader
 from megatronapp.fbd.weights import WeightLink, param_specs, segment
 from megatronapp.parallel.tensor_parallel import SEQ_DIM
+from megatronapp.train import checkpoint as ckpt
 
 
 class ForwardRank:
@@ -39,7 +45,6 @@ class ForwardRank:
         # Sequence parallelism is kept only where the forward splits like the backward (tp_f == tp): then each
         # forward TP rank holds exactly its backward peer's sequence slice.
         self.sp = p.sequence_parallel and layout.tp_f == p.tp and p.tp > 1
-        self.slice_for_sp = p.sequence_parallel and p.tp > 1 and not self.sp
         self.segments = {v: segment(cfg.model, layout, v, tp_group, device, t.seed, self.sp)
                          for v in layout.forward_segments(self.stage)}
         for seg in self.segments.values():
@@ -61,10 +66,16 @@ class ForwardRank:
             base, _ = build_batch_source(cfg, 0)
             for d in sorted({d for d, _ in self.jobs}):
                 self.sources[d] = BatchSource(base.tokens, t.seq_len, t.global_batch_size, d, p.dp, t.seed)
+        # every replica this instance serves, stacked along a new first dimension: one prefetched item per step
+        self.reader = StepReader(self._read, t.data_prefetch, device)
         named = {n: q for seg in self.segments.values() for n, q in seg.named_parameters()}
         self.weights = WeightLink(layout, param_specs(cfg.model, layout), rank, named, groups.weights)
-        self.step = 0
+        self.step = ckpt.load_meta(ckpt.resolve(t.resume))["step"] if t.resume else 0
         self.weight_changes: list[float] = []  # largest change per hand-off (the first must be 0: equal init)
+
+    def _read(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        got = [self.sources[d].get(step) for d in sorted(self.sources)]
+        return torch.stack([ids for ids, _ in got]), torch.stack([labels for _, labels in got])
 
     def _prev_stage_active(self) -> bool:
         return self.stage > 0 and bool(self.layout.forward_segments(self.stage - 1))
@@ -92,7 +103,12 @@ class ForwardRank:
             first = min(self.segments)
             self.from_prev.start(self.step, {self._chain_rank(self.stage - 1): [(d, m, first) for d, m in self.jobs]})
         sends = deque(L.forward_sends(self.rank))
-        batches = {d: split_microbatches(*src.get(self.step), L.microbatches) for d, src in self.sources.items()}
+        batches = {}
+        if self.sources:
+            with tracing.span("data", "data"):
+                ids, labels = self.reader.get(self.step)
+            batches = {d: split_microbatches(ids[i], labels[i], L.microbatches)
+                       for i, d in enumerate(sorted(self.sources))}
         with torch.no_grad(), self.autocast:
             for d, m in self.jobs:
                 if self.stage == 0:
@@ -104,8 +120,8 @@ class ForwardRank:
                         x = seg(x)
                     while sends and sends[0][1] == (d, m, v + 1):  # the plan's order (layout.forward_sends)
                         dst, key = sends.popleft()
-                        t = L.input_receivers(v + 1, d).index(dst)
-                        part = x.chunk(L.tp, dim=SEQ_DIM)[t] if self.slice_for_sp else x
+                        i = L.input_part(L.input_receivers(v + 1, d).index(dst), self.cfg.parallel.sequence_parallel)
+                        part = x if i is None else x.chunk(L.tp, dim=SEQ_DIM)[i]
                         self.to_backward.send(dst, self.step, key, part)
                 if self._next_stage_active():
                     self.to_next.send(self._chain_rank(self.stage + 1), self.step, (d, m, max(self.segments) + 1), x)
@@ -120,4 +136,4 @@ class ForwardRank:
         return {"step_time": time.perf_counter() - t0}
 
     def close(self) -> None:
-        pass
+        self.reader.close()

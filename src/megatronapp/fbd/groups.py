@@ -7,8 +7,9 @@ by a counter that is then equal on all ranks. A rank outside a group gets a `Gro
 
 Groups, in creation order: the backward layout's (TP, PP, DP, tied embedding, the four pipeline channels,
 "world" = all backward ranks), then per forward instance its TP groups and its forward-chain channel, then
-`fbd.act` (forward -> backward stage inputs) and `fbd.weights` (backward -> forward weights). Each P2P group
-carries traffic one way only, so under NCCL's rules a posted receive never blocks a send (docs/megafbd.md).
+`fbd.act` (forward -> backward stage inputs), `fbd.weights` (backward -> forward weights) and `fbd.job` (every
+rank, collectives only: plug-ins' view of the whole job). Each P2P group carries traffic one way only, so
+under NCCL's rules a posted receive never blocks a send (docs/megafbd.md).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class FbdGroups:
     forward_chain: Group | None  # forward ranks: forward stage -> next forward stage, this TP column
     act: Group  # forward -> backward stage inputs (all ranks of the job)
     weights: Group  # backward -> forward weights (all ranks of the job)
+    job: Group  # every rank of the job, collectives only: the tracer's clock handshake (plug-ins' "world")
 
 
 class _Maker:
@@ -70,4 +72,5 @@ def build(layout: FbdLayout, rank: int) -> FbdGroups:
     everyone = range(layout.total)
     act = mk.make("fbd.act", everyone) or Group("fbd.act", tuple(everyone))
     weights = mk.make("fbd.weights", everyone) or Group("fbd.weights", tuple(everyone))
-    return FbdGroups(topo, forward_tp, forward_chain, act, weights)
+    job = mk.make("fbd.job", everyone) or Group("fbd.job", tuple(everyone))
+    return FbdGroups(topo, forward_tp, forward_chain, act, weights, job)

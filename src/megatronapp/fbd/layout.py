@@ -86,10 +86,22 @@ class FbdLayout:
         return [v for v in range(self.virtual_stages - 1) if self.forward_stage_of(v) == stage]
 
     def input_sender(self, v: int, instance: int, tp: int) -> int:
-        """Global forward rank that sends backward TP rank `tp` the input of virtual stage v > 0."""
+        """Global forward rank that sends backward TP rank `tp` the input of virtual stage v > 0: forward TP rank
+        tp * tp_f // tp (with tp_f = tp its own peer; with tp_f < tp every forward TP rank holds the whole hidden
+        state, so the tp / tp_f backward ranks of each block share one sender and the sending is spread)."""
         if v < 1:
             raise ValueError("virtual stage 0 reads token ids itself")
-        return self.forward_rank(instance, self.forward_stage_of(v - 1), tp if self.tp_f == self.tp else 0)
+        return self.forward_rank(instance, self.forward_stage_of(v - 1), tp * self.tp_f // self.tp)
+
+    def input_part(self, tp: int, sequence_parallel: bool) -> int | None:
+        """Which of `self.tp` equal sequence slices of the sender's hidden state backward TP rank `tp` takes, or
+        None for the whole state. Under sequence parallelism a backward TP rank works on its slice; a forward
+        instance with tp_f = tp runs sequence-parallel itself and already holds exactly that slice, one with
+        tp_f < tp runs without it (whole sequence on every forward TP rank) and sends each backward rank its
+        slice: the input is re-split along the sequence."""
+        if not sequence_parallel or self.tp == 1 or self.tp_f == self.tp:
+            return None
+        return tp
 
     def input_receivers(self, v: int, dp: int) -> list[int]:
         """Backward ranks (one per TP rank, in TP order) that take the input of virtual stage v of replica dp."""

@@ -1,0 +1,102 @@
+"""MegaFBD runs as the user starts them (`fbd.run.train`, real gloo processes under `--comm-semantics nccl`):
+plug-ins on both roles, faults on either role, checkpoints and `--resume`.
+
+Layout: backward pp=2 (ranks 0, 1) and forward instances of tp_f = pp_f = 1 (ranks 2, 3, ...), a tiny GPT-2.
+In traces a forward rank sits at (dp=instance, pp=pp+stage, tp): forward instances are each other's peers, never
+a backward rank's (fbd/host.py). Detection assertions are about WHO and WHAT, never timings (a 3x slow rank on a
+busy 2-core machine, as tests/test_scan_real.py does).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatronapp.config import ModelConfig, ParallelConfig, RunConfig, TraceConfig, TrainConfig
+from megatronapp.fbd.run import train
+from megatronapp.launch import RankFailed
+from megatronapp.scan.aggregate import aggregate
+from megatronapp.scan.detect import analyse
+from megatronapp.scan.format import read_dir
+from megatronapp.train import checkpoint as ckpt
+from megatronapp.train.metrics import read_metrics
+
+
+def _cfg(out: Path, steps: int, n_f: int = 1, **train_over) -> RunConfig:
+    return RunConfig(model=ModelConfig(family="gpt2", hidden_size=64, num_layers=4, num_heads=4, max_seq_len=32),
+                     parallel=ParallelConfig(tp=1, pp=2, dp=1, microbatches=4, fbd=True, fbd_forward_instances=n_f,
+                                             comm_semantics="nccl"),
+                     train=TrainConfig(steps=steps, global_batch_size=8, seq_len=32, warmup_steps=1, out=str(out),
+                                       progress=False, **train_over))
+
+
+@pytest.mark.slow
+def test_traced_fbd_run_names_both_roles_and_the_slow_forward_rank(tmp_path):
+    # Two forward instances (ranks 2, 3); rank 2 computes 3x slower. Every rank runs the probe plug-in.
+    cfg = _cfg(tmp_path, steps=6, n_f=2)
+    cfg.trace = TraceConfig(enabled=True, dir=str(tmp_path / "trace"), interval=6, iterations=6)
+    cfg.inject = ["slow-compute=2:3.0"]
+    cfg.attach = ["tests.plugin_probe:plugin"]
+    assert train(cfg)["steps"] == 6
+    # lifecycle hooks fired on both roles, in the engine's order; only backward ranks announce checkpoints
+    for rank in range(4):
+        events = [json.loads(x)["event"] for x in (tmp_path / f"hooks.rank{rank}.jsonl").read_text().splitlines()]
+        body = ["step_start", "step_end"] * 6
+        tail = ["checkpoint_saved", "shutdown"] if rank < 2 else ["shutdown"]
+        assert events == ["rank_start", *body, *tail], (rank, events)
+    traces, problems = read_dir(tmp_path / "trace")
+    assert problems == [] and len(traces) == 4
+    roles = {t.rank: (t.header["fbd_role"], t.header["process_name"], t.coord) for t in traces}
+    assert roles == {0: ("backward", "rank 0 backward dp0 pp0 tp0", (0, 0, 0)),
+                     1: ("backward", "rank 1 backward dp0 pp1 tp0", (0, 1, 0)),
+                     2: ("forward", "rank 2 forward k0 s0 t0", (0, 2, 0)),
+                     3: ("forward", "rank 3 forward k1 s0 t0", (1, 2, 0))}
+    assert all(t.world == 4 and len(t.header["handshake"]["group_ranks"]) == 4 for t in traces)
+    merged = tmp_path / "merged.json"
+    aggregate(tmp_path / "trace", merged)
+    events = json.loads(merged.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert names == {r: roles[r][1] for r in range(4)}
+    spans = {(e["pid"], e["name"]) for e in events if e.get("ph") == "X"}
+    assert {(0, "recompute"), (1, "backward"), (2, "forward"), (3, "forward")} <= spans
+    report = analyse(traces).report
+    top = report.findings[0] if report.findings else None
+    assert top is not None and (top.kind, top.ranks) == ("slow-compute", (2,)), report.to_text()
+    assert not [f for f in report.findings if 3 in f.ranks or f.kind == "slow-compute" and f.ranks != (2,)], \
+        report.to_text()
+
+
+def _final_state(out: Path) -> dict[int, dict]:
+    d = ckpt.resolve(out)
+    return {r: ckpt.load_rank(d, r) for r in range(2)}
+
+
+@pytest.mark.slow
+def test_resumed_fbd_run_continues_bit_identically(tmp_path):
+    # Run A: 4 steps, a checkpoint after step 2 (and the final one). Run B: a new process tree resumes A's step-2
+    # checkpoint and trains steps 3-4. Forward ranks save nothing: the first hand-off brings the loaded weights.
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(_cfg(a, steps=4, save_interval=2))
+    step2 = a / "checkpoints" / "step_00000002"
+    assert ckpt.load_meta(step2)["world_size"] == 2  # backward ranks only: the engine's pp=2 format
+    assert sorted(p.name for p in step2.glob("rank*.pt")) == ["rank00000.pt", "rank00001.pt"]
+    summary = train(_cfg(b, steps=4, resume=str(step2)))
+    assert summary["steps"] == 4
+    want = {r["step"]: r["loss"] for r in read_metrics(a / "metrics.jsonl")}
+    got = {r["step"]: r["loss"] for r in read_metrics(b / "metrics.jsonl")}
+    assert sorted(got) == [3, 4] and all(got[s] == want[s] for s in got), (got, want)
+    sa, sb = _final_state(a), _final_state(b)
+    for r in range(2):
+        assert sa[r]["step"] == sb[r]["step"] == 4
+        for ca, cb in zip(sa[r]["chunks"], sb[r]["chunks"]):
+            for name in ca:
+                assert torch.equal(ca[name], cb[name]), f"rank {r} {name} differs after resume"
+        for pa, pb in zip(sa[r]["optimizer"]["state"].values(), sb[r]["optimizer"]["state"].values()):
+            assert all(torch.equal(pa[k], pb[k]) for k in pa), f"rank {r}: optimizer state differs after resume"
+    # a different backward layout is refused by the engine's own check, naming the field
+    bad = _cfg(tmp_path / "c", steps=4, resume=str(step2))
+    bad.parallel.tp, bad.parallel.pp = 2, 1
+    with pytest.raises((RankFailed, ckpt.CheckpointError), match=r"parallel\.tp=1"):
+        train(bad)
