@@ -2,6 +2,8 @@
 `megatronapp train --supervise`. Measures how long after the hang began it was detected (the hung rank's own
 heartbeat clock), and the recovery time: failure detected -> every rank has finished a step again (stop, relaunch,
 load the checkpoint, first step). Peers: MegaScale reports minutes-scale recovery at 10k GPUs; this is one machine.
+The job runs twice, side by side in one invocation: restarting at once (`--no-diagnose-on-restart`), and with the
+diagnostics on the job's 4 ranks before the restart (the default); the difference is what diagnosing costs.
 
     python -m benchmarks.bench_recovery [--hang-timeout 5]
 """
@@ -28,24 +30,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hang-timeout", type=float, default=5.0)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run"
-        t0 = time.time()
-        res = subprocess.run([sys.executable, "-m", "megatronapp", "train", *FLAGS, "--hang-timeout",
-                              str(args.hang_timeout), "--out", str(out)], capture_output=True, text=True, check=True)
-        wall = time.time() - t0
-        events = [json.loads(line) for line in (out / "resilience.jsonl").read_text().splitlines()]
-    hung_for = float(re.search(r"in phase 'step 4' for ([0-9.]+) s", res.stderr).group(1))
-    recovery = next(e["recovery_s"] for e in events if e["event"] == "recovered")
-    named = next(e["rank"] for e in events if e["event"] == "failure")
-    result = {"hang_timeout_s": args.hang_timeout, "detected_after_s": hung_for, "named_rank": named,
-              "recovery_s": recovery, "job_wall_s": wall, "load_average": os.getloadavg(),
-              "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    plain = _run(args.hang_timeout, ["--no-diagnose-on-restart"])
+    diagnosed = _run(args.hang_timeout, [])
+    result = {"hang_timeout_s": args.hang_timeout, **plain,
+              "with_diagnose": diagnosed, "diagnose_cost_s": diagnosed["recovery_s"] - plain["recovery_s"],
+              "load_average": os.getloadavg(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "machine": {"cpus": os.cpu_count(), "processor": platform.machine()}}
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
-    print(f"hang detected {hung_for:.1f} s after it began (timeout {args.hang_timeout:g} s), rank {named} named; "
-          f"training again {recovery:.1f} s after detection; job {wall:.0f} s; load {result['load_average'][0]:.1f}")
+    for what, r in (("restart at once", plain), ("diagnose first", diagnosed)):
+        print(f"{what}: hang detected {r['detected_after_s']:.1f} s after it began (timeout {args.hang_timeout:g} s), "
+              f"rank {r['named_rank']} named; training again {r['recovery_s']:.1f} s after detection (diagnostics "
+              f"{r['diagnose_s']:.1f} s); job {r['job_wall_s']:.0f} s")
+    print(f"load {result['load_average'][0]:.1f}")
+
+
+def _run(hang_timeout: float, extra: list[str]) -> dict:
+    """One supervised drill; its detection and recovery times."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        t0 = time.time()
+        res = subprocess.run([sys.executable, "-m", "megatronapp", "train", *FLAGS, *extra, "--hang-timeout",
+                              str(hang_timeout), "--out", str(out)], capture_output=True, text=True, check=True)
+        wall = time.time() - t0
+        events = [json.loads(line) for line in (out / "resilience.jsonl").read_text().splitlines()]
+    hung_for = float(re.search(r"in phase 'step 4' for ([0-9.]+) s", res.stderr).group(1))
+    diagnosis = next((e["diagnosis"] for e in events if e["event"] == "evicted"), None) or {}
+    return {"detected_after_s": hung_for, "named_rank": next(e["rank"] for e in events if e["event"] == "failure"),
+            "recovery_s": next(e["recovery_s"] for e in events if e["event"] == "recovered"),
+            "diagnose_s": diagnosis.get("seconds", 0.0), "job_wall_s": wall}
 
 
 if __name__ == "__main__":

@@ -104,7 +104,8 @@ def test_killed_and_stopped_ranks_are_named_and_the_recovered_run_is_bit_identic
     saboteur.start()
     logs: list[str] = []
     try:
-        summary = supervise(cfg, Options(hang_timeout_s=4.0, heartbeat_s=0.3, max_restarts=3), logs.append)
+        opts = Options(hang_timeout_s=4.0, heartbeat_s=0.3, max_restarts=3, diagnose_on_restart=False)
+        summary = supervise(cfg, opts, logs.append)
     finally:
         stop.set()
     assert len(done) == 2, f"the run ended before the faults were all sent: {done}\n" + "\n".join(logs)
@@ -123,7 +124,8 @@ def test_killed_and_stopped_ranks_are_named_and_the_recovered_run_is_bit_identic
 def test_injected_hang_is_detected_in_time_naming_the_hung_rank_and_the_run_completes(tmp_path, baseline):
     out, timeout = tmp_path / "run", 4.0
     cmd = [sys.executable, "-m", "megatronapp", "train", *FLAGS, "--out", str(out), "--supervise",
-           "--inject", "hang=2:3", "--hang-timeout", str(timeout), "--heartbeat-interval", "0.3"]
+           "--inject", "hang=2:3", "--hang-timeout", str(timeout), "--heartbeat-interval", "0.3",
+           "--no-diagnose-on-restart"]  # diagnostics before a restart: tests/test_resilience_shrink.py
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"after {STEPS} steps, 1 restart(s)" in res.stdout
@@ -136,5 +138,7 @@ def test_injected_hang_is_detected_in_time_naming_the_hung_rank_and_the_run_comp
     hung_for = float(re.search(r"in phase 'step 4' for ([0-9.]+) s", err).group(1))
     assert timeout <= hung_for <= timeout + 5.0
     events = [json.loads(line) for line in (out / "resilience.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in events] == ["failure", "recovered", "completed"]
+    assert [e["event"] for e in events] == ["failure", "evicted", "recovered", "completed"]
+    # no spare host and no --allow-shrink: rank 2 is recorded as evicted and the same layout restarts
+    assert [e["rank"] for e in events[1]["evicted"]] == [2] and events[1]["replicas"] is None
     _assert_same_run(out, baseline, replays=True)  # step 3 was logged, the restart resumed from step 2

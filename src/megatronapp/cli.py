@@ -143,6 +143,18 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-restarts", type=int, default=3, help="restarts before the driver gives up (default 3)")
     g.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="S",
                    help="seconds between a rank's heartbeats (default 1)")
+    g.add_argument("--no-diagnose-on-restart", dest="diagnose_on_restart", action="store_false",
+                   help="restart at once, without running the diagnostics on the job's ranks first")
+    g.add_argument("--diagnose-budget", type=float, default=120.0, metavar="S",
+                   help="wall-clock budget of the diagnostics before a restart (default 120)")
+    g.add_argument("--allow-shrink", action="store_true",
+                   help="restart without the evicted rank's DP replica (dp-1, same global batch; plain "
+                        "optimizer only) instead of with the same layout")
+    g.add_argument("--straggler-windows", type=int, default=3, metavar="N",
+                   help="with --trace: report a straggler when MegaScan names the same cause in N trace windows "
+                        "in a row (default 3)")
+    g.add_argument("--evict-stragglers", action="store_true",
+                   help="treat a persistent straggler rank as a failure: stop, diagnose, evict, restart")
     g.add_argument("--attach", action="append", default=[], metavar="MODULE:FUNCTION",
                    help="plug-in by import path, repeatable: FUNCTION(trainer) is called in every rank and may "
                         "register lifecycle hooks (see docs/architecture.md, 'Plug-ins')")
@@ -241,15 +253,28 @@ def _train_supervised(cfg: RunConfig, args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-restarts {args.max_restarts}: must be >= 0")
     if args.heartbeat_interval <= 0:
         raise ConfigError(f"--heartbeat-interval {args.heartbeat_interval}: must be > 0 seconds")
+    if args.diagnose_budget <= 0:
+        raise ConfigError(f"--diagnose-budget {args.diagnose_budget}: must be > 0 seconds")
+    if args.straggler_windows < 1:
+        raise ConfigError(f"--straggler-windows {args.straggler_windows}: must be >= 1")
+    if args.evict_stragglers and not cfg.trace.enabled:
+        raise ConfigError("--evict-stragglers needs --trace: stragglers are found in the MegaScan trace windows")
     opts = supervisor.Options(hang_timeout_s=args.hang_timeout, max_restarts=args.max_restarts,
-                              heartbeat_s=args.heartbeat_interval)
+                              heartbeat_s=args.heartbeat_interval, diagnose_on_restart=args.diagnose_on_restart,
+                              diagnose_budget_s=args.diagnose_budget, allow_shrink=args.allow_shrink,
+                              straggler_windows=args.straggler_windows, evict_stragglers=args.evict_stragglers)
     try:
         summary = supervisor.supervise(cfg, opts)
     except supervisor.SupervisorGaveUp as e:
         print(f"megatronapp: {e}", file=sys.stderr)
         return 1
+    evicted = "".join(f"; persistent straggler {s['kind']} rank(s) {', '.join(map(str, s['ranks']))}"
+                      for s in summary.get("stragglers", []))
+    evicted += "".join(f"; evicted rank {e['rank']} ({e['label']})" for e in summary.get("evicted", []))
+    if summary.get("dp", cfg.parallel.dp) != cfg.parallel.dp:
+        evicted += f"; finished on dp={summary['dp']}"
     print(f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps, {summary['restarts']} "
-          f"restart(s); run files in {summary['out']}")
+          f"restart(s){evicted}; run files in {summary['out']}")
     return 0
 
 

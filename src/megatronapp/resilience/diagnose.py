@@ -229,6 +229,34 @@ def report(a: dict[str, Any]) -> str:
     return "\n".join(lines) if lines else "no outliers: every rank, pair and group within the noise of its peers"
 
 
+class DiagnoseTimeout(RuntimeError):
+    """The tests did not finish within their time budget (itself a sign of a hung rank or link)."""
+
+
+def run_within(nproc: int, shape: tuple[int, int, int], inject: list[str], budget_s: float,
+               threads: int = 1) -> dict[str, Any]:
+    """`run` with a wall-clock budget (the supervisor's check before a restart): ranks still running when it
+    is spent are stopped and DiagnoseTimeout names the ranks that had not finished; a failed rank raises."""
+    from megatronapp import launch
+
+    with tempfile.TemporaryDirectory(prefix="diagnose-") as out:
+        job = launch.start(diagnose_rank, nproc, shape, inject, out, None, threads=threads)
+        try:
+            deadline = time.monotonic() + budget_s
+            while job.running() and not job.exits() and time.monotonic() < deadline:
+                job.wait(0.2)
+            if job.exits():
+                raise launch.first_failure(job.exits()).error()
+            if job.running():
+                late = [r for r in range(nproc) if not Path(out, f"rank{r}.json").is_file()]
+                raise DiagnoseTimeout(f"diagnostics did not finish within {budget_s:.0f} s; ranks without "
+                                      f"results: {', '.join(map(str, late))}")
+        finally:
+            job.close()
+        results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(nproc)]
+    return analyse(results)
+
+
 def run(nproc: int, shape: tuple[int, int, int], inject: list[str], group: tuple[str, int] | None = None
         ) -> dict[str, Any]:
     """Spawn the ranks, run every test, analyse (`group`: probe only that group's ring links)."""

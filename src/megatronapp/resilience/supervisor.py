@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from megatronapp import launch
-from megatronapp.config import RunConfig, plugin_entries, validate
+from megatronapp.config import ConfigError, RunConfig, plugin_entries, validate
 from megatronapp.parallel.topology import coord_of
-from megatronapp.resilience import agent
+from megatronapp.resilience import agent, recovery, shrink
 from megatronapp.resilience.attribution import culprits, op_text, wait_edges, wait_tree
+from megatronapp.resilience.stragglers import Straggler, StragglerWatch
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train import plugins
 from megatronapp.train.trainer import run_rank
@@ -40,11 +41,16 @@ class Options:
     heartbeat_s: float = 1.0
     startup_timeout_s: float = 300.0  # before the first step of an attempt (imports, model build, resume)
     threads: int | None = None
+    diagnose_on_restart: bool = True  # run the diagnostics on the job's layout before each restart
+    diagnose_budget_s: float = 120.0  # wall-clock budget of those diagnostics
+    allow_shrink: bool = False  # restart without the evicted rank's DP replica (a smaller dp)
+    straggler_windows: int = 3  # with tracing on: a MegaScan finding repeated over this many windows is reported
+    evict_stragglers: bool = False  # ... and treated as a failure (stop, diagnose, evict, restart)
 
 
 @dataclass
 class Failure:
-    kind: str  # exit | hang
+    kind: str  # exit | hang | straggler
     rank: int
     label: str
     message: str
@@ -87,6 +93,11 @@ class Attempt:
         self.labels = {r: coord_of(r, p.tp, p.pp, p.dp).label() for r in range(self.world)}
         self.step_times: list[float] = []
         self.first_step_at: float | None = None
+        self.watch: StragglerWatch | None = None
+        tc = cfg.trace
+        if tc.enabled and opts.straggler_windows > 0:
+            self.watch = StragglerWatch(Path(tc.dir or self.out / "trace"), tc.interval, tc.iterations, self.world,
+                                        opts.straggler_windows)
 
     def beats(self) -> dict[int, dict[str, Any]]:
         out = {}
@@ -123,11 +134,19 @@ class Attempt:
             if not job.running():
                 if not result.is_file():
                     return Failure("exit", 0, self.labels[0], "the ranks exited without a result", -1, time.time())
-                return json.loads(result.read_text())
+                summary = json.loads(result.read_text())
+                if self.watch is not None and start_step is not None:  # the windows the run ended with
+                    self._stragglers(self.watch.poll(start_step, summary.get("steps", 0), final=True))
+                return summary
             beats = self.beats()
             steps = tuple(beats.get(r, {}).get("step", -1) for r in range(self.world))
             if start_step is None and len(beats) == self.world:
                 start_step = min(steps)
+            if self.watch is not None and start_step is not None:
+                failure = self._stragglers(self.watch.poll(start_step, min(steps)))
+                if failure is not None:
+                    job.stop(grace_s=1.0)
+                    return failure
             if steps != progress:
                 progress, last_progress = steps, time.time()
                 self.step_times += [b["step_time_s"] for b in beats.values() if b.get("step_time_s")]
@@ -145,6 +164,22 @@ class Attempt:
                 failure = self._hang_failure(beats, job, time.time() - last_progress, timeout)
                 job.stop(grace_s=1.0)
                 return failure
+
+    def _stragglers(self, found: list[Straggler]) -> Failure | None:
+        """Report persistent stragglers; with evict_stragglers, the first one that names a single rank is a
+        failure (a slow link has two ends and no single culprit: it is reported, for `diagnose --group`)."""
+        failure = None
+        for s in found:
+            where = ", ".join(f"rank {r} ({self.labels[r]})" for r in s.ranks if r in self.labels)
+            msg = (f"persistent straggler: {s.kind} {where} in {len(s.windows)} trace windows in a row "
+                   f"(windows {', '.join(map(str, s.windows))}): {s.describe}")
+            self.log(msg)
+            _event(self.out / "resilience.jsonl", {"event": "straggler", "attempt": self.number,
+                                                   **dataclasses.asdict(s)})
+            if self.opts.evict_stragglers and failure is None and len(s.ranks) == 1:
+                r = s.ranks[0]
+                failure = Failure("straggler", r, self.labels[r], msg, -1, time.time())
+        return failure
 
     def _exit_failure(self, job: launch.LocalJob) -> Failure:
         cause = launch.first_failure(job.exits())
@@ -199,9 +234,12 @@ class Attempt:
         return Failure("hang", cause, self.labels[cause], msg, steps.get(cause, -1), now, tree=tree, waits=waits)
 
 
-def attempt_config(cfg: RunConfig, number: int, log: Callable[[str], None]) -> RunConfig:
+def attempt_config(cfg: RunConfig, number: int, log: Callable[[str], None],
+                   replicas: list[int] | None = None) -> RunConfig:
     """The config of attempt `number`: the heartbeat agent attached; after a failure, resume from the newest intact
-    checkpoint of the run (or the original --resume, or scratch) with fault drills off (they must not re-arm)."""
+    checkpoint of the run (or the original --resume, or scratch) with fault drills off (they must not re-arm).
+    A checkpoint saved with a larger dp than `cfg` (the job shrank) is converted first, taking DP replicas
+    `replicas` (default: the first ones)."""
     run = dataclasses.replace(cfg, attach=list(dict.fromkeys([*cfg.attach, AGENT_PLUGIN])))
     resume = cfg.train.resume
     if number > 0:
@@ -211,6 +249,14 @@ def attempt_config(cfg: RunConfig, number: int, log: Callable[[str], None]) -> R
             log(f"checkpoint {note}")
         if newest is not None:
             resume = str(newest)
+            saved_dp = int(ckpt.load_meta(newest)["config"]["parallel"]["dp"])
+            if saved_dp != cfg.parallel.dp:
+                keep = replicas if replicas and len(replicas) == cfg.parallel.dp and max(replicas) < saved_dp \
+                    else list(range(cfg.parallel.dp))
+                root = Path(cfg.train.out) / "resharded" / f"dp{cfg.parallel.dp}"
+                resume = str(shrink.reshard(newest, root, cfg, keep))
+                log(f"{newest.name} (dp={saved_dp}) converted for dp={cfg.parallel.dp} from DP replica(s) "
+                    f"{', '.join(map(str, keep))}: {resume}")
         log(f"restart {number}: resuming from {newest.name if newest else resume or 'scratch (no checkpoint yet)'}")
     if resume:
         resume = str(ckpt.resolve(resume, verify_files=True))
@@ -222,30 +268,46 @@ def supervise(cfg: RunConfig, opts: Options | None = None, log: Callable[[str], 
     """Run the job under the driver; returns the final run summary plus `restarts`, `failures` and
     `recovery_s` (failure detected -> first step of the resumed run done)."""
     opts = opts or Options()
+    if "TORCHELASTIC_RUN_ID" in os.environ or "GROUP_RANK" in os.environ:
+        raise ConfigError("--supervise launches and watches its ranks on this machine; it does not run under "
+                          "torchrun (multi-host supervision is not built: docs/resilience.md, 'Several hosts'). "
+                          "Run `megatronapp train --supervise --nproc N` on one host, or use torchrun's own "
+                          "--max-restarts without --supervise")
     validate(cfg)
     plugins.resolve_all([*plugin_entries(cfg), AGENT_PLUGIN])
     out = Path(cfg.train.out)
     out.mkdir(parents=True, exist_ok=True)
     events = out / "resilience.jsonl"
+    if opts.allow_shrink and cfg.parallel.dp > 1:
+        shrink.shrunk_config(cfg, cfg.parallel.dp - 1)  # refuse now (ZeRO-1, a batch that cannot split), not later
     failures: list[Failure] = []
-    recovery: list[float] = []
+    recovery_s: list[float] = []
+    evicted: list[dict[str, Any]] = []
+    diagnoses: list[dict[str, Any]] = []
+    stragglers: list[Straggler] = []
+    layout, replicas = cfg, None
     with ckpt.OutLock(out):
         number = 0
         while True:
-            att = Attempt(attempt_config(cfg, number, log), number, opts, log)
+            att = Attempt(attempt_config(layout, number, log, replicas), number, opts, log)
             outcome = att.run()
             if failures and att.first_step_at is not None:
-                recovery.append(att.first_step_at - failures[-1].detected_at)
-                _event(events, {"event": "recovered", "attempt": number, "recovery_s": recovery[-1]})
+                recovery_s.append(att.first_step_at - failures[-1].detected_at)
+                _event(events, {"event": "recovered", "attempt": number, "recovery_s": recovery_s[-1]})
+            if att.watch is not None:
+                stragglers += att.watch.reported
             if not isinstance(outcome, Failure):
+                outcome.update(stragglers=[dataclasses.asdict(s) for s in stragglers])
                 outcome.update(restarts=number, failures=[dataclasses.asdict(f) for f in failures],
-                               recovery_s=recovery)
+                               recovery_s=recovery_s, evicted=evicted, diagnoses=diagnoses, dp=layout.parallel.dp)
                 _event(events, {"event": "completed", "attempt": number, "steps": outcome.get("steps")})
                 return outcome
             failures.append(outcome)
             _event(events, {"event": "failure", "attempt": number, **dataclasses.asdict(outcome)})
             if outcome.kind == "exit":
                 log(f"rank {outcome.rank} ({outcome.label}) failed at step {outcome.step}: {outcome.message}")
+            elif outcome.kind == "straggler":
+                log(f"stopping the job to evict the straggler rank {outcome.rank} ({outcome.label})")
             else:
                 log(outcome.message)
                 log("waits (who waits for whom, in which op):\n" + outcome.tree)
@@ -254,11 +316,27 @@ def supervise(cfg: RunConfig, opts: Options | None = None, log: Callable[[str], 
             if done is not None:  # it failed after its final checkpoint (e.g. while exiting): nothing to redo
                 log(f"the final checkpoint {done['checkpoint']} is complete: not restarting")
                 done.update(restarts=number - 1, failures=[dataclasses.asdict(f) for f in failures],
-                            recovery_s=recovery)
+                            recovery_s=recovery_s, evicted=evicted, diagnoses=diagnoses)
                 return done
             if number > opts.max_restarts:
                 raise SupervisorGaveUp(f"gave up after {opts.max_restarts} restart(s); last failure: rank "
                                        f"{outcome.rank} ({outcome.label}): {outcome.message}")
+            plan = recovery_plan(layout, cfg, outcome, opts, log)
+            _event(events, recovery.record(plan, number - 1))
+            evicted += [{**dataclasses.asdict(e), "attempt": number - 1, "dp_before": layout.parallel.dp}
+                        for e in plan.evicted]
+            if plan.diagnosis is not None:
+                diagnoses.append({**plan.diagnosis, "attempt": number - 1})
+            if plan.replicas is not None:
+                layout, replicas = plan.layout, plan.replicas
+
+
+def recovery_plan(layout: RunConfig, first: RunConfig, failure: Failure, opts: Options,
+                  log: Callable[[str], None]) -> recovery.Plan:
+    """Diagnose, evict and choose the next layout (recovery.py) with this driver's options."""
+    return recovery.plan_restart(layout, first, failure, diagnose_on_restart=opts.diagnose_on_restart,
+                                 diagnose_budget_s=opts.diagnose_budget_s, allow_shrink=opts.allow_shrink,
+                                 threads=opts.threads, log=log)
 
 
 def _already_finished(cfg: RunConfig) -> dict[str, Any] | None:
