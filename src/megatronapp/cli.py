@@ -94,7 +94,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("MegaFBD (forward and backward on separate ranks; docs/megafbd.md)")
     g.add_argument("--fbd", action="store_true", default=None,
                    help="forward instances on extra ranks; --tp/--pp/--dp are the backward layout")
-    g.add_argument("--fbd-forward-tp", type=int, help="tensor-parallel size of a forward instance (1 or --tp)")
+    g.add_argument("--fbd-forward-tp", type=int, help="tensor-parallel size of a forward instance (divides --tp)")
     g.add_argument("--fbd-forward-pp", type=int, help="pipeline stages of a forward instance (divides --pp)")
     g.add_argument("--fbd-forward-instances", type=int, help="forward instances (microbatch i goes to i %% n)")
     g = p.add_argument_group("training")
