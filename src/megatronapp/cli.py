@@ -112,8 +112,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute", choices=["none", "selective", "full"])
     g.add_argument("--save-interval", type=int, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--async-save", action="store_true", default=None,
-                   help="two-stage checkpoints: training stalls only for a host-memory copy, files are written "
-                        "in the background")
+                   help="two-stage checkpoints: the host-memory copy and the file writes run in the background "
+                        "during the next step, whose optimizer update waits for the copy")
     g.add_argument("--keep-checkpoints", type=int, help="keep the newest N complete checkpoints (0: all)")
     g.add_argument("--log-interval", type=int)
     g.add_argument("--data", help="a .txt/.jsonl file or directory (default: the embedded corpus)")
