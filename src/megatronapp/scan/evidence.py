@@ -79,8 +79,14 @@ def loo_median(keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- 1. op floors
-def floor_findings(tb: Table, excl: np.ndarray, iters: np.ndarray, th: Thresholds) -> list[Finding]:
-    """Slow-compute ranks: compute-op floors above those of the ranks doing the same work (>= 1 peer)."""
+def floor_findings(tb: Table, excl: np.ndarray, iters: np.ndarray, th: Thresholds,
+                   stage_work: dict[int, float] | None = None) -> list[Finding]:
+    """Slow-compute ranks: compute-op floors above those of the ranks doing the same work (>= 1 peer).
+
+    A rank alone in its stage (a pure pipeline) has no such peer: its floors are compared with the other
+    stages' floors of the same kind of op (a layer's forward is a layer's forward), each scaled by the stage's
+    expected work (`stage_work`, from a cost model) when the headers carry it. Floors are what an op costs
+    undisturbed, so unlike per-iteration totals they are not swamped by the host noise of a busy machine."""
     m = (tb.cat == _COMPUTE) & np.isin(tb.it, iters)
     if not m.any() or len(iters) == 0:
         return []
@@ -105,9 +111,15 @@ def floor_findings(tb: Table, excl: np.ndarray, iters: np.ndarray, th: Threshold
     ref_it = np.full((W, K, n_it), np.nan)
     present = np.isin(np.arange(W), rank)
     with np.errstate(all="ignore"):
+        work = np.array([(stage_work or {}).get(int(x), 1.0) for x in stage], float)[:, None]
         for s in np.unique(stage[present]):
             members = np.flatnonzero((stage == s) & present)
             if len(members) < 2:
+                others = np.flatnonzero(present & (stage != s))
+                if len(others) >= 2:  # a lone stage: the other stages' floors, per unit of expected work
+                    r = members[0]
+                    ref[r] = np.nanmedian(floor[others] / work[others], axis=0) * work[r]
+                    ref_it[r] = np.nanmedian(per_it[others] / work[others, :, None], axis=0) * work[r]
                 continue
             if len(members) >= 5:
                 ref[members] = np.nanmedian(floor[members], axis=0)
@@ -129,20 +141,23 @@ def floor_findings(tb: Table, excl: np.ndarray, iters: np.ndarray, th: Threshold
         # A slow rank (slower clock, throttling, a slow device) is slow at EVERY kind of op; contention and
         # the scheduling a victim suffers when its inputs arrive mid-op inflate one kind at a time.
         weakest = np.nanmin(np.where(ok, floor / ref, np.inf), axis=1)
-    high = it_ratio > 1 + th.floor_rel / 4
+    rel = th.floor_rel
+    high = it_ratio > 1 + rel / 4
     frac = high.mean(axis=1)
-    hit = (ok.any(axis=1) & (ratio >= 1 + th.floor_rel) & (weakest >= 1 + th.floor_rel / 2) & (excess >= th.abs_ms)
+    hit = (ok.any(axis=1) & (ratio >= 1 + rel) & (weakest >= 1 + rel / 2) & (excess >= th.abs_ms)
            & (frac >= th.persistent))
     out = []
     for r in np.flatnonzero(hit):
         peers = int(((stage == stage[r]) & present).sum()) - 1
+        lone = peers == 0
         by_op = {tb.names[int(ukind[j]) // 1_000]: round(float(floor[r, j] / ref[r, j]), 3)
                  for j in range(K) if ok[r, j]}
         # Honest confidence: 0.5 at the threshold, 1.0 at twice it, scaled by consistency; one peer is weaker
         # evidence than several (a peer that is itself unusually fast cannot be told apart from a slow rank).
-        conf = min(1.0, 0.5 + (ratio[r] - 1 - th.floor_rel) / (2 * th.floor_rel)) * frac[r]
-        conf *= 0.85 if peers == 1 else 1.0
-        ev = {"method": "op floors", "floor_ratio_by_op": by_op, "peers": peers,
+        conf = min(1.0, 0.5 + (ratio[r] - 1 - rel) / (2 * rel)) * frac[r]
+        conf *= 0.85 if peers <= 1 else 1.0  # one peer, or only other stages' work (a lone stage)
+        ev = {"method": "op floors" + (" against the other stages" if lone else ""), "floor_ratio_by_op": by_op,
+              "peers": peers,
               "iterations": [int(t) for t, h in zip(iters, high[r]) if h],
               "floor_ms_per_iteration": round(float(mine[r]), 3),
               "peer_floor_ms_per_iteration": round(float(theirs[r]), 3)}

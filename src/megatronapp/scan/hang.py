@@ -76,8 +76,17 @@ def hang_findings(traces: list[RankTrace]) -> list[Finding]:
     opened = _opened_anything(traces)
     coords = {t.rank: t.coord for t in traces}
     waits_for: dict[int, tuple[set, tuple]] = {}
+    closed = {t.rank: {_key(t, c, i) for i in np.flatnonzero(c["cat"] == _COMM)}
+              for t in traces for c in [{k: np.asarray(getattr(t, k)) for k in ("name", "gid", "seq", "peer", "cat")}]}
+
+    def delivered(key: tuple) -> bool:  # a receive posted ahead whose send already completed: data waiting
+        name, gname, granks, seq, src, dst = key
+        return name == "recv" and ("send", gname, granks, seq, src, dst) in closed.get(src, set())
+
     for r, ops in stuck.items():
-        key = ops[0][0]  # the oldest op in flight is the one the rank is blocked in
+        # The oldest op in flight is the one the rank is blocked in, skipping receives posted ahead whose data
+        # was already sent (their completion is noted when the rank gets to them).
+        key = next((k for k, _ in ops if not delivered(k)), ops[0][0])
         name, gname, granks, seq, src, dst = key
         if name == "recv":
             missing = {src} if ("send", gname, granks, seq, src, dst) not in opened.get(src, set()) else set()
@@ -93,7 +102,7 @@ def hang_findings(traces: list[RankTrace]) -> list[Finding]:
             if not waits_for.get(m, (set(),))[0]:
                 blamed.setdefault(m, []).append(r)
     if not blamed:
-        blamed = _cycle_root(waits_for)
+        blamed = _cycle_root(waits_for, opened)
     out = []
     for root, victims in sorted(blamed.items(), key=lambda kv: -len(kv[1])):
         key = waits_for[victims[0]][1]
@@ -112,20 +121,25 @@ def hang_findings(traces: list[RankTrace]) -> list[Finding]:
     return out
 
 
-def _cycle_root(waits_for: dict[int, tuple[set, tuple]]) -> dict[int, list[int]]:
+def _cycle_root(waits_for: dict[int, tuple[set, tuple]], opened: dict[int, set]) -> dict[int, list[int]]:
     """When every waited-for rank waits itself (a cycle), drop the waits in receives posted ahead of time: a
     pipeline posts the GRADIENT receive of a microbatch before it sends that microbatch's activation, which the
-    gradient depends on, so a rank whose only open op is such a receive is not blocked by its peer: it stopped
-    before sending. The ranks left waiting for nobody are the roots."""
-    def ahead(key: tuple) -> bool:
-        return key[0] == "recv" and "grad" in key[1]
+    gradient depends on, so a rank waiting in such a receive whose activation it never sent is not blocked by
+    its peer: it stopped before sending. The ranks left waiting for nobody are the roots."""
+    def ahead(r: int, key: tuple) -> bool:
+        name, gname, granks, seq, src, _ = key
+        if name != "recv" or "grad" not in gname:
+            return False
+        # The activation this gradient answers: the same microbatch number, the opposite channel and direction.
+        act = gname.replace("grad", "act").replace(".down", ".UP").replace(".up", ".down").replace(".UP", ".up")
+        return ("send", act, granks, seq, r, src) not in opened.get(r, set())
     blamed: dict[int, list[int]] = {}
     for r, (missing, key) in waits_for.items():
-        if ahead(key):
+        if ahead(r, key):
             continue
         for m in missing:
             m_missing, m_key = waits_for.get(m, (set(), ()))
-            if not m_missing or ahead(m_key):
+            if not m_missing or ahead(m, m_key):
                 blamed.setdefault(m, []).append(r)
     return blamed
 

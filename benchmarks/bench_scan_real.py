@@ -1,0 +1,193 @@
+"""Stability of MegaScan's verdicts on REAL runs: each real-run scenario of tests/test_scan_real.py, repeated.
+
+Each repeat is one fresh process that trains a tiny GPT-2 on gloo ranks with a fault drill from
+`megatronapp.faults`, traces every step and runs `analyse` on the traces. Repeats of all scenarios are
+interleaved (round-robin), so a burst of machine load hits every scenario alike rather than one. Per scenario:
+the detection rate (the top finding has the injected kind and ranks) with a 95% Wilson interval, the number of
+repeats with a false alarm (any finding that matches no injected fault) and the load average of each repeat.
+Peer: the same detector on the same scenario; the question is run-to-run stability, not a ratio.
+Each run's trace files are kept (--keep, default /tmp/megascan_real_runs), so `--reanalyse` judges the same
+runs again with the current detector (a detector change is then compared on identical runs, not new noise).
+Run: python -m benchmarks.bench_scan_real [--repeats 5] [--only NAME,...] [--steps 8] [--reanalyse]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import stats
+
+RESULTS = Path(__file__).parent / "results" / "scan_real.json"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+TITLE = "## MegaScan on real runs: verdict stability over repeats"
+LAYOUTS = {4: (1, 2, 2), 8: (2, 2, 2)}  # world -> (tp, pp, dp); rank = tp + tp_size * (dp + dp_size * pp)
+# name -> (world, faults, expected (kind, ranks) or None for a healthy run)
+SCENARIOS: dict[str, tuple[int, tuple[str, ...], tuple[str, tuple[int, ...]] | None]] = {
+    "healthy 4": (4, (), None),
+    "healthy 8": (8, (), None),
+    "slow compute 2.0x, 1 peer/stage": (4, ("slow-compute=3:2.0",), ("slow-compute", (3,))),
+    "slow P2P link +20 ms": (4, ("slow-link=0-2:20",), ("slow-link", (0, 2))),
+    "transient pause 100 ms": (4, ("pause=1:100:2",), ("transient-pause", (1,))),
+    "8 ranks slow compute 2.0x": (8, ("slow-compute=5:2.0",), ("slow-compute", (5,))),
+    "8 ranks slow compute 1.10x": (8, ("slow-compute=5:1.1",), ("slow-compute", (5,))),
+    "8 ranks DP-peer link +20 ms": (8, ("slow-link=1-3:20",), ("slow-link", (1, 3))),
+}
+KIND_OF = {"slow-compute": "slow-compute", "slow-link": "slow-link", "pause": "transient-pause"}
+
+
+def one_run(name: str, steps: int, out: Path) -> dict:
+    """Train, trace and analyse one scenario in THIS process; returns the findings as plain values."""
+    from megatronapp.config import ModelConfig, ParallelConfig, RunConfig, TraceConfig, TrainConfig
+    from megatronapp.train.trainer import train
+
+    world, inject, _ = SCENARIOS[name]
+    tp, pp, dp = LAYOUTS[world]
+    cfg = RunConfig(model=ModelConfig(family="gpt2", hidden_size=64, num_layers=4, num_heads=4, max_seq_len=32),
+                    parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, microbatches=4, schedule="1f1b"),
+                    train=TrainConfig(steps=steps, global_batch_size=8, seq_len=32, warmup_steps=1, out=str(out),
+                                      progress=False),
+                    trace=TraceConfig(enabled=True, dir=str(out / "trace"), interval=steps, iterations=steps),
+                    inject=list(inject))
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    train(cfg)
+    return {**analysed(out / "trace"), "wall_s": round(time.perf_counter() - t0, 1),
+            "load_avg": [round(load0, 2), round(os.getloadavg()[0], 2)]}
+
+
+def analysed(trace_dir: Path) -> dict:
+    from megatronapp.scan.detect import analyse
+    from megatronapp.scan.format import read_dir
+
+    traces, problems = read_dir(trace_dir)
+    report = analyse(traces).report
+    return {"findings": [{"kind": f.kind, "ranks": list(f.ranks), "confidence": f.confidence,
+                          "describe": f.describe()} for f in report.findings], "problems": problems}
+
+
+def _matches(f: dict, fault: str) -> bool:
+    kind, spec = fault.split("=", 1)
+    ranks = {int(x) for x in spec.split(":")[0].split("-")}
+    return f["kind"] == KIND_OF[kind] and set(f["ranks"]) == ranks
+
+
+def judge(name: str, run: dict) -> dict:
+    """Detected: the TOP finding is the injected fault; false alarm: any finding matching no injected fault."""
+    _, faults, expected = SCENARIOS[name]
+    found = run["findings"]
+    detected = bool(expected and found and found[0]["kind"] == expected[0]
+                    and set(found[0]["ranks"]) == set(expected[1]))
+    false = [f["describe"] for f in found if not any(_matches(f, x) for x in faults)]
+    return {"detected": detected, "false_alarms": false}
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    out = []
+    for name, (world, faults, expected) in SCENARIOS.items():
+        runs = [r for r in rows if r["scenario"] == name and "error" not in r]
+        if not runs:
+            continue
+        n = len(runs)
+        det = sum(r["detected"] for r in runs)
+        fa = sum(1 for r in runs if r["false_alarms"])
+        lo, hi = stats.wilson_ci(det if expected else n - fa, n)
+        out.append({"scenario": name, "world": world, "faults": list(faults), "repeats": n,
+                    "detected": det if expected else None, "repeats_with_false_alarm": fa,
+                    "rate": (det if expected else n - fa) / n, "ci95": [round(lo, 3), round(hi, 3)],
+                    "load_avg": [min(r["load_avg"][0] for r in runs), max(r["load_avg"][1] for r in runs)],
+                    "wall_s_median": sorted(r["wall_s"] for r in runs)[n // 2]})
+    return out
+
+
+def docs_body(res: dict) -> str:
+    lines = ["`python -m benchmarks.bench_scan_real` (tests/test_scan_real.py's scenarios, each repeated in fresh "
+             f"processes, interleaved; {res['steps']} traced steps of a tiny GPT-2, 4 microbatches, gloo on the "
+             "shared 2-core machine). Detected: the top finding is the injected fault (kind and ranks); for a "
+             "healthy run the rate is the share of repeats with no finding. Load average: 1-minute, at start and "
+             "end of the repeats (other engineers' jobs: realistic noise).", "",
+             "| scenario | ranks | detected (or quiet) [95% CI] | repeats with a false alarm | load average | "
+             "median s per repeat |", "|---|---:|---|---:|---|---:|"]
+    for s in res["summary"]:
+        k = s["detected"] if s["detected"] is not None else s["repeats"] - s["repeats_with_false_alarm"]
+        lines.append(f"| {s['scenario']} | {s['world']} | {k}/{s['repeats']} = {s['rate']:.2f} "
+                     f"[{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}] | {s['repeats_with_false_alarm']}/{s['repeats']} | "
+                     f"{s['load_avg'][0]:.1f}-{s['load_avg'][1]:.1f} | {s['wall_s_median']:.0f} |")
+    lines += ["", f"Measured {res['date']}; {res['note']}" if res.get("note") else f"Measured {res['date']}."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one scenario in this process
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--from-json", action="store_true", help="re-render the docs section from the stored result")
+    ap.add_argument("--note", default="")
+    ap.add_argument("--keep", default="/tmp/megascan_real_runs", help="where each run's trace files are kept")
+    ap.add_argument("--reanalyse", action="store_true", help="judge the kept runs again with the current detector")
+    args = ap.parse_args(argv)
+    if args.reanalyse:
+        res = json.loads(RESULTS.read_text())
+        for row in res["rows"]:
+            if "error" not in row and Path(row.get("trace_dir", "")).is_dir():
+                row.update(analysed(Path(row["trace_dir"])))
+                row.update(judge(row["scenario"], row))
+        res["summary"] = summarise(res["rows"])
+        res["reanalysed"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        stats.save(res, RESULTS, DOCS, TITLE, docs_body(res))
+        for s in res["summary"]:
+            print(s)
+        return res
+    if args.one:
+        print("RESULT " + json.dumps(one_run(args.one, args.steps, Path(args.out))))
+        return {}
+    if args.from_json:
+        res = json.loads(RESULTS.read_text())
+        res["summary"] = summarise(res["rows"])
+        stats.save(res, RESULTS, DOCS, TITLE, docs_body(res))
+        return res
+    names = [n for n in SCENARIOS if not args.only or n in args.only.split(",")]
+    rows: list[dict] = []
+    for rep in range(args.repeats):
+        for name in names:
+            keep = Path(args.keep) / f"{name.replace(' ', '_').replace(',', '').replace('/', '-')}" / str(rep)
+            with tempfile.TemporaryDirectory() as tmp:
+                proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_scan_real", "--one", name,
+                                       "--steps", str(args.steps), "--out", tmp],
+                                      capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+                if (Path(tmp) / "trace").is_dir():
+                    shutil.rmtree(keep, ignore_errors=True)
+                    shutil.copytree(Path(tmp) / "trace", keep)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                rows.append({"scenario": name, "repeat": rep, "error": proc.stderr[-2000:]})
+                print(f"ERROR {name}: {proc.stderr[-300:]}", flush=True)
+                continue
+            run = json.loads(line[7:])
+            row = {"scenario": name, "repeat": rep, "trace_dir": str(keep), **run, **judge(name, run)}
+            rows.append(row)
+            top = run["findings"][0]["describe"] if run["findings"] else "no finding"
+            print(f"{rep} {name:<34} {'DET' if row['detected'] else '   '} fa={len(row['false_alarms'])} "
+                  f"load={run['load_avg']} {run['wall_s']}s | {top}", flush=True)
+            RESULTS.with_suffix(".partial.json").write_text(json.dumps(rows, indent=1))
+    res = {"steps": args.steps, "repeats": args.repeats, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "note": args.note, "rows": rows}
+    res["summary"] = summarise(rows)
+    stats.save(res, RESULTS, DOCS, TITLE, docs_body(res))
+    RESULTS.with_suffix(".partial.json").unlink(missing_ok=True)
+    for s in res["summary"]:
+        print(s)
+    return res
+
+
+if __name__ == "__main__":
+    main()
