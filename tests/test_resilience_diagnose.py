@@ -51,3 +51,11 @@ def test_group_probe_names_the_slow_ring_link_on_real_ranks(tmp_path, capsys):
 def test_group_probe_rejects_a_bad_group(bad, capsys):
     assert main(["diagnose", "--nproc", "4", "--group", bad]) != 0  # refused before any rank starts
     assert f"--group '{bad}'" in capsys.readouterr().err
+
+
+def test_diagnostics_over_their_budget_are_stopped_and_name_the_ranks_without_results():
+    # a 3 s delay on every send over link 0-1: the pair test needs > 30 s, the budget is 4 s
+    from megatronapp.resilience.diagnose import DiagnoseTimeout, run_within
+
+    with pytest.raises(DiagnoseTimeout, match=r"did not finish within 4 s; ranks without results: 0, 1"):
+        run_within(2, (1, 1, 2), ["slow-link=0-1:3000"], budget_s=4.0)

@@ -280,6 +280,10 @@ def supervise(cfg: RunConfig, opts: Options | None = None, log: Callable[[str], 
     events = out / "resilience.jsonl"
     if opts.allow_shrink and cfg.parallel.dp > 1:
         shrink.shrunk_config(cfg, cfg.parallel.dp - 1)  # refuse now (ZeRO-1, a batch that cannot split), not later
+        # the machine does not grow when the job shrinks: keep each rank's intra-op threads (more threads on the
+        # same cores made a shrunk 1-rank attempt's steps take > 4 s at load 30 as OpenMP threads spun)
+        cpus = os.cpu_count() or 1
+        opts = dataclasses.replace(opts, threads=opts.threads or max(1, cpus // cfg.parallel.world_size))
     failures: list[Failure] = []
     recovery_s: list[float] = []
     evicted: list[dict[str, Any]] = []
