@@ -216,8 +216,9 @@ def _functional(name: str, orig: Any, funcol: Any) -> Any:
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         st = _state
-        if st is None or not tracing.enabled() or getattr(st.in_funcol, "active", False):
-            return orig(*args, **kwargs)  # deprecated names call the new ones: one span, not two
+        if st is None or not tracing.enabled() or getattr(st.in_funcol, "active", False) \
+                or torch.compiler.is_compiling():  # deprecated names call the new ones: one span, not two;
+            return orig(*args, **kwargs)  # and a graph being compiled must not trace our Python side effects
         group = kwargs.get("group", args[group_pos] if len(args) > group_pos else None)
         try:
             from torch.distributed import distributed_c10d as c10d
@@ -255,7 +256,8 @@ def _wait_tensor(orig: Any) -> Any:
     def wrapper(tensor: Any) -> Any:
         out = orig(tensor)
         st = _state
-        if st is not None and st.funcol_pending and isinstance(tensor, torch.Tensor):
+        if st is not None and st.funcol_pending and isinstance(tensor, torch.Tensor) \
+                and not torch.compiler.is_compiling():
             with st.lock:
                 entry = st.funcol_pending.pop(tensor.untyped_storage().data_ptr(), None)
             if entry is not None:
