@@ -299,3 +299,21 @@ def to_reference(rank: int, ts: np.ndarray, offsets_ns: dict[int, int], report: 
     b = report["slope"][rank]
     o = report.get("origin", {}).get(rank, report["t0"])
     return ts - a - np.round(b * (ts - o).astype(np.float64)).astype(np.int64)
+
+
+def row_offsets(rank: np.ndarray, ts: np.ndarray, offsets_ns: dict[int, int], report: dict | None = None
+                ) -> np.ndarray:
+    """Per timestamp (`ts` read on clock `rank[i]`), the ns to subtract to put it on rank 0's clock: the rank's
+    offset, plus its drift times the time since the shared instant when `report` (from estimate_offsets) holds it."""
+    n = int(rank.max()) + 1 if len(rank) else 0
+    a = np.zeros(n, np.int64)
+    b = np.zeros(n)
+    o = np.zeros(n, np.int64)
+    slope, origin = (report or {}).get("slope", {}), (report or {}).get("origin", {})
+    t0 = int((report or {}).get("t0", 0))
+    for r in range(n):
+        a[r] = int(offsets_ns.get(r, 0))
+        b[r] = float(slope.get(r, 0.0))
+        o[r] = int(origin.get(r, t0))
+    # Drift only ever multiplies time since the shared instant (ms to hours), never a raw clock reading (days).
+    return a[rank] + np.round(b[rank] * (ts - o[rank]).astype(np.float64)).astype(np.int64)
