@@ -64,7 +64,7 @@ def test_a_hung_replica_is_diagnosed_evicted_and_the_run_finishes_on_dp1(tmp_pat
     train(_cfg("--out", str(base)))  # the same job, uninterrupted, on dp=2
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "megatronapp", "train", *FLAGS, "--out", str(out), "--supervise", "--inject",
-           "hang=1:3", "--hang-timeout", "4", "--heartbeat-interval", "0.3", "--allow-shrink"]
+           "hang=1:3", "--hang-timeout", "6", "--heartbeat-interval", "0.3", "--allow-shrink"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     err = res.stderr
     assert res.returncode == 0, err[-3000:]

@@ -49,12 +49,15 @@ def shrunk_config(cfg: RunConfig, new_dp: int) -> RunConfig:
         raise ShrinkRefused(f"train.global_batch_size={g} cannot be split over dp={new_dp} replicas with a "
                             f"microbatch of at most {mbs} samples (parallel.microbatches={p.microbatches} on "
                             f"dp={p.dp}); choose a global batch divisible by {new_dp}")
-    new = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=new_dp, microbatches=min(choices)))
-    try:
-        validate(new)
-    except ConfigError as e:
-        raise ShrinkRefused(f"the job on dp={new_dp} would be invalid: {e}") from None
-    return new
+    problem = None
+    for m in choices:  # a schedule may need more (e.g. interleaved: a multiple of pp): the first valid one
+        new = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=new_dp, microbatches=m))
+        try:
+            validate(new)
+            return new
+        except ConfigError as e:
+            problem = problem or e
+    raise ShrinkRefused(f"the job on dp={new_dp} would be invalid: {problem}")
 
 
 def survivors(dp: int, evicted: set[int]) -> list[int]:
