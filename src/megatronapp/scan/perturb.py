@@ -8,10 +8,11 @@ The re-timing follows how a delay propagates in a synchronous job:
 - each rank's own clock is mapped by a non-decreasing delay D_r(t): injected delays (a stretched compute
   interval, a pause, a host stall) add to it; time spent waiting absorbs delay (a rank that waited 5 ms for a
   peer loses nothing when that peer is 3 ms later than before);
-- a receive ends no earlier than max(its posting, the matching send's posting) + its transfer time, each
-  posting taken on the re-timed clocks; a collective ends, for each member, no earlier than the re-timed last
-  arrival among the members that had arrived before it left (a broadcast root that left before the others
-  posted waited for nobody) + the op's own time after that arrival; sends complete at their sender's pace;
+- a receive ends no earlier than max(its posting, the matching send's posting + the link's extra delay) + its
+  transfer time, each posting taken on the re-timed clocks; a collective ends, for each member, no earlier than
+  the re-timed last arrival among the members that had arrived before it left (a broadcast root that left before
+  the others posted waited for nobody) + the op's own time after that arrival; sends complete at their sender's
+  pace;
 - ops are processed in order of their original end, so every posting they depend on is final when read.
 
 Faults (`Perturbation.kind`): slow-compute (stretch a rank's exclusive compute, nested comm excluded),
@@ -200,14 +201,17 @@ def perturb(traces: list[RankTrace], faults: list[Perturbation]) -> list[RankTra
             for f in coll_links:
                 if set(f.ranks) <= set(grp):
                     extra += _ring_extra(grp, *f.ranks, f.ms).get(q, 0.0)
+            last = max(ts[j] for j in arrived)
+            last_new = max(ts[j] + delay[int(tb.rank[j])].at(ts[j]) for j in arrived) + extra
         else:
+            # The data is there `extra` after the send is posted: a receiver that posts later loses less or nothing.
             j = partner[int(i)]
-            arrived = [int(i)] + ([j] if ts[j] <= e else [])
             extra = link_ms.get(frozenset((q, int(tb.rank[j]))), 0.0) * 1e6
-        last = max(ts[j] for j in arrived)
-        last_new = max(ts[j] + delay[int(tb.rank[j])].at(ts[j]) for j in arrived)
+            last = max(ts[i], ts[j]) if ts[j] <= e else ts[i]
+            last_new = max(ts[i] + delay[q].at(ts[i]),
+                           ts[j] + delay[int(tb.rank[j])].at(ts[j]) + extra if ts[j] <= e else -np.inf)
         d = delay[q]
-        d.anchor(e, max(d.at(e), last_new - last + extra))
+        d.anchor(e, max(d.at(e), last_new - last))
     new_ts = np.empty(len(ts))
     new_end = np.empty(len(ts))
     for r, d in delay.items():
