@@ -162,3 +162,11 @@ def test_cli_refuses_a_wrong_nproc_with_the_right_number(capsys):
                  "--fbd-forward-pp", "1", "--fbd-forward-instances", "1", "--nproc", "4"])
     assert code == 2
     assert "set --nproc 5" in capsys.readouterr().err
+
+
+def test_cli_refuses_supervise_with_fbd(capsys, tmp_path):
+    from megatronapp.cli import main
+
+    code = main(["train", "--fbd", "--pp", "2", "--microbatches", "4", "--supervise", "--out", str(tmp_path)])
+    assert code == 2
+    assert "--supervise does not run MegaFBD jobs" in capsys.readouterr().err

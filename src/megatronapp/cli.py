@@ -246,6 +246,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train_supervised(cfg: RunConfig, args: argparse.Namespace) -> int:
+    if cfg.parallel.fbd:  # the supervisor starts the engine's ranks, not MegaFBD's forward and backward roles
+        raise ConfigError("--supervise does not run MegaFBD jobs yet (parallel.fbd); drop --supervise (FBD runs "
+                          "still save checkpoints and take --resume) or --fbd")
     supervisor = importlib.import_module("megatronapp.resilience.supervisor")  # a module, not engine code
     if args.hang_timeout is not None and args.hang_timeout <= 0:
         raise ConfigError(f"--hang-timeout {args.hang_timeout}: must be > 0 seconds")
