@@ -87,7 +87,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
     if lead and t.tensorboard:  # the engine's writer, imported only with the flag
         from megatronapp.train.tensorboard import TensorBoardLog
 
-        tb = TensorBoardLog(t.tensorboard)
+        tb = TensorBoardLog(t.tensorboard, resumed_at=r.step)  # a resumed run replaces the steps after it
     tokens_per_step = t.global_batch_size * t.seq_len
     history: list[dict[str, float]] = []
     ckpt_dir = None
