@@ -76,6 +76,9 @@ def test_slow_rank_is_a_persistent_straggler_and_is_evicted(tmp_path):
     assert "persistent straggler: slow-compute rank 1 (DP1-PP0-TP0) in 3 trace windows in a row" in err, err[-3000:]
     assert "evicted: rank 1 (DP1-PP0-TP0, DP replica 1)" in err and "shrinking: dp 2 -> 1" in err, err[-3000:]
     kinds = [e["event"] for e in events]
-    assert kinds[:3] == ["straggler", "failure", "evicted"] and kinds[-1] == "completed", kinds
-    assert events[0]["ranks"] == [1] and events[1]["kind"] == "straggler"
+    i = kinds.index("failure")
+    # (MegaScan may also name a victim in the same windows, e.g. the next stage's late arrival: reported too)
+    assert set(kinds[:i]) == {"straggler"} and kinds[i + 1] == "evicted" and kinds[-1] == "completed", kinds
+    assert any(e["kind"] == "slow-compute" and e["ranks"] == [1] for e in events[:i])
+    assert events[i]["kind"] == "straggler" and events[i]["rank"] == 1
     assert "finished on dp=1" in res.stdout
