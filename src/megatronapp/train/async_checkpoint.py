@@ -29,9 +29,10 @@ import torch
 from megatronapp.train import checkpoint as ckpt
 
 PIECE_NUMEL = 1 << 22  # copy work is shared in pieces of 4 Mi elements, so the barrier can take over any part
-# Stage 2 (serialise, checksum, write) runs at this much lower CPU priority than training: where cores are
-# contended it takes what training leaves idle instead of slowing the step; where they are idle it costs nothing.
-WRITER_NICE = 10
+# How much lower than training's the CPU priority of stage 2 (serialise, checksum, write) is. 0 by default: on
+# this shared 2-core machine nice +10 left a 256 MiB save 20 s from durable after its cycle (starved) without a
+# stall difference the noise could show (benchmarks/results/checkpoint_stall.json holds both variants).
+WRITER_NICE = 0
 
 
 def _lower_priority(nice: int) -> None:
