@@ -6,6 +6,8 @@ import json
 import shutil
 from collections import Counter
 
+import pytest
+
 from megatronapp.scan.aggregate import aggregate
 from tests.test_scan_tracer import TRACED, traced_job
 
@@ -82,3 +84,41 @@ def test_missing_and_corrupt_files_named(tmp_path):
     assert report["ranks"] == [0, 3]
     events = _check_chrome_trace(json.loads((tmp_path / "m.json").read_text()))
     assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 3}
+
+
+def test_only_flagged_writes_the_culprit_and_its_peers(tmp_path):
+    from megatronapp.scan.aggregate import with_peers
+    from megatronapp.scan.format import read_dir
+    from megatronapp.scan.simulate import simulate
+
+    # tp 2, pp 4, dp 8; rank = tp + 2 * (dp + 8 * pp). Rank 21 is (dp 2, pp 1, tp 1).
+    simulate(tmp_path / "t", 64, 2, 4, faults=["slow-compute=21:1.3"], seed=3)
+    report = aggregate(tmp_path / "t", tmp_path / "f.json", only_flagged=True)
+    assert any("rank 21" in f for f in report["findings"])
+    # TP peer 20, stages 0 and 2 of the column (5, 37), DP ring neighbours dp 1 and 3 (19, 23).
+    assert report["written_ranks"] == [5, 19, 20, 21, 23, 37] and len(report["ranks"]) == 64
+    events = _check_chrome_trace(json.loads((tmp_path / "f.json").read_text()))
+    assert {e["pid"] for e in events} == set(report["written_ranks"])
+    assert report["flows"] > 0  # arrows between written ranks only (checked: every flow binds to a slice)
+    # The DP ring wraps: replica 0's neighbours are replicas 7 and 1.
+    traces, _ = read_dir(tmp_path / "t")
+    assert with_peers([0], traces) == [0, 1, 2, 14, 16]
+    # An explicit selection, and a rank that has no trace.
+    rep = aggregate(tmp_path / "t", tmp_path / "r.json", ranks=[0, 1])
+    assert rep["written_ranks"] == [0, 1]
+    _check_chrome_trace(json.loads((tmp_path / "r.json").read_text()))
+    with pytest.raises(ValueError, match="no readable trace"):
+        aggregate(tmp_path / "t", tmp_path / "x.json", ranks=[64])
+
+
+def test_only_flagged_on_a_healthy_run_writes_no_rank(tmp_path):
+    from megatronapp.scan.aggregate import parse_ranks
+    from megatronapp.scan.simulate import simulate
+
+    simulate(tmp_path / "t", 16, 2, 2, seed=5)
+    report = aggregate(tmp_path / "t", tmp_path / "f.json", only_flagged=True)
+    assert report["findings"] == [] and report["written_ranks"] == []
+    assert json.loads((tmp_path / "f.json").read_text())["traceEvents"] == []
+    assert parse_ranks("3,7,10-12") == [3, 7, 10, 11, 12]
+    with pytest.raises(ValueError, match="--ranks"):
+        parse_ranks("3,x")

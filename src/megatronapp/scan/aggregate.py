@@ -4,11 +4,16 @@ One process per rank, named "DP{d}-PP{p}-TP{t} (rank r)" and sorted by pipeline 
 replica, then tensor rank, so a pipeline reads top to bottom. Each rank has a "compute" and a "comm" thread.
 Clocks are aligned to rank 0 (align.py) before merging. Flow arrows join each send to its recv, and point
 from the member that arrived last at a collective (the one the others waited for) to every other member.
+
+At scale the whole job is more than a viewer opens (Perfetto's UI holds a few hundred MB): `ranks` writes a chosen
+set, and `only_flagged` the ranks `detect` names plus their peers (`with_peers`), still aligned on every rank's
+clock anchors.
 """
 from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -39,7 +44,8 @@ class _EventWriter:
         f.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
 
     def add(self, ev: dict) -> None:
-        self.f.write((",\n" if self.n else "") + json.dumps(ev, separators=(",", ":")))
+        # allow_nan=False: NaN/Infinity are not JSON, and a viewer would reject the whole file for one of them.
+        self.f.write((",\n" if self.n else "") + json.dumps(ev, separators=(",", ":"), allow_nan=False))
         self.n += 1
 
     def finish(self, other: dict) -> None:
@@ -50,13 +56,69 @@ def _us(ns: float | np.ndarray) -> Any:
     return np.round(np.asarray(ns, dtype=np.float64) / 1000.0, 3)
 
 
+def parse_ranks(text: str) -> list[int]:
+    """"3,7,100-131" -> the ranks it names (`scan aggregate --ranks`)."""
+    out: list[int] = []
+    for part in text.split(","):
+        try:
+            a, _, b = part.strip().partition("-")
+            out += range(int(a), int(b or a) + 1)
+        except ValueError:
+            raise ValueError(f"--ranks {text!r}: expected comma-separated ranks or ranges like 3,7,100-131") \
+                from None
+    return out
+
+
+def with_peers(flagged: Iterable[int], traces: list[RankTrace]) -> list[int]:
+    """The flagged ranks plus the peers that show why: TP peers (same stage and replica), the neighbouring stages
+    of the same column, and the DP ring neighbours (previous and next replica, wrapping)."""
+    by_coord = {tuple(t.coord): t.rank for t in traces}
+    topo = {t.rank: t.topo for t in traces}
+    coord = {t.rank: tuple(t.coord) for t in traces}
+    out: set[int] = set()
+    for r in flagged:
+        r = int(r)
+        out.add(r)
+        if r not in coord:
+            continue
+        (d, p, t), (ntp, _, ndp) = coord[r], topo[r]
+        near = [(d, p, x) for x in range(ntp)] + [(d, p - 1, t), (d, p + 1, t)] + \
+            [((d - 1) % max(ndp, 1), p, t), ((d + 1) % max(ndp, 1), p, t)]
+        out.update(by_coord[c] for c in near if c in by_coord)
+    return sorted(out)
+
+
+def flagged_ranks(traces: list[RankTrace], offsets: dict[int, int] | None = None,
+                  group_limit: int = 8) -> tuple[list[int], list[str]]:
+    """(ranks to write, finding labels): what `detect` names on these traces, with `with_peers`. A finding naming
+    more than `group_limit` ranks (a whole slow group) adds its members only, or the peers would be most of the job."""
+    from megatronapp.scan.detect import detect
+
+    findings = detect(traces, offsets).findings
+    small = [r for f in findings if len(f.ranks) <= group_limit for r in f.ranks]
+    large = [r for f in findings if len(f.ranks) > group_limit for r in f.ranks]
+    return sorted(set(with_peers(small, traces)) | {int(r) for r in large}), [f.describe() for f in findings]
+
+
 def aggregate(trace_dir: str | Path, out_path: str | Path, offsets: dict[int, int] | None = None,
-              flows: bool = True) -> dict:
+              flows: bool = True, ranks: Iterable[int] | None = None, only_flagged: bool = False) -> dict:
     """Merge a trace directory into Chrome trace JSON (gzip if `out_path` ends in .gz); return a report.
 
-    `offsets` (ns per rank, relative to rank 0) overrides the estimate from the traces' own anchors."""
+    `offsets` (ns per rank, relative to rank 0) overrides the estimate from the traces' own anchors. `ranks`
+    writes only those ranks; `only_flagged` only the ranks detect names plus their peers (with_peers) and, when
+    nothing is found, no rank at all (the report says so). Flow arrows are kept between written ranks."""
     traces, problems = read_dir(trace_dir)
     report: dict[str, Any] = {"out": str(out_path), "ranks": [t.rank for t in traces], "problems": problems}
+    keep: set[int] | None = None
+    if ranks is not None:
+        keep = {int(r) for r in ranks}
+        unknown = sorted(keep - set(report["ranks"]))
+        if unknown:
+            raise ValueError(f"--ranks names ranks with no readable trace: {unknown[:20]}")
+    if only_flagged:
+        chosen, labels = flagged_ranks(traces, offsets)
+        keep = set(chosen) if keep is None else keep | set(chosen)
+        report["findings"] = labels
     align_report: dict | None = None
     if offsets is None:
         offsets, residual, align_report = estimate_offsets(traces)
@@ -67,9 +129,12 @@ def aggregate(trace_dir: str | Path, out_path: str | Path, offsets: dict[int, in
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     opener = gzip.open if out.suffix == ".gz" else open
+    shown = traces if keep is None else [t for t in traces if t.rank in keep]
+    if keep is not None:
+        report["written_ranks"] = [t.rank for t in shown]
     with opener(out, "wt", encoding="utf-8") as f:
         w = _EventWriter(f)
-        order = sorted(traces, key=lambda t: (t.coord[1], t.coord[0], t.coord[2], t.rank))
+        order = sorted(shown, key=lambda t: (t.coord[1], t.coord[0], t.coord[2], t.rank))
         for idx, t in enumerate(order):
             w.add({"ph": "M", "name": "process_name", "pid": t.rank, "args": {"name": process_label(t)}})
             w.add({"ph": "M", "name": "process_sort_index", "pid": t.rank, "args": {"sort_index": idx}})
@@ -78,7 +143,7 @@ def aggregate(trace_dir: str | Path, out_path: str | Path, offsets: dict[int, in
         sends: dict[tuple[int, int, int], tuple[int, float]] = {}
         recvs: dict[tuple[int, int, int], tuple[int, float]] = {}
         colls: dict[tuple, list[tuple[int, float, float]]] = {}
-        for t in traces:
+        for t in shown:
             start = _us(to_reference(t.rank, t.ts, offsets, align_report) - origin)
             end = _us(to_reference(t.rank, t.ts + t.dur, offsets, align_report) - origin)
             _emit_rank(w, t, start, end, sends, recvs, colls)
