@@ -31,7 +31,7 @@ from megatronapp.train import checkpoint as ckpt
 PIECE_NUMEL = 1 << 22  # copy work is shared in pieces of 4 Mi elements, so the barrier can take over any part
 # How much lower than training's the CPU priority of stage 2 (serialise, checksum, write) is. 0 by default: on
 # this shared 2-core machine nice +10 left a 256 MiB save 20 s from durable after its cycle (starved) without a
-# stall difference the noise could show (benchmarks/results/checkpoint_stall.json holds both variants).
+# stall difference the noise could show (benchmarks/results/checkpoint_stall_nice_writer.json).
 WRITER_NICE = 0
 
 
@@ -193,6 +193,10 @@ class AsyncSaver:
                 raise ckpt.CheckpointError(f"checkpoint step {step}: not every rank wrote its file within "
                                            f"{self.finalize_timeout_s:.0f} s; the step stays incomplete")
             time.sleep(0.01)
+
+    def done(self) -> bool:
+        """Whether no save is in flight any more (its background work has ended; `wait()` still reports it)."""
+        return self._thread is None or not self._thread.is_alive()
 
     def wait(self) -> int | None:
         """Finish the save in flight (on every rank: until its directory is complete); returns its step."""
