@@ -79,14 +79,20 @@ def loo_median(keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- 1. op floors
+_NO_LONE = object()  # floor_findings called without stage information: lone stages are left to structure.py
+
+
 def floor_findings(tb: Table, excl: np.ndarray, iters: np.ndarray, th: Thresholds,
-                   stage_work: dict[int, float] | None = None) -> list[Finding]:
+                   stage_work: dict[int, float] | None | object = _NO_LONE) -> list[Finding]:
     """Slow-compute ranks: compute-op floors above those of the ranks doing the same work (>= 1 peer).
 
     A rank alone in its stage (a pure pipeline) has no such peer: its floors are compared with the other
     stages' floors of the same kind of op (a layer's forward is a layer's forward), each scaled by the stage's
-    expected work (`stage_work`, from a cost model) when the headers carry it. Floors are what an op costs
-    undisturbed, so unlike per-iteration totals they are not swamped by the host noise of a busy machine."""
+    expected work (`stage_work`, from a cost model) when the headers carry it (None: equal stages; not passed:
+    lone stages are not judged here). Floors are what an op costs undisturbed, so unlike per-iteration totals
+    they are not swamped by the host noise of a busy machine."""
+    lone_ok = stage_work is not _NO_LONE
+    work_of = stage_work if isinstance(stage_work, dict) else {}
     m = (tb.cat == _COMPUTE) & np.isin(tb.it, iters)
     if not m.any() or len(iters) == 0:
         return []
@@ -111,12 +117,12 @@ def floor_findings(tb: Table, excl: np.ndarray, iters: np.ndarray, th: Threshold
     ref_it = np.full((W, K, n_it), np.nan)
     present = np.isin(np.arange(W), rank)
     with np.errstate(all="ignore"):
-        work = np.array([(stage_work or {}).get(int(x), 1.0) for x in stage], float)[:, None]
+        work = np.array([work_of.get(int(x), 1.0) for x in stage], float)[:, None]
         for s in np.unique(stage[present]):
             members = np.flatnonzero((stage == s) & present)
             if len(members) < 2:
                 others = np.flatnonzero(present & (stage != s))
-                if len(others) >= 2:  # a lone stage: the other stages' floors, per unit of expected work
+                if lone_ok and len(others) >= 2:  # a lone stage: the other stages' floors, per unit of work
                     r = members[0]
                     ref[r] = np.nanmedian(floor[others] / work[others], axis=0) * work[r]
                     ref_it[r] = np.nanmedian(per_it[others] / work[others, :, None], axis=0) * work[r]
