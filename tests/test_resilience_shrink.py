@@ -77,6 +77,8 @@ def test_a_hung_replica_is_diagnosed_evicted_and_the_run_finishes_on_dp1(tmp_pat
     ev = events[1]
     assert ev["dp"] == 1 and ev["replicas"] == [0] and [e["rank"] for e in ev["evicted"]] == [1]
     assert ev["diagnosis"]["error"] is None and ev["diagnosis"]["report"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dp"] == 1 and [e["rank"] for e in summary["evicted"]] == [1] and summary["diagnoses"]
     final = ckpt.step_dir(out / "checkpoints", STEPS)
     assert ckpt.load_meta(final)["config"]["parallel"]["dp"] == 1 and ckpt.load_meta(final)["world_size"] == 1
     # the same samples per step: losses and weights follow the uninterrupted dp=2 run up to summation order

@@ -305,6 +305,7 @@ def supervise(cfg: RunConfig, opts: Options | None = None, log: Callable[[str], 
                 outcome.update(restarts=number, failures=[dataclasses.asdict(f) for f in failures],
                                recovery_s=recovery_s, evicted=evicted, diagnoses=diagnoses, dp=layout.parallel.dp)
                 _event(events, {"event": "completed", "attempt": number, "steps": outcome.get("steps")})
+                _merge_summary(out / "summary.json", outcome)
                 return outcome
             failures.append(outcome)
             _event(events, {"event": "failure", "attempt": number, **dataclasses.asdict(outcome)})
@@ -353,6 +354,20 @@ def _already_finished(cfg: RunConfig) -> dict[str, Any] | None:
     if summary.is_file():
         return json.loads(summary.read_text())
     return {"steps": cfg.train.steps, "final_loss": float("nan"), "checkpoint": str(newest), "out": str(out)}
+
+
+def _merge_summary(path: Path, outcome: dict[str, Any]) -> None:
+    """Add the driver's account (restarts, failures, evictions, diagnoses, stragglers, final dp) to the run's
+    summary.json, which rank 0 wrote without it."""
+    keys = ("restarts", "failures", "recovery_s", "evicted", "diagnoses", "stragglers", "dp")
+    try:
+        summary = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return  # a torn summary is rank 0's to rewrite; the driver's account is in resilience.jsonl too
+    summary.update({k: outcome[k] for k in keys if k in outcome})
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    os.replace(tmp, path)
 
 
 def _event(path: Path, record: dict[str, Any]) -> None:
