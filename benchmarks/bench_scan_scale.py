@@ -7,7 +7,7 @@ Targets at 12,288 ranks: simulate + detect < 30 s, peak memory < 2 GB.
 Intervals: with --blocks K every size runs K times (fresh children each time) and the median total time and peak
 memory get a bootstrap 95% interval over the blocks; one block leaves a single measurement, shown as such. Healthy
 runs without a finding give a Wilson interval on the false-alarm rate at scale.
-Run: python -m benchmarks.bench_scan_scale [--sizes 1024,4096,12288] [--blocks 3]
+Run: python -m benchmarks.bench_scan_scale [--sizes 1024,4096,12288] [--blocks 3] [--merge]
                                                (writes benchmarks/results/scan_scale.json, docs block)
      python -m benchmarks.bench_scan_scale --from-json  (re-render the intervals from the stored result)
 """
@@ -31,8 +31,12 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 BLOCK = "intervals:bench_scan_scale"
 
 
-def one(ranks: int, out_dir: str, healthy: bool = False) -> dict:
-    """Simulate, read and detect one size in this process; return timings and peak RSS."""
+def one(ranks: int, out_dir: str, healthy: bool = False, merge: bool = False) -> dict:
+    """Simulate, read and detect one size in this process; return wall and CPU times (process time: what the
+    run itself used, less inflated than wall time on a shared machine), the load average and peak RSS; with
+    `merge`, also `scan aggregate` of the whole job (gzip) and of the flagged ranks only."""
+    import os
+
     from megatronapp.scan.detect import detect
     from megatronapp.scan.format import read_dir
     from megatronapp.scan.simulate import simulate
@@ -41,22 +45,46 @@ def one(ranks: int, out_dir: str, healthy: bool = False) -> dict:
     slow = TP * (dp // 2) + 3  # stage 0, a middle replica
     a = TP * dp * 1 + TP * 1 + 2  # stage 1, replica 1, tp 2 -> the same column on stage 2
     faults = [] if healthy else [f"slow-compute={slow}:1.2", f"slow-link={a}-{a + TP * dp}:1.5"]
-    t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
+    t0, c0 = time.perf_counter(), time.process_time()
     res = simulate(out_dir, ranks, TP, PP, iterations=5, faults=faults, seed=8 if healthy else 7)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     traces, problems = read_dir(out_dir)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     report = detect(traces)
-    t3 = time.perf_counter()
+    t3, c3 = time.perf_counter(), time.process_time()
     named = {(f.kind, tuple(sorted(f.ranks))) for f in report.findings}
-    return {"ranks": ranks, "healthy": healthy, "tp": TP, "pp": PP, "dp": dp, "iterations": 5, "spans": res.spans,
-            "simulate_s": round(t1 - t0, 2), "read_s": round(t2 - t1, 2), "detect_s": round(t3 - t2, 2),
-            "total_s": round(t3 - t0, 2), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                                                               / 1024, 1),
-            "bytes_on_disk": sum(p.stat().st_size for p in Path(out_dir).glob("rank*.mst")),
-            "faults_named": [] if healthy else [("slow-compute", (slow,)) in named,
-                                                ("slow-link", (a, a + TP * dp)) in named],
-            "findings": len(report.findings), "problems": len(problems)}
+    row = {"ranks": ranks, "healthy": healthy, "tp": TP, "pp": PP, "dp": dp, "iterations": 5, "spans": res.spans,
+           "simulate_s": round(t1 - t0, 2), "read_s": round(t2 - t1, 2), "detect_s": round(t3 - t2, 2),
+           "total_s": round(t3 - t0, 2), "simulate_cpu_s": round(c1 - c0, 2), "read_cpu_s": round(c2 - c1, 2),
+           "detect_cpu_s": round(c3 - c2, 2), "total_cpu_s": round(c3 - c0, 2),
+           "load_avg": [round(load0, 1), round(os.getloadavg()[0], 1)],
+           "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+           "bytes_on_disk": sum(p.stat().st_size for p in Path(out_dir).glob("rank*.mst")),
+           "faults_named": [] if healthy else [("slow-compute", (slow,)) in named,
+                                               ("slow-link", (a, a + TP * dp)) in named],
+           "findings": len(report.findings), "problems": len(problems)}
+    if merge:
+        del traces, report
+        row["aggregate"] = merge_sizes(out_dir)
+    return row
+
+
+def merge_sizes(trace_dir: str) -> dict:
+    """`scan aggregate` of the whole job (gzip) and with --only-flagged: wall and CPU time, output size, events."""
+    from megatronapp.scan.aggregate import aggregate
+
+    out = {}
+    for mode in ("only_flagged", "all"):
+        path = Path(trace_dir) / ("merged.json" if mode == "only_flagged" else "merged.json.gz")
+        t0, c0 = time.perf_counter(), time.process_time()
+        rep = aggregate(trace_dir, path, only_flagged=mode == "only_flagged")
+        out[mode] = {"wall_s": round(time.perf_counter() - t0, 1), "cpu_s": round(time.process_time() - c0, 1),
+                     "bytes": path.stat().st_size, "events": rep["events"], "flows": rep["flows"],
+                     "ranks_written": len(rep.get("written_ranks", rep["ranks"])),
+                     "peak_rss_mb_so_far": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+        path.unlink()
+    return out
 
 
 def intervals(result: dict) -> list[dict]:
@@ -88,9 +116,35 @@ def intervals(result: dict) -> list[dict]:
     return out
 
 
+def cpu_table(result: dict) -> str:
+    """Per run: wall and CPU seconds of each stage and the load average around it (wall time on a shared machine
+    is CPU time stretched by the other work; CPU time is what the run itself costs)."""
+    lines = ["| ranks | run | simulate wall / CPU (s) | read | detect | total | load avg | peak MB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "total_cpu_s" not in r:
+            continue
+        lines.append(f"| {r['ranks']:,} | {'healthy' if r['healthy'] else 'faulty'} | {r['simulate_s']} / "
+                     f"{r['simulate_cpu_s']} | {r['read_s']} / {r['read_cpu_s']} | {r['detect_s']} / "
+                     f"{r['detect_cpu_s']} | **{r['total_s']} / {r['total_cpu_s']}** | "
+                     f"{r['load_avg'][0]}-{r['load_avg'][1]} | {r['peak_rss_mb']:.0f} |")
+    merged = [(r["ranks"], r["aggregate"]) for r in result["rows"] if r.get("aggregate")]
+    if merged:
+        lines += ["", "| ranks | `scan aggregate` | wall / CPU (s) | output | events | ranks written | peak MB |",
+                  "|---|---|---|---|---|---|---|"]
+        for n, agg in merged:
+            for mode, a in agg.items():
+                lines.append(f"| {n:,} | {'--only-flagged' if mode == 'only_flagged' else 'all ranks (.json.gz)'} | "
+                             f"{a['wall_s']} / {a['cpu_s']} | {a['bytes'] / 1e6:.1f} MB | {a['events']:,} | "
+                             f"{a['ranks_written']:,} | {a['peak_rss_mb_so_far']:.0f} |")
+    return "\n".join(lines)
+
+
 def docs_block(result: dict) -> str:
-    return (stats.interval_table(intervals(result), digits=1) + "\n\n`bench_scan_scale`: wall times on a shared "
-            "2-core machine; a single run per size has no interval (rerun with `--blocks 3` on a quiet machine).")
+    return (stats.interval_table(intervals(result), digits=1) + "\n\n" + cpu_table(result) + "\n\n"
+            "`bench_scan_scale`: one process per run on a shared 2-core machine; wall time includes waiting for the "
+            "CPU (see the load average), CPU time does not. A single run per size has no interval (rerun with "
+            "`--blocks 3` on a quiet machine).")
 
 
 def main() -> None:
@@ -101,9 +155,11 @@ def main() -> None:
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--healthy", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--merge", action="store_true",
+                    help="also time `scan aggregate` (all ranks, and --only-flagged) on the largest faulty run")
     args = ap.parse_args()
     if args.child is not None:
-        print(json.dumps(one(args.child, args.dir, args.healthy)))
+        print(json.dumps(one(args.child, args.dir, args.healthy, args.merge)))
         return
     if args.from_json:
         stored = json.loads(RESULTS.read_text())
@@ -115,18 +171,22 @@ def main() -> None:
     if args.blocks < 1:
         raise SystemExit("--blocks must be >= 1")
     rows = []
+    largest = max(int(x) for x in args.sizes.split(","))
     for _, n, healthy in ((b, int(x), h) for b in range(args.blocks) for x in args.sizes.split(",")
                           for h in (False, True)):
         with tempfile.TemporaryDirectory() as tmp:
             out = subprocess.run([sys.executable, "-m", "benchmarks.bench_scan_scale", "--child", str(n),
-                                  "--dir", tmp, *(["--healthy"] if healthy else [])],
+                                  "--dir", tmp, *(["--healthy"] if healthy else []),
+                                  *(["--merge"] if args.merge and not healthy and n == largest else [])],
                                  capture_output=True, text=True, check=True)
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
         verdict = f"healthy: {row['findings']} findings" if healthy else f"faults named {row['faults_named']}"
         print(f"{n:>6} ranks: simulate {row['simulate_s']:6.1f}s  read {row['read_s']:6.1f}s  detect "
-              f"{row['detect_s']:6.1f}s  total {row['total_s']:6.1f}s  peak {row['peak_rss_mb']:7.0f} MB  "
-              f"{verdict}")
+              f"{row['detect_s']:6.1f}s  total {row['total_s']:6.1f}s (CPU {row['total_cpu_s']:5.1f}s, load "
+              f"{row['load_avg'][0]}-{row['load_avg'][1]})  peak {row['peak_rss_mb']:7.0f} MB  {verdict}")
+        if row.get("aggregate"):
+            print(f"        aggregate: {json.dumps(row['aggregate'])}")
     path = RESULTS
     path.parent.mkdir(exist_ok=True)
     result = {"rows": rows, "blocks": args.blocks, "targets": {"total_s_at_12288": 30, "peak_mb_at_12288": 2048}}
