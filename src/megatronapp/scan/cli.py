@@ -26,9 +26,18 @@ def _load(trace_dir: str, align: bool):
 
 
 def cmd_aggregate(args: argparse.Namespace) -> int:
-    from megatronapp.scan.aggregate import aggregate
+    from megatronapp.scan.aggregate import aggregate, parse_ranks
 
-    report = aggregate(args.dir, args.out)
+    try:
+        report = aggregate(args.dir, args.out, ranks=parse_ranks(args.ranks) if args.ranks else None,
+                           only_flagged=args.only_flagged)
+    except ValueError as e:
+        print(f"scan aggregate: {e}", file=sys.stderr)
+        return 2
+    if "written_ranks" in report and not args.json:
+        found = "; ".join(report.get("findings", [])) or ("nothing found" if args.only_flagged else "")
+        print(f"scan aggregate: wrote {len(report['written_ranks'])} of {len(report['ranks'])} ranks"
+              + (f" ({found})" if found else ""), file=sys.stderr)
     print(json.dumps(report, indent=1, default=str) if args.json else f"wrote {args.out}")
     return 0
 
@@ -93,6 +102,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("dir")
     p.add_argument("-o", "--out", required=True, help="output .json or .json.gz")
     p.add_argument("--json", action="store_true", help="print the aggregation report as JSON")
+    p.add_argument("--ranks", default=None, metavar="LIST",
+                   help="write only these ranks, e.g. 3,7,100-131 (clocks still aligned on every rank)")
+    p.add_argument("--only-flagged", action="store_true",
+                   help="write only the ranks `scan detect` names plus their TP peers, neighbouring stages and DP "
+                        "ring neighbours: a file Perfetto can open at thousands of ranks")
     p.set_defaults(func=cmd_aggregate)
 
     def common(p: argparse.ArgumentParser) -> None:

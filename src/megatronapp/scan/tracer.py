@@ -1,8 +1,9 @@
 """The MegaScan tracer: a `SpanSink` that records spans of traced iterations to this rank's trace file.
 
 Hot path cost: outside a trace window `open` is one attribute test; inside it is a clock read (or a CUDA
-event record) and a tuple. Closed spans go into a bounded deque; a background thread turns them into records
-and appends them to the file, so the training thread never waits for disk and never synchronizes a device.
+event record) and a tuple. Closed spans go into a bounded deque; a background thread turns what it drains at once
+into one columnar record block and appends it to the file, so the training thread never waits for disk and never
+synchronizes a device.
 When the deque is full new spans are dropped and counted (the footer says how many) rather than growing memory.
 No barrier anywhere: clock alignment uses a start-up handshake plus the collectives the job does anyway.
 """
@@ -19,13 +20,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from megatronapp import tracing
 from megatronapp.config import ConfigError
-from megatronapp.scan.format import OPENED, RankWriter, rank_file
+from megatronapp.scan.format import CAT_INDEX, OPENED, RECORD, RankWriter, rank_file
 
 _FINISH = object()  # `close()` without a token ends the tracer (SpanSink.close(token) ends one span)
 _SKIP_ON_COARSE = frozenset({"layer"})
 _HOST_TIMED_ON_CUDA = frozenset({"data"})  # CPU-side work: a host clock is the truth, not the stream
+_OTHER = CAT_INDEX["other"]
 
 
 class Tracer:
@@ -199,26 +203,58 @@ class Tracer:
             self._error = e
 
     def _drain(self, final: bool) -> None:
-        q, write = self._q, self._write
+        q = self._q
         pending, self._pending = self._pending, []
         while q:
             pending.append(q.popleft())
+        if not self._cuda:  # host clock: every span is resolved already (what _resolve does, per batch)
+            self._write_batch([(t, (end, OPENED) if t[4] is None else (t[4], end - t[4])) for t, end in pending])
+            return
+        done = []
         for i, (token, end) in enumerate(pending):
             if final and not isinstance(end, int):
                 end.synchronize()  # only at shutdown: wait for the stream to finish the last spans
             te = self._resolve(token, end)
             if te is None:
                 self._pending = pending[i:]  # stream order: later spans are not done either
-                return
-            write(token, te)
+                break
+            done.append((token, te))
+        self._write_batch(done)
 
-    def _write(self, token: tuple, te: tuple[int, int]) -> None:
-        name, cat, meta, it, _ = token
-        mb = meta.get("microbatch", meta.get("mb", -1))
-        self._writer.write(name, cat, te[0], te[1], it, group=meta.get("group"),
-                           group_ranks=meta.get("group_ranks"), seq=meta.get("seq", -1),
-                           peer=meta.get("peer", -1), nbytes=meta.get("bytes", 0) or 0,
-                           chunk=meta.get("chunk", -1), mb=mb)
+    def _write_batch(self, done: list[tuple[tuple, tuple[int, int]]]) -> None:
+        """One columnar block for everything drained at once (RankWriter.write_columns): each field is pulled out
+        of the spans by one comprehension and converted by numpy once, not packed span by span."""
+        if not done:
+            return
+        names: dict[str, int] = {}
+        groups: dict[tuple, int] = {}
+
+        def gid(meta: dict) -> int:
+            group = meta.get("group")
+            if group is None:
+                return -1
+            ranks = meta.get("group_ranks")
+            return groups.setdefault((group, ranks if isinstance(ranks, tuple) else tuple(ranks or ())),
+                                     len(groups))
+
+        tokens = [t for t, _ in done]
+        metas = [t[2] for t in tokens]
+        rec = np.zeros(len(done), RECORD)
+        rec["ts"] = [te[0] for _, te in done]
+        rec["dur"] = [te[1] for _, te in done]
+        rec["name"] = [names.setdefault(t[0], len(names)) for t in tokens]
+        rec["cat"] = [CAT_INDEX.get(t[1], _OTHER) for t in tokens]
+        rec["it"] = [t[3] for t in tokens]
+        rec["gid"] = [-1 if m.get("group") is None else gid(m) for m in metas]
+        rec["nbytes"] = [m.get("bytes", 0) or 0 for m in metas]
+        for field, key in (("seq", "seq"), ("peer", "peer"), ("chunk", "chunk"), ("mb", "microbatch")):
+            vals = [m.get(key, -1) for m in metas] if key != "microbatch" else \
+                [m.get("microbatch", m.get("mb", -1)) for m in metas]
+            try:
+                rec[field] = vals
+            except TypeError:  # a None among them: "none" is -1 in the file
+                rec[field] = [-1 if v is None else v for v in vals]
+        self._writer.write_columns(list(names), list(groups), rec)
 
     def _shutdown(self) -> None:
         if self._stop:
