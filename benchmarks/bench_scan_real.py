@@ -136,13 +136,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reanalyse", action="store_true", help="judge the kept runs again with the current detector")
     args = ap.parse_args(argv)
     if args.reanalyse:
-        res = json.loads(RESULTS.read_text())
+        partial = RESULTS.with_suffix(".partial.json")
+        if partial.exists():  # a run stopped early (or still going): judge what it has
+            rows = json.loads(partial.read_text())
+            res = {"steps": args.steps, "repeats": 1 + max((r["repeat"] for r in rows), default=-1),
+                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "note": args.note, "rows": rows}
+        else:
+            res = json.loads(RESULTS.read_text())
         for row in res["rows"]:
             if "error" not in row and Path(row.get("trace_dir", "")).is_dir():
                 row.update(analysed(Path(row["trace_dir"])))
                 row.update(judge(row["scenario"], row))
         res["summary"] = summarise(res["rows"])
         res["reanalysed"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        res["note"] = args.note or res.get("note", "")
         stats.save(res, RESULTS, DOCS, TITLE, docs_body(res))
         for s in res["summary"]:
             print(s)
