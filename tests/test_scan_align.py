@@ -89,3 +89,42 @@ def test_clocks_days_apart_with_drift_align_from_the_simulator(tmp_path):
     shift = np.median(errs[0])  # aligned time is rank 0's clock: one constant away from true time
     worst = max(float(np.abs(e - shift).max()) for e in errs)
     assert worst < 200_000, worst  # 0.2 ms: the anchors' own jitter (exits 0-50 us apart), not the skew
+
+
+def test_detect_align_uses_drift_so_arrivals_hours_apart_keep_their_order(tmp_path):
+    # Trace windows spread over 50 minutes (a window every 10 min, as `trace.interval` does) on hosts days apart
+    # whose clocks drift tens of ppm: offsets alone are off by 100+ ms at the far end of the run, far more than
+    # the gaps between arrivals at a collective; offsets + drift put every arrival within 0.2 ms.
+    from megatronapp.scan.align import row_offsets
+    from megatronapp.scan.detect import detect, join
+    from megatronapp.scan.simulate import simulate
+
+    res = simulate(tmp_path, 32, 2, 2, iterations=6, seed=3, clock_ppm=50.0, faults=["late-arrival=5:8"])
+    off, ppm = np.array(res.offsets_ns), np.array(res.drift_ppm) * 1e-6
+    traces, _ = read_dir(tmp_path)
+    gap_ns = 600 * 10**9
+    for t in traces:  # move iteration k 10*k minutes later in true time, read on the rank's own drifting clock
+        true = (t.ts - off[t.rank]) / (1 + ppm[t.rank]) + (t.it - t.it.min()).astype(np.float64) * gap_ns
+        t.ts[:] = np.round(off[t.rank] + (1 + ppm[t.rank]) * true).astype(np.int64)
+    offsets, _, clock = estimate_offsets(traces)
+    tb = join(traces)
+    true = (tb.ts - off[tb.rank]) / (1 + ppm[tb.rank])
+    coll = np.flatnonzero((tb.peer < 0) & (tb.seq >= 0) & (tb.gkey >= 0))
+    inst = tb.gkey[coll].astype(np.int64) * 10**6 + tb.seq[coll]
+    a, b = np.triu_indices(len(coll), 1)
+    same = inst[a] == inst[b]
+    a, b = coll[a[same]], coll[b[same]]
+    clear = np.abs(true[a] - true[b]) > 1e6  # pairs of arrivals at one collective more than 1 ms apart
+    assert clear.sum() > 100
+
+    def misordered(clk: dict | None) -> int:
+        al = tb.ts - row_offsets(tb.rank, tb.ts, offsets, clk)
+        return int((np.sign(al[a] - al[b]) != np.sign(true[a] - true[b]))[clear].sum())
+
+    assert misordered(None) > 10  # offsets only: the clocks' drift reorders arrivals
+    assert misordered(clock) == 0
+    # detect --align: with drift, "who everyone waits for" is the late rank (the only fault) by far; with the
+    # offsets alone it was ranks of another host, charged seconds of waits that never happened.
+    waited = detect(traces, offsets, clock=clock).waited_for
+    assert waited[0]["rank"] == 5 and waited[0]["ms"] > 10 * waited[1]["ms"], waited
+    assert detect(traces, offsets).waited_for[0]["rank"] != 5

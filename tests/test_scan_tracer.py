@@ -367,3 +367,70 @@ def test_instrument_covers_all_to_all_rooted_and_functional_collectives(tmp_path
         assert (t.dur >= 0).all()  # every span closed: functional ones at the wait on (a view of) the result
     seqs = [[(t.names[n], int(s)) for n, s in zip(t.name, t.seq) if t.names[n] != "step"] for t in traces]
     assert sorted(seqs[0]) == sorted(seqs[1]) and len(seqs[0]) == 2 * 11  # every instance matched
+
+
+# ---- CUDA-event time: re-anchored at every trace window (no GPU here: a fake device timer) -------------------
+class _FakeDevice:
+    """A device timer on the host's time, read the way CUDA reads it: float32 milliseconds between two events."""
+
+    def __init__(self) -> None:
+        self.now = 0  # ns, the host clock below reads the same time
+        self.syncs = 0
+
+    def event(self) -> object:
+        dev = self
+
+        class Event:
+            def __init__(self) -> None:
+                self.t = dev.now
+
+            def query(self) -> bool:
+                return True
+
+            def synchronize(self) -> None:
+                pass
+
+            def elapsed_time(self, other: Event) -> float:
+                return float(np.float32((other.t - self.t) / 1e6))  # cudaEventElapsedTime: float32 ms
+
+        return Event()
+
+
+class _FakeCudaTracer(Tracer):
+    def __init__(self, dev: _FakeDevice, *args, **kwargs):
+        self.dev = dev
+        super().__init__(*args, cuda=True, clock=lambda: dev.now, **kwargs)
+
+    def _event(self):
+        return self.dev.event()
+
+    def _sync(self) -> None:
+        self.dev.syncs += 1
+
+
+def test_cuda_event_times_stay_precise_hours_later_with_one_anchor_per_window(tmp_path):
+    dev = _FakeDevice()
+    header = {"rank": 0, "world": 1, "coord": [0, 0, 0], "topo": [1, 1, 1]}
+    tr = _FakeCudaTracer(dev, tmp_path / "rank00000.mst", header, interval=1000, iterations=2)
+    tracing.install(tr)
+    truth = []
+    try:
+        for it in range(4002):  # windows: iterations 998-999, 1998-1999, 2998-2999, 3998-3999
+            tr.step(it, True)
+            dev.now += 3_000_000_000  # 3 s per iteration: the last window is 3.3 hours after the first
+            if tr.active:
+                sp = tracing.open_span("forward", "compute")
+                dev.now += 1_234_567  # 1.234567 ms of device work
+                tracing.close_span(sp)
+                truth.append((dev.now - 1_234_567, 1_234_567))
+            dev.now += 10_001
+            tr.step(it, False)
+    finally:
+        tr.close()
+    assert dev.syncs == 4, dev.syncs  # one anchor (one device sync) per window, none per span
+    t = read_rank(tmp_path / "rank00000.mst")
+    fwd = np.array(t.names)[t.name] == "forward"
+    ts, dur = t.ts[fwd], t.dur[fwd]
+    want_ts, want_dur = np.array(truth).T
+    # From one anchor per run the last window's times would be float32 ms of ~1.2e7: 1 ms steps.
+    assert np.abs(ts - want_ts).max() < 2_000 and np.abs(dur - want_dur).max() < 2_000, (ts - want_ts, dur - want_dur)

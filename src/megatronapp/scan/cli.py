@@ -16,13 +16,13 @@ def _load(trace_dir: str, align: bool):
         print(f"scan: {p}", file=sys.stderr)
     if not traces:
         raise SystemExit(f"scan: no readable rank traces in {trace_dir}")
-    offsets = None
+    offsets = clock = None
     if align:
         from megatronapp.scan.align import estimate_offsets
 
-        offsets, residual, _ = estimate_offsets(traces)
+        offsets, residual, clock = estimate_offsets(traces)  # clock: per-rank drift too, used with the offsets
         print(f"scan: clocks aligned, median residual {residual / 1e3:.1f} us", file=sys.stderr)
-    return traces, offsets
+    return traces, offsets, clock
 
 
 def cmd_aggregate(args: argparse.Namespace) -> int:
@@ -45,8 +45,8 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
 def cmd_detect(args: argparse.Namespace) -> int:
     from megatronapp.scan.detect import detect
 
-    traces, offsets = _load(args.dir, args.align)
-    report = detect(traces, offsets)
+    traces, offsets, clock = _load(args.dir, args.align)
+    report = detect(traces, offsets, clock=clock)
     print(report.to_json() if args.json else report.to_text())
     return 1 if (args.fail_on_finding and report.findings) else 0
 
@@ -55,9 +55,9 @@ def cmd_heatmap(args: argparse.Namespace) -> int:
     from megatronapp.scan import heatmap
     from megatronapp.scan.detect import analyse
 
-    traces, offsets = _load(args.dir, args.align)
+    traces, offsets, clock = _load(args.dir, args.align)
     try:
-        out = heatmap.write(analyse(traces, offsets), args.out)
+        out = heatmap.write(analyse(traces, offsets, clock=clock), args.out)
     except ValueError as e:
         print(f"scan heatmap: {e}", file=sys.stderr)
         return 2
@@ -69,8 +69,8 @@ def cmd_summary(args: argparse.Namespace) -> int:
     from megatronapp.scan.detect import analyse
     from megatronapp.scan.summary import summary_table
 
-    traces, offsets = _load(args.dir, args.align)
-    an = analyse(traces, offsets)
+    traces, offsets, clock = _load(args.dir, args.align)
+    an = analyse(traces, offsets, clock=clock)
     print(summary_table(an, limit=None if args.all else args.limit))
     print()
     print(an.report.to_text())

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatronapp.scan import ring
+from megatronapp.scan.align import row_offsets
 from megatronapp.scan.evidence import excursion_noise, floor_findings, posting_stall, stall_link_findings
 from megatronapp.scan.findings import KINDS, Finding, Report, Thresholds
 from megatronapp.scan.format import CAT_INDEX, RankTrace
@@ -382,14 +383,11 @@ def _seg_cumwait(tb: Table, w: np.ndarray) -> np.ndarray:
     return cs - w - (cs[seg_start] - w[seg_start])
 
 
-def links_and_waits(tb: Table, ph: Phases, th: Thresholds, offsets: dict[int, int] | None
-                    ) -> tuple[list[Finding], Waits]:
-    """Slow P2P links and slow collective groups, and who made whom wait."""
+def links_and_waits(tb: Table, ph: Phases, th: Thresholds, offsets: dict[int, int] | None,
+                    clock: dict | None = None) -> tuple[list[Finding], Waits]:
+    """Slow P2P links and slow collective groups, and who made whom wait (clock: estimate_offsets' drift report)."""
     W, n_it = tb.world, len(ph.iters)
-    off = np.zeros(W, np.int64)
-    for r, o in (offsets or {}).items():
-        if 0 <= int(r) < W:
-            off[int(r)] = int(o)
+    off_row = row_offsets(tb.rank, tb.ts, {int(r): o for r, o in (offsets or {}).items() if 0 <= int(r) < W}, clock)
     iti = np.searchsorted(ph.iters, tb.it).clip(0, max(n_it - 1, 0))
     in_it = np.isin(tb.it, ph.iters)
     wait = np.zeros(len(tb.ts))
@@ -412,7 +410,7 @@ def links_and_waits(tb: Table, ph: Phases, th: Thresholds, offsets: dict[int, in
             s_at = tb.ts[si] + _lookup(up, dmed, pair).astype(np.int64)
             r_at = tb.ts[ri]
         else:
-            s_at, r_at = tb.ts[si] - off[tb.rank[si]], tb.ts[ri] - off[tb.rank[ri]]
+            s_at, r_at = tb.ts[si] - off_row[si], tb.ts[ri] - off_row[ri]
         r_end = r_at + tb.dur[ri]
         w = np.maximum(s_at - r_at, 0).astype(float)
         xfer = (r_end - np.maximum(s_at, r_at)).astype(float)
@@ -445,7 +443,7 @@ def links_and_waits(tb: Table, ph: Phases, th: Thresholds, offsets: dict[int, in
         coll, inst = coll[full], inst[full]
     if len(coll):
         # Arrival: aligned start, or (no clock) minus the duration, as members leave a collective together.
-        arr = (tb.ts[coll] - off[tb.rank[coll]]) if offsets is not None else -tb.dur[coll]
+        arr = (tb.ts[coll] - off_row[coll]) if offsets is not None else -tb.dur[coll]
         arr = arr.astype(float)
         ui, inv = np.unique(inst, return_inverse=True)
         amax = np.full(len(ui), -np.inf)
@@ -594,7 +592,7 @@ class Analysis:
 
 
 def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
-            thresholds: Thresholds | None = None) -> Analysis:
+            thresholds: Thresholds | None = None, clock: dict | None = None) -> Analysis:
     """Run all detectors; return the report together with the per-rank phase and wait matrices."""
     if not traces:
         raise ValueError("no rank traces to analyse (empty trace directory?)")
@@ -602,7 +600,7 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     tb = join(traces)
     ph = phases(tb)
     findings = _combine(rank_findings(tb, ph, th), floor_findings(tb, ph.excl, ph.iters, th, _stage_work(traces)))
-    link_f, waits = links_and_waits(tb, ph, th, offsets)
+    link_f, waits = links_and_waits(tb, ph, th, offsets, clock)
     findings = _combine(findings, lone_stage_findings(tb, ph, waits, th, _stage_work(traces)))  # one per rank
     stall = posting_stall(tb)
     stall_f = stall_link_findings(tb, stall, ph.iters, th) + \
@@ -641,6 +639,7 @@ def _stage_work(traces: list[RankTrace]) -> dict[int, float] | None:
 
 
 def detect(traces: list[RankTrace], offsets: dict[int, int] | None = None,
-           thresholds: Thresholds | None = None) -> Report:
-    """Ranked root-cause findings for a set of rank traces (offsets: ns to subtract per rank, optional)."""
-    return analyse(traces, offsets, thresholds).report
+           thresholds: Thresholds | None = None, clock: dict | None = None) -> Report:
+    """Ranked root-cause findings for a set of rank traces (offsets: ns to subtract per rank, optional; clock:
+    the report of align.estimate_offsets, whose per-rank drift then applies too)."""
+    return analyse(traces, offsets, thresholds, clock).report

@@ -57,7 +57,7 @@ class Tracer:
         self._step_t0: Any = None
         self._seen: set[int] = set()
         self.repeated: list[int] = []
-        self._anchor: tuple[Any, int] | None = None
+        self._anchors: dict[int, tuple[Any, int]] = {}  # per traced iteration: (CUDA event, host ns at it)
         header = {**header, "clock": "cuda_event" if cuda else "monotonic_ns",
                   "trace": {"interval": interval, "iterations": iterations, "granularity": granularity}}
         self._writer = RankWriter(path, header)
@@ -108,8 +108,11 @@ class Tracer:
             if in_window:
                 self._seen.add(iteration)
                 self._it = iteration
-                if self._cuda and self._anchor is None:
-                    self._set_anchor()
+                if self._cuda:  # a new anchor where a window starts; its later iterations share it
+                    prev = self._anchors.get(iteration - 1)
+                    self._anchors[iteration] = prev if prev is not None else self._new_anchor()
+                    while len(self._anchors) > 64:  # the writer resolves spans within seconds: recent ones do
+                        del self._anchors[next(iter(self._anchors))]
                 self._step_t0 = self.open("step", "step", {})
             return
         if self.active and iteration == self._it:
@@ -164,15 +167,20 @@ class Tracer:
         ev.record()
         return ev
 
-    def _set_anchor(self) -> None:
-        # Once per run: an event whose host time is known ties stream times to the host monotonic clock.
+    def _sync(self) -> None:
         import torch
 
         torch.cuda.synchronize()
+
+    def _new_anchor(self) -> tuple[Any, int]:
+        # Once per trace WINDOW (one device sync at its first step, none per span): an event whose host time is
+        # known ties stream times to the host clock. Event times are float32 ms apart (cudaEventElapsedTime):
+        # from one anchor per run they keep ~1 ms precision after 3 hours; from the window's own, ~1 us.
+        self._sync()
         host = self._clock()
         ev = self._event()
         ev.synchronize()
-        self._anchor = (ev, host)
+        return ev, host
 
     def _resolve(self, token: tuple, end: Any) -> tuple[int, int] | None:
         """(ts, dur) in ns for a closed span; None if its CUDA end event has not completed."""
@@ -183,7 +191,7 @@ class Tracer:
             return start, end - start
         if not end.query():
             return None
-        anchor, host = self._anchor
+        anchor, host = self._anchors.get(token[3]) or self._anchors[next(reversed(self._anchors))]
         ts = host + int(anchor.elapsed_time(start) * 1e6)
         return ts, int(start.elapsed_time(end) * 1e6)
 
@@ -326,6 +334,11 @@ def attach(cfg: Any, topo: Any, trace_dir: str | Path, *, clock: Callable[[], in
 def plugin(trainer: Any) -> None:
     """Plug-in entry for `--trace`: attach this rank's tracer to the run and close it at shutdown."""
     cfg = trainer.cfg
+    from megatronapp.scan.costmodel import stage_work
+
+    # What each pipeline stage should cost (FLOPs of its chunks): a stage without peers is judged against it.
+    cost = {"stage_work": stage_work(cfg.model, cfg.parallel.pp, cfg.parallel.vpp, cfg.train.seq_len)} \
+        if cfg.parallel.pp > 1 else {}
     tracer = attach(cfg, trainer.topo, cfg.trace.dir or str(trainer.out / "trace"),
-                    extra_header=getattr(trainer, "trace_header", None))  # MegaFBD ranks name their role
+                    extra_header={**cost, **(getattr(trainer, "trace_header", None) or {})})  # MegaFBD: its role
     trainer.hooks.on("shutdown", tracer.close)
