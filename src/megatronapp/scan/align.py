@@ -317,3 +317,25 @@ def row_offsets(rank: np.ndarray, ts: np.ndarray, offsets_ns: dict[int, int], re
         o[r] = int(origin.get(r, t0))
     # Drift only ever multiplies time since the shared instant (ms to hours), never a raw clock reading (days).
     return a[rank] + np.round(b[rank] * (ts - o[rank]).astype(np.float64)).astype(np.int64)
+
+
+def clock_domains(traces: list[RankTrace], world: int) -> np.ndarray:
+    """Per rank, the id of the clock it read (-1: unknown). Processes on one booted Linux host read one
+    CLOCK_MONOTONIC (CUDA-event times are re-anchored to it), so two ranks whose headers name the same host and
+    clock kind share a clock exactly: their offset is 0, no estimate needed. Boot ids, where both headers carry
+    one, must agree (a host name reused after a reboot, or by a container on another machine); a rank without
+    one on a host whose ranks report several boot ids is left unknown rather than guessed."""
+    dom = np.full(world, -1, np.int64)
+    by_host: dict[tuple[str, str], list[tuple[int, str | None]]] = {}
+    for t in traces:
+        host, clock = t.header.get("host"), t.header.get("clock")
+        if isinstance(host, str) and host and clock in ("monotonic_ns", "cuda_event") and 0 <= t.rank < world:
+            by_host.setdefault((host, "monotonic"), []).append((t.rank, t.header.get("boot_id") or None))
+    ids: dict[tuple, int] = {}
+    for key, members in by_host.items():
+        boots = {b for _, b in members if b}
+        for r, b in members:
+            if b is None and len(boots) > 1:
+                continue
+            dom[r] = ids.setdefault((*key, b or next(iter(boots), None)), len(ids))
+    return dom

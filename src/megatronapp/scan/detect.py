@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatronapp.scan import ring
-from megatronapp.scan.align import row_offsets
+from megatronapp.scan.align import clock_domains, row_offsets
 from megatronapp.scan.evidence import excursion_noise, floor_findings, posting_stall, stall_link_findings
 from megatronapp.scan.findings import KINDS, Finding, Report, Thresholds
 from megatronapp.scan.format import CAT_INDEX, RankTrace
@@ -37,6 +37,7 @@ from megatronapp.scan.structure import collective_stall_findings, lone_stage_fin
 __all__ = ["KINDS", "Analysis", "Finding", "Report", "Thresholds", "analyse", "detect"]
 
 MS = 1e6
+_FLOOR_NOISE = 2.0  # a link's floor must stand twice its own low-end spread above its peers' (_cross_stage_links)
 _NEST_SLACK_NS = 2_000  # a child may end a hair after its parent (clock reads in a different order)
 _COMPUTE, _COMM, _DATA, _OPT, _STEP = (CAT_INDEX[c] for c in ("compute", "comm", "data", "optimizer", "step"))
 
@@ -62,6 +63,7 @@ class Table:
     nbytes: np.ndarray
     mb: np.ndarray
     chunk: np.ndarray
+    clock: np.ndarray | None = None  # [rank] -> shared-clock id (align.clock_domains; -1: own clock, unknown)
 
     @property
     def end(self) -> np.ndarray:
@@ -94,13 +96,15 @@ def join(traces: list[RankTrace]) -> Table:
     c["name"] = names_at[c["name"] + np.repeat(np.array(noff, np.int64), lens)]
     gid = c.pop("gid")
     c["gkey"] = np.where(gid >= 0, groups_at[np.maximum(gid + np.repeat(np.array(goff, np.int64), lens), 0)], -1)
+    c["clock"] = clock_domains(traces, world)
     r, ts = c["rank"], c["ts"]
     # Sorted by (rank, ts) already (the simulator's files, most real ones): skip the sort; lexsort is stable, so
     # the order is the same either way.
     if np.all((r[1:] > r[:-1]) | ((r[1:] == r[:-1]) & (ts[1:] >= ts[:-1]))):
         return Table(world, coords, list(names), list(groups), **c)
     order = np.lexsort((ts, r))
-    return Table(world, coords, list(names), list(groups), **{k: v[order] for k, v in c.items()})
+    return Table(world, coords, list(names), list(groups), **{k: (v if k == "clock" else v[order])
+                                                              for k, v in c.items()})
 
 
 # ----------------------------------------------------------------------------- 1. self time
@@ -404,13 +408,18 @@ def links_and_waits(tb: Table, ph: Phases, th: Thresholds, offsets: dict[int, in
         S = int(max(tb.seq[send].max(), tb.seq[recv].max())) + 1
         si, ri = match_p2p(tb, send, recv)
         pair = tb.rank[si] * W + tb.rank[ri]
+        dom = tb.clock if tb.clock is not None else np.full(W, -1, np.int64)
+        # Two ranks on one host read one clock: the transfer is timed as it is, wire delay included.
+        shared = (dom[tb.rank[si]] >= 0) & (dom[tb.rank[si]] == dom[tb.rank[ri]])
         if offsets is None:
-            # No global clock: the two ends of a transfer finish together, which fixes each pair's offset.
+            # No global clock: the two ends of a transfer finish together, which fixes each pair's offset
+            # (and absorbs a constant wire delay: only pairs on one clock show it).
             up, dmed, _ = group_median(pair, (tb.end[ri] - tb.end[si]).astype(float))
-            s_at = tb.ts[si] + _lookup(up, dmed, pair).astype(np.int64)
+            s_at = tb.ts[si] + np.where(shared, 0, _lookup(up, dmed, pair)).astype(np.int64)
             r_at = tb.ts[ri]
         else:
-            s_at, r_at = tb.ts[si] - off_row[si], tb.ts[ri] - off_row[ri]
+            s_at = tb.ts[si] - np.where(shared, 0, off_row[si] - off_row[ri]) - off_row[ri]
+            r_at = tb.ts[ri] - off_row[ri]
         r_end = r_at + tb.dur[ri]
         w = np.maximum(s_at - r_at, 0).astype(float)
         xfer = (r_end - np.maximum(s_at, r_at)).astype(float)
@@ -422,6 +431,8 @@ def links_and_waits(tb: Table, ph: Phases, th: Thresholds, offsets: dict[int, in
         ui, imed, _ = group_median(inst, xfer)
         ratio = xfer / np.maximum(_lookup(ui, imed, inst), 1.0)
         findings += _link_findings(tb, th, pair, cls, ratio, xfer, lambda p: (int(p // W), int(p % W)), "P2P")
+        seen = {f.ranks for f in findings}
+        findings += [f for f in _cross_stage_links(tb, th, si, pair, cls, shared, xfer) if f.ranks not in seen]
         # Blame: the sender, for wait beyond what this transfer usually costs, unless it was itself held up.
         def p2p_blame(cw_all, si=si, inst=inst, w=w):
             uw, wmed, _ = group_median(inst, w)
@@ -533,6 +544,62 @@ def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray,
             out.append(Finding("slow-link", rks, [_coord(tb, r) for r in rks],
                                f"{factor:.2f}x transfer time on {what} {label}", round(factor, 3),
                                round((tmed[k] - peer_t) / MS, 4), _confidence(float(z[i, 0]), 1.0, zmin), ev))
+    return out
+
+
+def _cross_stage_links(tb: Table, th: Thresholds, si: np.ndarray, pair: np.ndarray, cls: np.ndarray,
+                       shared: np.ndarray, xfer: np.ndarray) -> list[Finding]:
+    """Slow P2P links with no peer on another pipeline column (one or two columns), judged against transfers
+    of the same byte size between OTHER stage pairs and the other direction: a homogeneous pipeline moves the
+    same hidden-state tensor (activations up, gradients down) between every pair of adjacent stages. Only
+    transfers timed on one clock take part (elsewhere the pair-offset assumption has absorbed a constant wire
+    delay); a stage pair that legitimately moves more bytes falls in another class.
+    The statistic is each link's FLOOR (its fastest transfer): a delay on the wire is paid by every transfer,
+    while a healthy link now and then finds its receiver waiting and shows its true cost. Medians do not work
+    here: on a busy host they carry each receiver's own scheduling (ms to tens of ms, different per stage pair).
+    Few links: reference and spread leave the judged link out; the excess must also clear one transfer's
+    own low-end spread (twice, see _FLOOR_NOISE). A delay on only some transfers does not move the floor and
+    is not seen here."""
+    W = tb.world
+    per_cls = np.bincount(np.unique(cls * (W * W) + pair) // (W * W), minlength=int(cls.max()) + 1)
+    lone = shared & (per_cls[cls] < 3)
+    if lone.sum() < 3:
+        return []
+    # Same bytes on the same kind of wire, whichever way (activations up, gradients down: one tensor shape).
+    kind = np.unique(tb.nbytes[si[lone]], return_inverse=True)[1]
+    unit, t = pair[lone], xfer[lone]
+    uu, tmed, n = group_median(unit, t)
+    ui = np.searchsorted(uu, unit)
+    floor = np.full(len(uu), np.inf)
+    np.minimum.at(floor, ui, t)
+    # How sharply each link's times rise from its floor (10th percentile minus floor): a link that seldom finds
+    # its receiver waiting has a floor that much above its true cost. The run's typical value floors it.
+    low = np.array([np.quantile(t[ui == k], 0.1) for k in range(len(uu))]) - floor
+    noise = np.maximum(low, float(np.median(low))) * _FLOOR_NOISE
+    ukind = kind[np.unique(unit, return_index=True)[1]]
+    zmin = th.z_for(th.link_z, len(uu))
+    out = []
+    for c in np.unique(ukind):
+        rows = np.flatnonzero(ukind == c)
+        if len(rows) < 3:
+            continue  # two links: either could be the slow one
+        for k in rows:
+            others = floor[rows[rows != k]]
+            ref = float(np.median(others))
+            scale = max(1.4826 * float(np.median(np.abs(others - ref))), th.scale_floor * ref, 1.0)
+            exc = floor[k] - ref
+            z = exc / scale
+            if not (exc >= th.link_rel * ref and z >= zmin
+                    and exc >= max(th.link_abs_ms * MS, th.link_noise * noise[k])):
+                continue
+            rks = (int(uu[k] // W), int(uu[k] % W))
+            factor = floor[k] / max(ref, 1.0)
+            ev = {"what": "P2P", "peers": "other stage pairs and directions, same size, one clock",
+                  "transfers": int(n[k]), "floor_ms": round(floor[k] / MS, 4), "peer_floor_ms": round(ref / MS, 4),
+                  "median_ms": round(tmed[k] / MS, 4), "noise_ms": round(noise[k] / MS, 4), "z": round(float(z), 1)}
+            out.append(Finding("slow-link", rks, [_coord(tb, r) for r in rks],
+                               f"{factor:.2f}x fastest transfer on P2P {rks[0]}-{rks[1]} (other stage pairs)",
+                               round(factor, 3), round(exc / MS, 4), _confidence(float(z), 1.0, zmin), ev))
     return out
 
 

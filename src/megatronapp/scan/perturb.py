@@ -261,7 +261,10 @@ def shift_clocks(traces: list[RankTrace], offsets_s: dict[int, float], ppm: dict
         opened = dict(t.opened)
         if len(opened.get("ts", ())):
             opened["ts"], opened["dur"] = remap(opened["ts"], opened["dur"])
-        out.append(dataclasses.replace(t, ts=ts, dur=dur, opened=opened))
+        header = t.header
+        if off or k != 1.0:  # another host's clock: the header must not claim the recording host's
+            header = {**header, "host": f"{header.get('host')}~clock{off:+d}ns{k - 1:+.2e}", "boot_id": None}
+        out.append(dataclasses.replace(t, ts=ts, dur=dur, opened=opened, header=header))
     return out
 
 

@@ -334,11 +334,13 @@ def simulate(out_dir: str | Path, ranks: int, tp: int, pp: int, dp: int | None =
     cols = simulate_spans(ranks, tp, pp, dp, iterations, m, flist, seed, costs)
     rng = np.random.default_rng(seed + 1)
     # Clocks as they are: hosts of 8 ranks share a CLOCK_MONOTONIC, booted days apart, each running fast or slow
-    # by tens of ppm; small per-process read jitter on top.
+    # by tens of ppm. Ranks of one host read the SAME clock (their headers say so: same host), so they get no
+    # per-process offset of their own; the draw is kept so every other random number stays as it was.
     hosts = (ranks + 7) // 8
     host_base = rng.uniform(0.0, 5 * 86_400_000.0, hosts) * MS
     host_drift = rng.normal(0.0, clock_ppm * 1e-6, hosts)
-    offsets = (host_base[np.arange(ranks) // 8] + rng.uniform(-0.05, 0.05, ranks) * MS).astype(np.int64)
+    rng.uniform(-0.05, 0.05, ranks)
+    offsets = host_base[np.arange(ranks) // 8].astype(np.int64)
     drift = host_drift[np.arange(ranks) // 8]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

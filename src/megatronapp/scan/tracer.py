@@ -304,7 +304,15 @@ def base_header(rank: int, world: int, coord: tuple[int, int, int], topo: tuple[
                 clock: Callable[[], int] = time.monotonic_ns) -> dict:
     """Identity and clock reference of one rank (wall/monotonic pair for a coarse cross-host guess)."""
     return {"rank": rank, "world": world, "coord": list(coord), "topo": list(topo), "host": socket.gethostname(),
-            "pid": os.getpid(), "wall_ns": time.time_ns(), "mono_ns": clock()}
+            "boot_id": _boot_id(), "pid": os.getpid(), "wall_ns": time.time_ns(), "mono_ns": clock()}
+
+
+def _boot_id() -> str | None:
+    """This boot of this host (Linux): ranks with equal host and boot id read one CLOCK_MONOTONIC."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def attach(cfg: Any, topo: Any, trace_dir: str | Path, *, clock: Callable[[], int] = time.monotonic_ns,
