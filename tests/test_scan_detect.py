@@ -1,4 +1,5 @@
 """Root-cause detection on simulated jobs: each fault kind, several positions, several at once, none at all."""
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -6,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megatronapp.scan import align
 from megatronapp.scan.detect import Thresholds, detect, join, match_p2p
 from megatronapp.scan.format import RankWriter, read_dir
 from megatronapp.scan.perturb import Perturbation, declare_stage_work, perturb, shift_clocks
@@ -221,6 +223,46 @@ def test_clocks_days_apart_do_not_change_the_verdict():
     assert ("slow-compute", (0,)) in plain
     shifted = shift_clocks(traces, {1: 2.5 * 86_400, 2: -86_400.0, 3: 4 * 86_400}, {1: 30.0, 2: -25.0})
     assert _named(detect(shifted)) == plain
+
+
+@pytest.mark.parametrize("layout,link,ms", [("pp4", (0, 1), 15), ("pp2dp2", (1, 3), 12)])
+def test_wire_delayed_link_on_one_host_is_named_as_the_pair(layout, link, ms):
+    # Every transfer between the two ranks, both ways, pays `ms` more on the wire. The stored ranks ran on one
+    # host, so their transfers are timed on one clock; with one or two pipeline columns the link is compared
+    # with the other stage pairs (pp4) or the other column and direction (pp2dp2) moving the same bytes.
+    traces = _real(layout)
+    assert detect(traces).findings == []
+    report = detect(perturb(traces, [Perturbation("slow-link", link, ms=ms)]))
+    assert _named(report) == {("slow-link", link)}, report.to_text()
+
+
+def test_ranks_share_a_clock_only_on_one_host_and_boot():
+    traces = _real("pp4")
+    assert len(set(align.clock_domains(traces, 4).tolist())) == 1  # the recording host, one CLOCK_MONOTONIC
+
+    def on(t, **h):
+        return dataclasses.replace(t, header={**t.header, **h})
+    mixed = [on(traces[0], host="a", boot_id="x"), on(traces[1], host="a", boot_id="x"),
+             on(traces[2], host="b", boot_id="x"), on(traces[3], host="a", boot_id="y")]
+    dom = align.clock_domains(mixed, 4)
+    assert dom[0] == dom[1] and len({dom[0], dom[2], dom[3]}) == 3  # other host; same name, other boot
+    assert align.clock_domains([on(traces[0], host=None), traces[1]], 4)[0] == -1  # no host: nothing assumed
+    # A clock read as another host's (days apart) is not taken for the recording host's: that pair keeps the
+    # pair-offset assumption, which absorbs a constant wire delay (the limit of traces alone across hosts).
+    shifted = shift_clocks(traces, {1: 86_400.0}, {})
+    dom = align.clock_domains(shifted, 4)
+    assert dom[1] != dom[0] and dom[0] == dom[2] == dom[3]
+    report = detect(perturb(shifted, [Perturbation("slow-link", (0, 1), ms=15)]))
+    assert ("slow-link", (0, 1)) not in _named(report), report.to_text()
+
+
+def test_simulated_ranks_of_one_host_read_one_clock(tmp_path):
+    res = simulate(tmp_path, 16, 2, 2, iterations=2, seed=3)
+    off = np.array(res.offsets_ns)
+    assert (off[:8] == off[0]).all() and (off[8:] == off[8]).all() and off[0] != off[8]
+    traces, _ = read_dir(tmp_path)
+    dom = align.clock_domains(traces, 16)
+    assert len(set(dom[:8].tolist())) == 1 and dom[0] != dom[8]
 
 
 def test_perturbation_rejects_bad_input():
