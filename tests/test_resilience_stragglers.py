@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from megatronapp.resilience.stragglers import StragglerWatch, window_range
 from megatronapp.scan.simulate import simulate
@@ -45,6 +46,7 @@ def test_windows_missing_a_rank_break_the_streak(tmp_path):
     assert w.poll(0, 6, final=True) == [] and "no spans from rank(s) [9]" in w.notes[0]
 
 
+ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--nproc", "4", "--pp", "2", "--dp", "2", "--layers", "4", "--hidden", "64", "--heads", "4",
          "--global-batch", "8", "--microbatches", "4", "--seq-len", "32", "--no-progress", "--peak-tflops", "1",
          "--supervise", "--trace", "--trace-interval", "4", "--trace-iterations", "2", "--heartbeat-interval", "0.3",
@@ -53,7 +55,7 @@ FLAGS = ["--nproc", "4", "--pp", "2", "--dp", "2", "--layers", "4", "--hidden", 
 
 def _run(out, *extra):
     res = subprocess.run([sys.executable, "-m", "megatronapp", "train", *FLAGS, "--out", str(out), *extra],
-                         capture_output=True, text=True, timeout=600, check=False)
+                         capture_output=True, text=True, timeout=600, check=False, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     return res, [json.loads(line) for line in (out / "resilience.jsonl").read_text().splitlines()]
 
@@ -70,8 +72,10 @@ def test_healthy_supervised_run_reports_no_straggler(tmp_path):
 def test_slow_rank_is_a_persistent_straggler_and_is_evicted(tmp_path):
     # rank 1 = DP1 of stage 0 (rank = tp + tp*(dp + dp*pp)); its compute spans take 3x
     # the third window ends at step 12; the job must be stopped before step 20 and finish on dp=1
+    # Paced steps (a sleep after each, no number changes): on a quiet machine an unpaced run finished all 20 steps
+    # before the supervisor had read the third window, and a finished run is rightly not restarted.
     res, events = _run(tmp_path / "run", "--steps", "20", "--save-interval", "4", "--inject", "slow-compute=1:3",
-                       "--evict-stragglers", "--allow-shrink")
+                       "--evict-stragglers", "--allow-shrink", "--attach", "tests.plugin_probe:paced_steps")
     err = res.stderr
     assert "persistent straggler: slow-compute rank 1 (DP1-PP0-TP0) in 3 trace windows in a row" in err, err[-3000:]
     assert "evicted: rank 1 (DP1-PP0-TP0, DP replica 1)" in err and "shrinking: dp 2 -> 1" in err, err[-3000:]

@@ -295,9 +295,15 @@ def supervise(cfg: RunConfig, opts: Options | None = None, log: Callable[[str], 
         while True:
             att = Attempt(attempt_config(layout, number, log, replicas), number, opts, log)
             outcome = att.run()
+            # A resumed attempt short enough to finish between two heartbeats shows no progress to the watch
+            # loop: it still recovered, and its first step was done by the time it completed (an upper bound).
+            bound = failures and att.first_step_at is None and not isinstance(outcome, Failure)
+            if bound:
+                att.first_step_at = time.time()
             if failures and att.first_step_at is not None:
                 recovery_s.append(att.first_step_at - failures[-1].detected_at)
-                _event(events, {"event": "recovered", "attempt": number, "recovery_s": recovery_s[-1]})
+                _event(events, {"event": "recovered", "attempt": number, "recovery_s": recovery_s[-1],
+                                **({"upper_bound": True} if bound else {})})
             if att.watch is not None:
                 stragglers += att.watch.reported
             if not isinstance(outcome, Failure):
