@@ -29,6 +29,12 @@ def test_a_slow_rank_in_every_window_is_a_persistent_straggler(tmp_path):
     assert w.notes == []
 
 
+def test_a_small_persistent_difference_is_not_a_straggler_worth_a_restart(tmp_path):
+    simulate(tmp_path, 16, tp=2, pp=2, iterations=6, faults=["slow-compute=5:1.5"], seed=3)
+    w = StragglerWatch(tmp_path, 2, 2, 16, 3, min_factor=1.6)  # rank 5 is 1.5x: named every window, below the bar
+    assert w.poll(0, 6, final=True) == [] and w.reported == []
+
+
 def test_healthy_and_one_off_findings_are_not_reported(tmp_path):
     assert _watch(tmp_path / "healthy", [])[1] == []
     # an 80 ms pause every 4th iteration, windows of one iteration: each paused window names rank 6 (with

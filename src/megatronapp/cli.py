@@ -153,6 +153,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--straggler-windows", type=int, default=3, metavar="N",
                    help="with --trace: report a straggler when MegaScan names the same cause in N trace windows "
                         "in a row (default 3)")
+    g.add_argument("--straggler-min-slowdown", type=float, default=1.10, metavar="F",
+                   help="count only findings that slow their rank at least F-fold (default 1.10): smaller "
+                        "persistent differences are reported by MegaScan but do not pay for a restart")
     g.add_argument("--evict-stragglers", action="store_true",
                    help="treat a persistent straggler rank as a failure: stop, diagnose, evict, restart")
     g.add_argument("--attach", action="append", default=[], metavar="MODULE:FUNCTION",
@@ -260,12 +263,15 @@ def _train_supervised(cfg: RunConfig, args: argparse.Namespace) -> int:
         raise ConfigError(f"--diagnose-budget {args.diagnose_budget}: must be > 0 seconds")
     if args.straggler_windows < 1:
         raise ConfigError(f"--straggler-windows {args.straggler_windows}: must be >= 1")
+    if args.straggler_min_slowdown < 1.0:
+        raise ConfigError(f"--straggler-min-slowdown {args.straggler_min_slowdown}: must be >= 1.0 (a factor)")
     if args.evict_stragglers and not cfg.trace.enabled:
         raise ConfigError("--evict-stragglers needs --trace: stragglers are found in the MegaScan trace windows")
     opts = supervisor.Options(hang_timeout_s=args.hang_timeout, max_restarts=args.max_restarts,
                               heartbeat_s=args.heartbeat_interval, diagnose_on_restart=args.diagnose_on_restart,
                               diagnose_budget_s=args.diagnose_budget, allow_shrink=args.allow_shrink,
-                              straggler_windows=args.straggler_windows, evict_stragglers=args.evict_stragglers)
+                              straggler_windows=args.straggler_windows, evict_stragglers=args.evict_stragglers,
+                              straggler_min_slowdown=args.straggler_min_slowdown)
     try:
         summary = supervisor.supervise(cfg, opts)
     except supervisor.SupervisorGaveUp as e:

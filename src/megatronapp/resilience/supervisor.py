@@ -45,6 +45,7 @@ class Options:
     diagnose_budget_s: float = 120.0  # wall-clock budget of those diagnostics
     allow_shrink: bool = False  # restart without the evicted rank's DP replica (a smaller dp)
     straggler_windows: int = 3  # with tracing on: a MegaScan finding repeated over this many windows is reported
+    straggler_min_slowdown: float = 1.10  # ... if it slows its rank by at least this factor
     evict_stragglers: bool = False  # ... and treated as a failure (stop, diagnose, evict, restart)
 
 
@@ -97,7 +98,7 @@ class Attempt:
         tc = cfg.trace
         if tc.enabled and opts.straggler_windows > 0:
             self.watch = StragglerWatch(Path(tc.dir or self.out / "trace"), tc.interval, tc.iterations, self.world,
-                                        opts.straggler_windows)
+                                        opts.straggler_windows, min_factor=opts.straggler_min_slowdown)
 
     def beats(self) -> dict[int, dict[str, Any]]:
         out = {}
