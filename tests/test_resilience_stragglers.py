@@ -37,8 +37,8 @@ def test_a_small_persistent_difference_is_not_a_straggler_worth_a_restart(tmp_pa
 
 def test_healthy_and_one_off_findings_are_not_reported(tmp_path):
     assert _watch(tmp_path / "healthy", [])[1] == []
-    # an 80 ms pause every 4th iteration, windows of one iteration: each paused window names rank 6 (with
-    # windows=1 it is reported twice), but never 3 windows in a row
+    # an 80 ms pause every 4th iteration, windows of one iteration: each paused window names rank 6 (a window of
+    # one iteration sees it as slow compute; with windows=1 it is reported twice), but never 3 windows in a row
     once = _watch(tmp_path / "pause1", ["pause=6:80:4"], windows=1, interval=1, iterations=1, n_iter=8)[1]
     assert [(s.ranks, len(s.windows)) for s in once] == [((6,), 1), ((6,), 1)]
     w, found = _watch(tmp_path / "pause3", ["pause=6:80:4"], interval=1, iterations=1, n_iter=8)
