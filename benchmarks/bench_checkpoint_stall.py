@@ -154,10 +154,10 @@ class Dcp:
 
 class Ours:
     name = "two-stage async (ours): copy overlapped, barrier before the update"
-    overlap, nice = True, 0
+    overlap = True
 
     def __init__(self, root: Path):
-        self.saver = AsyncSaver(root, rank=0, world=1, keep=2, overlap_copy=self.overlap, writer_nice=self.nice)
+        self.saver = AsyncSaver(root, rank=0, world=1, keep=2, overlap_copy=self.overlap)
         self.barrier_s = 0.0
 
     def save(self, step: int, state: dict[str, Any]) -> None:

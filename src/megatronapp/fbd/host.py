@@ -96,12 +96,7 @@ class RankHost:
 
     def attach_plugins(self, entries: list[str]) -> None:
         """Resolve and call every plug-in in order, then fire `rank_start` (as `Trainer.attach_plugins`)."""
-        for plugin in plugins.resolve_all(entries):
-            plugin(self)
-        self.hooks.fire("rank_start", self)
+        plugins.attach(self, entries)
 
     def detach_plugins(self, raise_errors: bool = True) -> None:
-        try:
-            self.hooks.teardown("shutdown", raise_errors=raise_errors)
-        finally:
-            self.hooks.clear()
+        plugins.detach(self.hooks, raise_errors)

@@ -17,7 +17,6 @@ everything before it returns.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from contextlib import nullcontext
@@ -29,21 +28,9 @@ import torch
 from megatronapp.train import checkpoint as ckpt
 
 PIECE_NUMEL = 1 << 22  # copy work is shared in pieces of 4 Mi elements, so the barrier can take over any part
-# How much lower than training's the CPU priority of stage 2 (serialise, checksum, write) is. 0 by default: on
-# this shared 2-core machine nice +10 left a 256 MiB save 20 s from durable after its cycle (starved) without a
-# stall difference the noise could show (benchmarks/results/checkpoint_stall_nice_writer.json).
-WRITER_NICE = 0
-
-
-def _lower_priority(nice: int) -> None:
-    """Raise the calling thread's nice value by `nice` (Linux schedules threads, so this thread only)."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError:  # not permitted here: run at the inherited priority
-        pass
+# Stage 2 (serialise, checksum, write) runs at training's CPU priority: on this shared 2-core machine a writer
+# thread at nice +10 left a 256 MiB save 20 s from durable after its cycle (starved) without a stall difference
+# the noise could show (benchmarks/results/checkpoint_stall_nice_writer.json).
 
 
 def snapshot_plan(obj: Any, reuse: Any = None) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -134,11 +121,10 @@ class AsyncSaver:
     """This rank's background checkpoint writer; one save in flight at a time."""
 
     def __init__(self, root: Path, rank: int, world: int, keep: int = 0, finalize_timeout_s: float = 600.0,
-                 overlap_copy: bool = False, writer_nice: int = WRITER_NICE):
+                 overlap_copy: bool = False):
         self.root, self.rank, self.world, self.keep = Path(root), rank, world, keep
         self.finalize_timeout_s = finalize_timeout_s
         self.overlap_copy = overlap_copy
-        self.writer_nice = writer_nice
         self._thread: threading.Thread | None = None
         self._copier: _Copier | None = None  # the snapshot still being copied (overlap_copy)
         self._error: BaseException | None = None
@@ -177,7 +163,6 @@ class AsyncSaver:
     def _write(self, step: int, snap: dict[str, Any], meta: dict[str, Any], copier: _Copier) -> None:
         try:
             copier.finish()
-            _lower_priority(self.writer_nice)  # the copy is done: training need not wait for the rest
             ckpt.save_rank(self.root, step, self.rank, snap)
             if self.rank == 0:
                 self._await_files(step)

@@ -109,3 +109,19 @@ def schedule_factory(schedule: str) -> Callable[[RunConfig], Any] | None:
     """The policy factory of a module-provided schedule, or None for the engine's own static schedules."""
     entry = SCHEDULE_FACTORIES.get(schedule)
     return resolve(entry, f"policy factory of schedule {schedule!r}") if entry else None
+
+
+def attach(host: Any, entries: Iterable[str]) -> None:
+    """Resolve and call every plug-in in order with `host` (a trainer, or a MegaFBD rank), then fire
+    `rank_start`."""
+    for plugin in resolve_all(entries):
+        plugin(host)
+    host.hooks.fire("rank_start", host)
+
+
+def detach(hooks: Hooks, raise_errors: bool = True) -> None:
+    """Fire `shutdown` (every plug-in's, even if one fails) and forget the hooks."""
+    try:
+        hooks.teardown("shutdown", raise_errors=raise_errors)
+    finally:
+        hooks.clear()

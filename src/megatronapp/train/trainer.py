@@ -159,16 +159,11 @@ class Trainer:
     # -- plug-ins -------------------------------------------------------------------------------------------
     def attach_plugins(self) -> None:
         """Resolve and call every plug-in of the config in order, then fire `rank_start`."""
-        for plugin in plugins.resolve_all(plugin_entries(self.cfg)):
-            plugin(self)
-        self.hooks.fire("rank_start", self)
+        plugins.attach(self, plugin_entries(self.cfg))
 
     def detach_plugins(self, raise_errors: bool = True) -> None:
         """Fire `shutdown` (every plug-in's, even if one fails) and forget the hooks."""
-        try:
-            self.hooks.teardown("shutdown", raise_errors=raise_errors)
-        finally:
-            self.hooks.clear()
+        plugins.detach(self.hooks, raise_errors)
 
     # -- one step -------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
