@@ -57,6 +57,34 @@ def test_rank_killed_by_signal_is_named_and_local_jobs_listen_on_loopback_only(t
         assert set(addrs) <= LOOPBACK, f"rank {rank} listens on {addrs}"
 
 
+def _busy_in_torch(rank: int, world: int, out: str) -> None:
+    import time
+
+    import torch
+
+    def matmuls() -> None:  # always inside torch's C++ with the GIL released, like a comm watcher in wait()
+        a = torch.randn(1200, 1200)
+        while True:
+            a = (a @ a).clamp(-1, 1)
+
+    threading.Thread(target=matmuls, daemon=True).start()
+
+    def writer() -> None:  # a non-daemon thread still finishes its work before the rank ends
+        time.sleep(0.5)
+        Path(out, f"rank{rank}.done").write_text("written")
+
+    threading.Thread(target=writer).start()
+    time.sleep(0.2)
+
+
+def test_a_finished_rank_with_a_daemon_thread_in_torch_exits_cleanly(tmp_path):
+    # CI saw MegaScope ranks killed by SIGABRT ('terminate called without an active exception') after their
+    # work was done: Python's finalization ends such a thread with pthread_exit, which C++ cannot unwind.
+    for _ in range(2):
+        spawn(_busy_in_torch, 2, str(tmp_path))
+    assert all(Path(tmp_path, f"rank{r}.done").read_text() == "written" for r in range(2))
+
+
 def _long_error(rank: int, world: int) -> None:
     raise ValueError("x" * 1_000_000)
 

@@ -12,13 +12,16 @@ launcher.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing.connection
 import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -96,6 +99,7 @@ def _entry(rank: int, world: int, rundir: str, port: int, backend: str, threads:
                       MASTER_PORT=str(port))
     # Many ranks on few cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(threads)
+    code = 0
     try:
         init_distributed(backend, local_port=port)
         fn(rank, world, *args)
@@ -103,13 +107,37 @@ def _entry(rank: int, world: int, rundir: str, port: int, backend: str, threads:
         _write_json(Path(rundir, f"error{rank}.json"),
                     {"rank": rank, "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
                      "time": time.time()})
-        raise SystemExit(1) from None
+        code = 1
     finally:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # a peer may already be gone; nothing left to release
                 pass
+    exit_rank(code)
+
+
+def exit_rank(code: int) -> None:
+    """End a rank process without the interpreter's finalization.
+
+    Python 3.11 ends a daemon thread that wakes during finalization with pthread_exit; if that thread was in
+    torch's C++ with the GIL released (a comm watcher in gloo's wait(), a stream thread of the NCCL rules)
+    the forced unwind meets a noexcept destructor and the process aborts ('terminate called without an active
+    exception', SIGABRT) after all its work succeeded: CI reported two MegaScope serving ranks killed so. So
+    do what finalization does that matters (join the non-daemon threads, run atexit hooks, flush) and leave
+    with os._exit, as multiprocessing's fork children always do."""
+    # threading._shutdown is the interpreter's own first step: it stops executors' workers, then joins every
+    # non-daemon thread (a checkpoint writer finishes its file)
+    threading._shutdown()  # type: ignore[attr-defined]
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001, S110 - a closed stream has nothing left to lose
+                pass
+        os._exit(code)
 
 
 def signal_name(signum: int) -> str:
