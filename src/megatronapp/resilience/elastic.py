@@ -57,6 +57,14 @@ def prepare(cfg: RunConfig, heartbeat_dir: str, heartbeat_s: float) -> RunConfig
                           "`megatronapp resilience watch`); on one host use --supervise --nproc N")
     if heartbeat_s <= 0:
         raise ConfigError(f"--heartbeat-interval {heartbeat_s}: must be > 0 seconds")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Seen on torch 2.13 (gloo): with the rendezvous TCP store shared, a restarted round's workers read the
+        # previous round's process-group keys (peer addresses) and fail connecting to dead peers, so every restart
+        # fails. Without sharing, rank 0 of each round hosts a fresh store.
+        raise ConfigError("--heartbeat-dir: torchrun shares its rendezvous TCP store with the workers, and a "
+                          "restarted round then reads the previous round's process-group keys and cannot connect; "
+                          "start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment on every "
+                          "host")
     hb_dir = Path(heartbeat_dir)
     hb_dir.mkdir(parents=True, exist_ok=True)
     rank, world = init_distributed(cfg.parallel.backend)
