@@ -80,7 +80,8 @@ def watch(hb_dir: Path, opts: DriverOptions, log: Callable[[str], None] = _log) 
                 return _result(True, round_, beats, failures)
             clock.update(beats)
             idle = clock.overdue(beats)
-            if idle is not None:
+            # a round no rank has joined yet (the agents are still in rendezvous): a decision would reach no one
+            if idle is not None and beats:
                 break
         beats = settle(beats, lambda r=round_: round_beats(hb_dir, opts.world, r), None, stale_after, opts.heartbeat_s)
         labels = labels_of(beats, opts.world)
