@@ -130,3 +130,14 @@ def test_driver_sees_a_completed_round(tmp_path):
         (tmp_path / f"rank{r:05d}.json").write_text(json.dumps({**_beat(r, 0, time.time(), 6), "phase": "shutdown"}))
     result = driver.watch(Path(tmp_path), driver.DriverOptions(world=2, hang_timeout_s=5), log=lambda m: None)
     assert result == {"completed": True, "round": 0, "steps": 6, "failures": []}
+
+
+def test_the_driver_reads_the_newest_start_of_a_round(tmp_path):
+    """torchrun restarts crashed workers within a round (no decision): their old heartbeat files are not theirs."""
+    now = time.time()
+    old, new = {**_beat(0, 0, now - 5), "start": "a"}, {**_beat(1, 0, now), "start": "b"}
+    (tmp_path / "rank00000.json").write_text(json.dumps(old))
+    (tmp_path / "rank00001.json").write_text(json.dumps(new))
+    (tmp_path / "rank00002.json").write_text(json.dumps({**_beat(2, 1, now), "start": "c"}))  # a later round
+    assert set(driver.round_beats(tmp_path, 3, 0)) == {1}
+    assert set(driver.round_beats(tmp_path, 3, 1)) == {2}

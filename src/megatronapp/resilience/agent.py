@@ -28,6 +28,7 @@ from megatronapp.parallel.flight_recorder import RECORDER
 from megatronapp.resilience import decision
 
 DIR_ENV, PERIOD_ENV, ROUND_ENV = "MEGATRONAPP_HEARTBEAT_DIR", "MEGATRONAPP_HEARTBEAT_S", "MEGATRONAPP_ROUND"
+START_ENV = "MEGATRONAPP_WORKER_START"  # one id per start of a multi-host job's workers (elastic.py)
 
 
 class Heartbeat:
@@ -43,7 +44,8 @@ class Heartbeat:
         self._bad_decision: str | None = None
         p = trainer.cfg.parallel
         self.state: dict[str, Any] = {
-            "round": round_, "host": socket.gethostname(), "layout": [p.tp, p.pp, p.dp], "failed": False,
+            "round": round_, "start": os.environ.get(START_ENV), "host": socket.gethostname(),
+            "layout": [p.tp, p.pp, p.dp], "failed": False,
             "rank": trainer.rank, "pid": os.getpid(), "coord": dataclasses.asdict(trainer.topo.coord),
             "label": trainer.topo.coord.label(), "step": trainer.step, "phase": "start",
             "phase_since": time.time(), "tokens_per_s": None, "step_time_s": None, "mem_bytes": None,

@@ -47,8 +47,16 @@ def labels_of(beats: dict[int, dict[str, Any]], world: int) -> dict[int, str]:
 
 
 def round_beats(hb_dir: Path, world: int, round_: int) -> dict[int, dict[str, Any]]:
-    """Heartbeats of this round's ranks (a file left by an earlier round is not one)."""
-    return {r: b for r, b in read_beats(hb_dir, world).items() if b.get("round") == round_}
+    """Heartbeats of this round's ranks from the newest start of its workers (a file left by an earlier round, or
+    by workers torchrun has since restarted within the round, is not one)."""
+    beats = {r: b for r, b in read_beats(hb_dir, world).items() if b.get("round") == round_}
+    newest: dict[Any, float] = {}
+    for b in beats.values():
+        newest[b.get("start")] = max(newest.get(b.get("start"), 0.0), b["time"])
+    if len(newest) > 1:
+        start = max(newest, key=newest.get)
+        beats = {r: b for r, b in beats.items() if b.get("start") == start}
+    return beats
 
 
 def watch(hb_dir: Path, opts: DriverOptions, log: Callable[[str], None] = _log) -> dict[str, Any]:
@@ -61,12 +69,18 @@ def watch(hb_dir: Path, opts: DriverOptions, log: Callable[[str], None] = _log) 
     log(f"watching {opts.world} rank(s) in {hb_dir}, round {round_}")
     while True:
         clock = ProgressClock(opts.world, opts.hang_timeout_s, opts.startup_timeout_s)
-        seen_at = time.time()
+        seen_at, start = time.time(), None
         while True:
             time.sleep(0.2)
             beats = round_beats(hb_dir, opts.world, round_)
             if beats:
                 seen_at = time.time()
+                now_start = next(iter(beats.values())).get("start")
+                if start is not None and now_start != start:
+                    # torchrun restarted the workers after one failed by itself: a new start-up allowance
+                    log(f"round {round_}: the workers were restarted by torchrun (a worker failed; no decision)")
+                    clock = ProgressClock(opts.world, opts.hang_timeout_s, opts.startup_timeout_s)
+                start = now_start
             elif opts.give_up_after_s is not None and time.time() - seen_at > opts.give_up_after_s:
                 log(f"no heartbeat of round {round_} for {opts.give_up_after_s:.0f} s: stopped watching")
                 return _result(False, round_, beats, failures)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,10 @@ def prepare(cfg: RunConfig, heartbeat_dir: str, heartbeat_s: float) -> RunConfig
         plan[0] = plan_round(counts, decision.rounds_decided(hb_dir), Path(cfg.train.out), cfg.train.resume)
     dist.broadcast_object_list(plan, src=0)
     round_, restarted, resume, notes = plan[0]
+    # this start of the workers: torchrun may restart them within a round (a worker crashed, no decision), and the
+    # driver must then give the new start its start-up allowance instead of judging it by the old clock
+    start_id: list[Any] = [uuid.uuid4().hex[:12] if rank == 0 else None]
+    dist.broadcast_object_list(start_id, src=0)
     if rank == 0:
         for note in notes:
             print(f"megatronapp: checkpoint {note}", file=sys.stderr, flush=True)
@@ -83,7 +88,7 @@ def prepare(cfg: RunConfig, heartbeat_dir: str, heartbeat_s: float) -> RunConfig
                   f"{Path(resume).name if resume else 'scratch (no checkpoint yet)'}; fault drills off",
                   file=sys.stderr, flush=True)
     os.environ.update({agent.DIR_ENV: str(hb_dir), agent.PERIOD_ENV: str(heartbeat_s),
-                       agent.ROUND_ENV: str(round_)})
+                       agent.ROUND_ENV: str(round_), agent.START_ENV: start_id[0]})
     run = dataclasses.replace(cfg, attach=list(dict.fromkeys([*cfg.attach, AGENT_PLUGIN])))
     if restarted:
         run.inject = []
