@@ -141,3 +141,23 @@ def test_the_driver_reads_the_newest_start_of_a_round(tmp_path):
     (tmp_path / "rank00002.json").write_text(json.dumps({**_beat(2, 1, now), "start": "c"}))  # a later round
     assert set(driver.round_beats(tmp_path, 3, 0)) == {1}
     assert set(driver.round_beats(tmp_path, 3, 1)) == {2}
+
+
+@pytest.mark.parametrize("case", ["all stale", "a rank failed"])
+def test_the_driver_decides_nothing_while_torchrun_restarts_the_workers(tmp_path, case):
+    """Every heartbeat stale (the workers are gone) or a rank that failed by itself: torchrun restarts them; a
+    decision would reach no one, or stop the next start for nothing."""
+    now = time.time()
+    for r in range(2):
+        b = _beat(r, 0, now - 10 if case == "all stale" else now + 60)
+        if case == "a rank failed" and r == 1:
+            b.update(failed=True, phase="shutdown")
+        (tmp_path / f"rank{r:05d}.json").write_text(json.dumps(b))
+    result = driver.watch(tmp_path, driver.DriverOptions(world=2, hang_timeout_s=0.3, heartbeat_s=0.05,
+                                                         startup_timeout_s=0.3,
+                                                         give_up_after_s=1.0 if case == "all stale" else 70),
+                          log=lambda m: None) if case == "all stale" else None
+    if case == "all stale":
+        assert result["completed"] is False and result["failures"] == [] and decision.read(tmp_path, 0) is None
+    else:
+        assert driver._hang_possible(driver.round_beats(tmp_path, 2, 0), 2.0) is False

@@ -74,28 +74,25 @@ def watch(hb_dir: Path, opts: DriverOptions, log: Callable[[str], None] = _log) 
             time.sleep(0.2)
             beats = round_beats(hb_dir, opts.world, round_)
             if beats:
-                seen_at = time.time()
+                seen_at = max(seen_at, max(b["time"] for b in beats.values()))  # the last beat, not the last read
                 now_start = next(iter(beats.values())).get("start")
                 if start is not None and now_start != start:
                     # torchrun restarted the workers after one failed by itself: a new start-up allowance
                     log(f"round {round_}: the workers were restarted by torchrun (a worker failed; no decision)")
                     clock = ProgressClock(opts.world, opts.hang_timeout_s, opts.startup_timeout_s)
                 start = now_start
-            elif opts.give_up_after_s is not None and time.time() - seen_at > opts.give_up_after_s:
-                log(f"no heartbeat of round {round_} for {opts.give_up_after_s:.0f} s: stopped watching")
-                return _result(False, round_, beats, failures)
-            if len(beats) == opts.world and all(b.get("phase") == "shutdown" for b in beats.values()):
-                if any(b.get("failed") for b in beats.values()):
-                    # the ranks failed by themselves: torchrun restarts them within the same round (no decision)
-                    time.sleep(opts.heartbeat_s)
-                    continue
+            # (ranks that failed by themselves are restarted by torchrun within the round, without a decision)
+            if len(beats) == opts.world and all(b.get("phase") == "shutdown" and not b.get("failed")
+                                                for b in beats.values()):
                 steps = {b["step"] for b in beats.values()}
                 log(f"round {round_} completed: every rank finished at step {max(steps)}")
                 return _result(True, round_, beats, failures)
+            if opts.give_up_after_s is not None and time.time() - seen_at > opts.give_up_after_s:
+                log(f"no heartbeat of round {round_} for {opts.give_up_after_s:.0f} s: stopped watching")
+                return _result(False, round_, beats, failures)
             clock.update(beats)
             idle = clock.overdue(beats)
-            # a round no rank has joined yet (the agents are still in rendezvous): a decision would reach no one
-            if idle is not None and beats:
+            if idle is not None and _hang_possible(beats, stale_after):
                 break
         beats = settle(beats, lambda r=round_: round_beats(hb_dir, opts.world, r), None, stale_after, opts.heartbeat_s)
         labels = labels_of(beats, opts.world)
@@ -114,6 +111,17 @@ def watch(hb_dir: Path, opts: DriverOptions, log: Callable[[str], None] = _log) 
         log(f"round {round_}: restart decided ({target.name}); every rank exits with code "
             f"{decision.RESTART_EXIT_CODE} and torchrun starts round {round_ + 1}")
         round_ += 1
+
+
+def _hang_possible(beats: dict[int, dict[str, Any]], stale_after: float) -> bool:
+    """Whether a lack of progress can be a hang the driver should act on. Not when no rank of this start beats:
+    a hung rank's heartbeat thread keeps beating, so every heartbeat stale means the workers are gone (torchrun
+    is restarting them after a crash, or the job ended) and a decision would reach no one. Not when a rank
+    failed by itself: torchrun sees its exit and restarts every worker without the driver."""
+    now = time.time()
+    if any(b.get("failed") for b in beats.values()):
+        return False
+    return any(now - b["time"] <= stale_after for b in beats.values())
 
 
 def _result(completed: bool, round_: int, beats: dict[int, dict[str, Any]], failures: list[Failure]
