@@ -161,3 +161,15 @@ def test_the_driver_decides_nothing_while_torchrun_restarts_the_workers(tmp_path
         assert result["completed"] is False and result["failures"] == [] and decision.read(tmp_path, 0) is None
     else:
         assert driver._hang_possible(driver.round_beats(tmp_path, 2, 0), 2.0) is False
+
+
+def test_foreign_heartbeat_files_are_no_heartbeats(tmp_path):
+    from megatronapp.resilience.watch import read_beats
+
+    now = time.time()
+    (tmp_path / "rank00000.json").write_text(json.dumps(_beat(0, 0, now)))
+    (tmp_path / "rank00001.json").write_text(json.dumps({**_beat(1, 0, now), "step": "3"}))  # mistyped
+    (tmp_path / "rank00002.json").write_text(json.dumps([1, 2]))
+    assert set(read_beats(tmp_path, 3)) == {0}
+    assert driver.labels_of({0: {**_beat(0, 0, now), "layout": ["1", 2, 1]}}, 2) == {0: "?", 1: "?"}
+    assert driver.labels_of({0: _beat(0, 0, now)}, 2) == {0: "DP0-PP0-TP0", 1: "DP0-PP1-TP0"}

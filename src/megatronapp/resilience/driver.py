@@ -41,7 +41,8 @@ def labels_of(beats: dict[int, dict[str, Any]], world: int) -> dict[int, str]:
     """Grid labels of every rank, from the layout any heartbeat carries."""
     for b in beats.values():
         layout = b.get("layout")
-        if isinstance(layout, list) and len(layout) == 3 and layout[0] * layout[1] * layout[2] == world:
+        if isinstance(layout, list) and len(layout) == 3 and all(isinstance(n, int) and n > 0 for n in layout) \
+                and layout[0] * layout[1] * layout[2] == world:
             return {r: coord_of(r, *layout).label() for r in range(world)}
     return {r: str(beats.get(r, {}).get("label", "?")) for r in range(world)}
 

@@ -43,7 +43,10 @@ def read_beats(hb_dir: Path, world: int) -> dict[int, dict[str, Any]]:
             beat = json.loads((hb_dir / f"rank{r:05d}.json").read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(beat, dict) and isinstance(beat.get("time"), (int, float)) and "step" in beat:
+        # the fields the watchers compute with; a file without them (foreign, or written by another version) is
+        # no heartbeat rather than a crash of the watcher
+        if isinstance(beat, dict) and isinstance(beat.get("time"), (int, float)) and \
+                isinstance(beat.get("step"), int) and isinstance(beat.get("phase", ""), str):
             out[r] = beat
     return out
 
