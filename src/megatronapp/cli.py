@@ -143,6 +143,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-restarts", type=int, default=3, help="restarts before the driver gives up (default 3)")
     g.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="S",
                    help="seconds between a rank's heartbeats (default 1)")
+    g.add_argument("--heartbeat-dir", metavar="DIR",
+                   help="under torchrun (several hosts): beat to DIR, a directory every host sees, obey the "
+                        "restart decisions of `megatronapp resilience watch`, and on a torchrun restart resume "
+                        "from the newest intact checkpoint in --out with fault drills off")
     g.add_argument("--no-diagnose-on-restart", dest="diagnose_on_restart", action="store_false",
                    help="restart at once, without running the diagnostics on the job's ranks first")
     g.add_argument("--diagnose-budget", type=float, default=120.0, metavar="S",
@@ -239,8 +243,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         for spec in cfg.inject:
             faults.parse(spec)
+    if getattr(args, "supervise", False) and getattr(args, "heartbeat_dir", None):
+        raise ConfigError("--supervise and --heartbeat-dir: choose one (--supervise: ranks on this host; "
+                          "--heartbeat-dir: ranks started by torchrun, watched by `megatronapp resilience watch`)")
     if getattr(args, "supervise", False):
         return _train_supervised(cfg, args)
+    if getattr(args, "heartbeat_dir", None):  # one rank of a multi-host job watched by `resilience watch`
+        cfg = importlib.import_module("megatronapp.resilience.elastic").prepare(
+            cfg, args.heartbeat_dir, args.heartbeat_interval)
     summary = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank gets here; rank 0 speaks for the job
         print(f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps; run files in {summary['out']}")

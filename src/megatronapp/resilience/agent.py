@@ -6,29 +6,46 @@ thread writes `rank00003.json` atomically: step, phase and since when, tokens/s,
 recorder's snapshot (the open and last completed comm ops with group and sequence number). The thread keeps
 beating while the training thread is blocked in a collective or an injected hang (both release the GIL), so the
 driver sees a hung rank's state; a rank that stops beating is stopped or dead.
+
+In a multi-host job (`train --heartbeat-dir` under torchrun, `elastic.py`) the rank also knows its round
+(`MEGATRONAPP_ROUND`) and the same thread polls for the driver's restart decision of that round (`decision.py`):
+a valid one ends the process with `decision.RESTART_EXIT_CODE`; a bad one is reported once and ignored, so a
+stray or half-copied file never stops a healthy rank.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import socket
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from megatronapp.parallel.flight_recorder import RECORDER
+from megatronapp.resilience import decision
 
-DIR_ENV, PERIOD_ENV = "MEGATRONAPP_HEARTBEAT_DIR", "MEGATRONAPP_HEARTBEAT_S"
+DIR_ENV, PERIOD_ENV, ROUND_ENV = "MEGATRONAPP_HEARTBEAT_DIR", "MEGATRONAPP_HEARTBEAT_S", "MEGATRONAPP_ROUND"
+START_ENV = "MEGATRONAPP_WORKER_START"  # one id per start of a multi-host job's workers (elastic.py)
 
 
 class Heartbeat:
     """This rank's state, written to `<dir>/rank%05d.json` every `period_s` by a daemon thread."""
 
-    def __init__(self, directory: Path, trainer: Any, period_s: float):
+    def __init__(self, directory: Path, trainer: Any, period_s: float, round_: int | None = None,
+                 exit_fn: Any = os._exit):
+        self.directory = directory
         self.path = directory / f"rank{trainer.rank:05d}.json"
         self.period_s = period_s
+        self.round = round_  # None: a local supervisor stops this rank itself; no decision to poll
+        self._exit = exit_fn
+        self._bad_decision: str | None = None
+        p = trainer.cfg.parallel
         self.state: dict[str, Any] = {
+            "round": round_, "start": os.environ.get(START_ENV), "host": socket.gethostname(),
+            "layout": [p.tp, p.pp, p.dp], "failed": False,
             "rank": trainer.rank, "pid": os.getpid(), "coord": dataclasses.asdict(trainer.topo.coord),
             "label": trainer.topo.coord.label(), "step": trainer.step, "phase": "start",
             "phase_since": time.time(), "tokens_per_s": None, "step_time_s": None, "mem_bytes": None,
@@ -63,11 +80,38 @@ class Heartbeat:
         tmp.write_text(json.dumps(beat))
         os.replace(tmp, self.path)
 
+    def failed(self, _error: BaseException | None = None) -> None:
+        self.state["failed"] = True
+
+    def poll_decision(self) -> decision.Decision | None:
+        """The driver's decision for this rank's round, or None (none yet, or a bad file: reported once)."""
+        if self.round is None:
+            return None
+        try:
+            return decision.read(self.directory, self.round)
+        except decision.DecisionError as e:
+            if str(e) != self._bad_decision:  # once per distinct problem: a half-copied file may still complete
+                self._bad_decision = str(e)
+                print(f"megatronapp heartbeat (rank {self.state['rank']}): ignoring a restart decision: {e}",
+                      file=sys.stderr, flush=True)
+            return None
+
+    def obey(self, d: decision.Decision) -> None:
+        """Leave at once: the training thread may be blocked in a collective, so nothing may wait for it."""
+        print(f"megatronapp heartbeat (rank {self.state['rank']}): the driver restarts round {d.round}: "
+              f"{d.reason} (cause: rank {d.culprit} ({d.label})); exiting with {decision.RESTART_EXIT_CODE}",
+              file=sys.stderr, flush=True)
+        self._exit(decision.RESTART_EXIT_CODE)
+
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
             try:
                 self.write()
             except OSError:  # the driver removed the directory: the run is being torn down
+                return
+            d = self.poll_decision()
+            if d is not None:
+                self.obey(d)
                 return
 
     def stop(self) -> None:
@@ -84,8 +128,11 @@ def plugin(trainer: Any) -> None:
     directory = os.environ.get(DIR_ENV)
     if not directory:
         return
-    hb = Heartbeat(Path(directory), trainer, float(os.environ.get(PERIOD_ENV, "1.0")))
+    round_ = os.environ.get(ROUND_ENV)
+    hb = Heartbeat(Path(directory), trainer, float(os.environ.get(PERIOD_ENV, "1.0")),
+                   int(round_) if round_ is not None else None)
     trainer.hooks.on("rank_start", hb.start)
+    trainer.hooks.on("failure", hb.failed)
     trainer.hooks.on("step_start", hb.step_start)
     trainer.hooks.on("step_end", hb.step_end)
     trainer.hooks.on("checkpoint_saved", hb.saved)

@@ -56,6 +56,29 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_watch(args: argparse.Namespace) -> int:
+    from megatronapp.resilience.driver import DriverOptions, watch
+
+    if args.world < 1:
+        raise ConfigError(f"--world {args.world}: must be >= 1 (the job's number of ranks)")
+    for name in ("hang_timeout", "heartbeat_interval", "startup_timeout", "give_up_after"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be > 0 seconds")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts}: must be >= 0")
+    result = watch(Path(args.heartbeat_dir), DriverOptions(
+        world=args.world, hang_timeout_s=args.hang_timeout, max_restarts=args.max_restarts,
+        heartbeat_s=args.heartbeat_interval, startup_timeout_s=args.startup_timeout,
+        give_up_after_s=args.give_up_after))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    restarts = len(result["failures"])
+    print(f"{'completed' if result['completed'] else 'not completed'} at step {result['steps']} in round "
+          f"{result['round']}, {restarts} restart(s) decided")
+    return 0 if result["completed"] else 1
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("diagnose", help="GEMM, memory, pairwise P2P and per-group all-reduce tests; outliers named",
                        description="Run real tests on local ranks and name outliers against the median of their "
@@ -72,7 +95,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "RANK, default 0) instead of every pair: confirms a slow link MegaScan found inside it")
     d.add_argument("--json", help="also write the results here")
     d.set_defaults(func=cmd_diagnose)
-    p = sub.add_parser("resilience", help="resilience tools: effective-training-time simulation")
+    p = sub.add_parser("resilience", help="resilience tools: effective-training-time simulation, the multi-host driver")
     rsub = p.add_subparsers(dest="resilience_command", metavar="COMMAND", required=True)
     s = rsub.add_parser("simulate", help="effective training time of a long job with failures and checkpoints",
                         description="Simulate a long job: Poisson failures over all GPUs, each losing the work "
@@ -92,3 +115,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--seeds", type=int, default=5, help="simulated runs averaged per interval")
     s.add_argument("--json", help="also write the result here")
     s.set_defaults(func=cmd_simulate)
+    w = rsub.add_parser("watch", help="drive a multi-host job: hang detection and attribution, restart decisions",
+                        description="Watch the heartbeats of a job whose ranks torchrun started with "
+                                    "`train --heartbeat-dir DIR`: name the rank a hang waits for (with the waits "
+                                    "tree) or whose heartbeat stopped, and make every rank exit so that torchrun "
+                                    "restarts the job from its newest intact checkpoint.")
+    w.add_argument("--heartbeat-dir", required=True, help="the directory the ranks beat to (every host sees it)")
+    w.add_argument("--world", type=int, required=True, help="the job's number of ranks (nnodes x nproc-per-node)")
+    w.add_argument("--hang-timeout", type=float, metavar="S",
+                   help="seconds without step progress that make a hang (default: 10x the slowest step, >= 30)")
+    w.add_argument("--max-restarts", type=int, default=3, help="restart decisions before giving up (default 3)")
+    w.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="S",
+                   help="the ranks' --heartbeat-interval (default 1)")
+    w.add_argument("--startup-timeout", type=float, default=300.0, metavar="S",
+                   help="allowance before a round's first step (default 300)")
+    w.add_argument("--give-up-after", type=float, metavar="S",
+                   help="stop when no rank of the round has beaten for S seconds (default: wait)")
+    w.add_argument("--json", help="also write the result here")
+    w.set_defaults(func=cmd_watch)

@@ -17,7 +17,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,15 @@ from megatronapp import launch
 from megatronapp.config import ConfigError, RunConfig, plugin_entries, validate
 from megatronapp.parallel.topology import coord_of
 from megatronapp.resilience import agent, recovery, shrink
-from megatronapp.resilience.attribution import culprits, op_text, wait_edges, wait_tree
 from megatronapp.resilience.stragglers import Straggler, StragglerWatch
+from megatronapp.resilience.watch import (
+    Failure,
+    ProgressClock,
+    default_hang_timeout,  # noqa: F401  (imported from here by callers)
+    judge_hang,
+    read_beats,
+    settle,
+)
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train import plugins
 from megatronapp.train.trainer import run_rank
@@ -49,30 +56,12 @@ class Options:
     evict_stragglers: bool = False  # ... and treated as a failure (stop, diagnose, evict, restart)
 
 
-@dataclass
-class Failure:
-    kind: str  # exit | hang | straggler
-    rank: int
-    label: str
-    message: str
-    step: int
-    detected_at: float
-    tree: str = ""
-    signal: str | None = None
-    waits: list[dict[str, Any]] = field(default_factory=list)
-
-
 class SupervisorGaveUp(RuntimeError):
     pass
 
 
 def _log(msg: str) -> None:
     print(f"megatronapp supervisor: {msg}", file=sys.stderr, flush=True)
-
-
-def default_hang_timeout(step_times: list[float]) -> float:
-    """Sized from measured step times: 10x the slowest seen, at least 30 s."""
-    return max(30.0, 10.0 * max(step_times)) if step_times else 30.0
 
 
 def _process_state(pid: int) -> str | None:
@@ -101,13 +90,7 @@ class Attempt:
                                         opts.straggler_windows, min_factor=opts.straggler_min_slowdown)
 
     def beats(self) -> dict[int, dict[str, Any]]:
-        out = {}
-        for r in range(self.world):
-            try:
-                out[r] = json.loads((self.hb_dir / f"rank{r:05d}.json").read_text())
-            except (OSError, json.JSONDecodeError):
-                continue
-        return out
+        return read_beats(self.hb_dir, self.world)
 
     def run(self) -> dict[str, Any] | Failure:
         shutil.rmtree(self.hb_dir, ignore_errors=True)
@@ -124,9 +107,7 @@ class Attempt:
             job.close()
 
     def _watch(self, job: launch.LocalJob, result: Path) -> dict[str, Any] | Failure:
-        start_step = None
-        progress: tuple | None = None
-        last_progress = time.time()
+        clock = ProgressClock(self.world, self.opts.hang_timeout_s, self.opts.startup_timeout_s)
         while True:
             job.wait(0.2)
             if job.exits():
@@ -136,33 +117,20 @@ class Attempt:
                 if not result.is_file():
                     return Failure("exit", 0, self.labels[0], "the ranks exited without a result", -1, time.time())
                 summary = json.loads(result.read_text())
-                if self.watch is not None and start_step is not None:  # the windows the run ended with
-                    self._stragglers(self.watch.poll(start_step, summary.get("steps", 0), final=True))
+                if self.watch is not None and clock.start_step is not None:  # the windows the run ended with
+                    self._stragglers(self.watch.poll(clock.start_step, summary.get("steps", 0), final=True))
                 return summary
             beats = self.beats()
-            steps = tuple(beats.get(r, {}).get("step", -1) for r in range(self.world))
-            if start_step is None and len(beats) == self.world:
-                start_step = min(steps)
-            if self.watch is not None and start_step is not None:
-                failure = self._stragglers(self.watch.poll(start_step, min(steps)))
+            clock.update(beats)
+            if self.watch is not None and clock.start_step is not None:
+                failure = self._stragglers(self.watch.poll(clock.start_step, min(clock.steps(beats))))
                 if failure is not None:
                     job.stop(grace_s=1.0)
                     return failure
-            if steps != progress:
-                progress, last_progress = steps, time.time()
-                self.step_times += [b["step_time_s"] for b in beats.values() if b.get("step_time_s")]
-                if self.first_step_at is None and start_step is not None and min(steps) > start_step:
-                    self.first_step_at = time.time()
-            # started: a step has completed on every rank in this attempt (a rank stopped right after its first
-            # step of a resumed attempt must not get the start-up allowance)
-            started = self.first_step_at is not None or (
-                len(beats) == self.world and all(b.get("step_time_s") is not None for b in beats.values()))
-            # ranks past their last step stop beating and make no progress while they exit: not a hang
-            finishing = len(beats) == self.world and all(b["phase"] == "shutdown" for b in beats.values())
-            timeout = self.opts.hang_timeout_s or default_hang_timeout(self.step_times)
-            limit = timeout if started and not finishing else max(timeout, self.opts.startup_timeout_s)
-            if time.time() - last_progress > limit:
-                failure = self._hang_failure(beats, job, time.time() - last_progress, timeout)
+            self.step_times, self.first_step_at = clock.step_times, clock.first_step_at
+            idle = clock.overdue(beats)
+            if idle is not None:
+                failure = self._hang_failure(beats, job, idle, clock.timeout())
                 job.stop(grace_s=1.0)
                 return failure
 
@@ -191,48 +159,15 @@ class Attempt:
 
     def _settle(self, beats: dict[int, dict[str, Any]], job: launch.LocalJob,
                 stale_after: float) -> dict[int, dict[str, Any]]:
-        """Before judging, give ranks that still run (not stopped, not dead) but whose heartbeat is stale up to
-        two more staleness periods to beat again. On an overloaded host every heartbeat thread can starve for
-        seconds at once (seen: three of four ranks 3.8 s behind at load 9); naming such a rank the cause would
-        hide the rank that the fresh flight recorders point at."""
-        deadline = time.time() + 2 * stale_after
-        while time.time() < deadline:
-            now = time.time()
-            late = [r for r, b in beats.items() if now - b["time"] > stale_after
-                    and _process_state(job.pids[r]) not in ("T", "Z", None)]
-            if not late:
-                break
-            time.sleep(self.opts.heartbeat_s)
-            beats = self.beats()
-        return beats
+        """Wait briefly for late heartbeats of ranks that still run (`watch.settle`)."""
+        return settle(beats, self.beats, lambda r: _process_state(job.pids[r]), stale_after, self.opts.heartbeat_s)
 
     def _hang_failure(self, beats: dict[int, dict[str, Any]], job: launch.LocalJob, idle_s: float,
                       timeout: float) -> Failure:
         stale_after = max(3 * self.opts.heartbeat_s, 2.0)
         beats = self._settle(beats, job, stale_after)
-        now = time.time()
-        notes: dict[int, str] = {}
-        unresponsive = []
-        for r in range(self.world):
-            b = beats.get(r)
-            state = _process_state(job.pids[r])
-            if b is None or now - b["time"] > stale_after:
-                unresponsive.append(r)
-                age = "never" if b is None else f"not for {now - b['time']:.1f} s"
-                what = {"T": "stopped (SIGSTOP?)", "Z": "dead", None: "gone"}.get(state, f"state {state}")
-                notes[r] = f"process {what}; heartbeat {age}"
-            elif b.get("open_op") is None:
-                notes[r] = f"not in a communication op: in phase '{b['phase']}' for {now - b['phase_since']:.1f} s"
-        flights = {r: b["flight"] for r, b in beats.items()}
-        steps = {r: b["step"] for r, b in beats.items()}
-        names = culprits(flights, unresponsive, steps) or [min(steps, key=steps.get, default=0)]
-        cause = names[0]
-        tree = wait_tree(names, flights, self.labels, notes)
-        waits = [{"waiter": e.waiter, "target": e.target, "op": op_text(e.op), "why": e.why}
-                 for e in wait_edges(flights)]
-        msg = (f"hang: no step progress for {idle_s:.1f} s (hang timeout {timeout:.0f} s); the job waits for "
-               f"rank {cause} ({self.labels[cause]}): {notes.get(cause, 'waits for no one')}")
-        return Failure("hang", cause, self.labels[cause], msg, steps.get(cause, -1), now, tree=tree, waits=waits)
+        return judge_hang(beats, self.world, self.labels, idle_s, timeout, stale_after,
+                          lambda r: _process_state(job.pids[r]))
 
 
 def attempt_config(cfg: RunConfig, number: int, log: Callable[[str], None],
@@ -271,9 +206,9 @@ def supervise(cfg: RunConfig, opts: Options | None = None, log: Callable[[str], 
     opts = opts or Options()
     if "TORCHELASTIC_RUN_ID" in os.environ or "GROUP_RANK" in os.environ:
         raise ConfigError("--supervise launches and watches its ranks on this machine; it does not run under "
-                          "torchrun (multi-host supervision is not built: docs/resilience.md, 'Several hosts'). "
-                          "Run `megatronapp train --supervise --nproc N` on one host, or use torchrun's own "
-                          "--max-restarts without --supervise")
+                          "torchrun. Under torchrun pass --heartbeat-dir DIR (a directory every host sees) and "
+                          "torchrun's --max-restarts, and run `megatronapp resilience watch --heartbeat-dir DIR "
+                          "--world N` once (docs/resilience.md, 'Several hosts')")
     validate(cfg)
     plugins.resolve_all([*plugin_entries(cfg), AGENT_PLUGIN])
     out = Path(cfg.train.out)
