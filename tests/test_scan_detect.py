@@ -240,6 +240,20 @@ def test_hang_in_a_real_trace_names_the_rank_that_stopped():
     assert report.findings[0].kind == "hang" and report.findings[0].ranks == (2,), report.to_text()
 
 
+@pytest.mark.parametrize("layout, rank, it", [("tp2pp2dp2", 6, 4), ("pp2dp2", 3, 5), ("dp4", 1, 6)])
+def test_a_rank_that_stops_with_receives_posted_ahead_is_the_hang_and_nothing_else(layout, rank, it):
+    # A last-stage rank that stops in its own work still shows the next microbatch's activation receive, which
+    # its peer never sends because it waits for the gradient the stopped rank owes: a cycle that named nobody.
+    # Its TP peer waits in a TP all-reduce entered after its own receives (it got past them). The hung rank's
+    # slowness in the cut-short iteration is not a second fault.
+    report = detect(perturb(_real(layout), [Perturbation("hang", (rank,), at_iteration=it)]))
+    hangs = [f for f in report.findings if f.kind == "hang"]
+    assert [f.ranks for f in hangs] == [(rank,)], report.to_text()
+    assert not [f for f in report.findings if f.kind != "hang" and rank in f.ranks], report.to_text()
+    if layout != "dp4":
+        assert "posted ahead for a later microbatch" in hangs[0].slowdown
+
+
 def test_clocks_days_apart_do_not_change_the_verdict():
     traces = perturb(_real("dp4"), [Perturbation("slow-compute", (0,), factor=2.0)])
     plain = _named(detect(traces))

@@ -22,6 +22,7 @@ ends), and the run's own jitter as a floor under every per-iteration finding, so
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +31,7 @@ from megatronapp.scan import ring
 from megatronapp.scan.align import clock_domains, row_offsets
 from megatronapp.scan.evidence import excursion_noise, floor_findings, posting_stall, stall_link_findings
 from megatronapp.scan.findings import KINDS, Finding, Report, Thresholds
-from megatronapp.scan.format import CAT_INDEX, RankTrace
+from megatronapp.scan.format import CAT_INDEX, COLUMNS, RankTrace
 from megatronapp.scan.hang import hang_findings
 from megatronapp.scan.structure import collective_stall_findings, lone_stage_findings
 
@@ -691,6 +692,9 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     if not traces:
         raise ValueError("no rank traces to analyse (empty trace directory?)")
     th = thresholds or Thresholds()
+    hangs = hang_findings(traces)
+    if hangs:  # what a hang cut short is no evidence of speed: judge the iterations every rank finished
+        traces = _finished_iterations(traces)
     tb = join(traces)
     ph = phases(tb)
     findings = _combine(rank_findings(tb, ph, th), floor_findings(tb, ph.excl, ph.iters, th, _stage_work(traces)))
@@ -705,7 +709,7 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     for f in findings:
         f.evidence["others_waited_ms"] = round(float(caused_total[list(f.ranks)].sum()), 3)
     findings.sort(key=lambda f: (-f.confidence, -f.evidence["others_waited_ms"], f.ranks))
-    findings = hang_findings(traces) + findings  # a hung job: what it hangs in comes before how it was slow
+    findings = hangs + _fold_into_hangs(findings, hangs)  # a hung job: what it hangs in comes before how it was slow
     top = np.argsort(-caused_total)[:10]
     waited_for = [{"rank": int(r), "ms": round(float(caused_total[r]), 3), "instances": int(waits.caused_count[r])}
                   for r in top if caused_total[r] > 0]
@@ -722,6 +726,32 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     step_ms = float(np.nanmedian(ph.window)) if np.isfinite(ph.window).any() else 0.0
     report = Report(findings, tb.world, len(ph.iters), round(step_ms, 3), waited_for, notes)
     return Analysis(tb, ph, waits, report)
+
+
+def _finished_iterations(traces: list[RankTrace]) -> list[RankTrace]:
+    """The traces cut to the iterations whose step every rank closed (and spans outside any iteration)."""
+    done = [set(np.unique(t.it[t.cat == _STEP]).tolist()) for t in traces]
+    common = np.array(sorted(set.intersection(*done)) if done else [], np.int64)
+    if not len(common):
+        return traces  # no iteration all finished (different windows): nothing to cut to
+    out = []
+    for t in traces:
+        keep = (t.it < 0) | np.isin(t.it, common)
+        out.append(dataclasses.replace(t, **{c: getattr(t, c)[keep] for c in COLUMNS}))
+    return out
+
+
+def _fold_into_hangs(findings: list[Finding], hangs: list[Finding]) -> list[Finding]:
+    """A hung rank's other findings are the same fault seen before it stopped: kept as the hang's evidence."""
+    hung = {r: h for h in hangs for r in h.ranks}
+    kept = []
+    for f in findings:
+        h = hung.get(f.ranks[0]) if set(f.ranks) <= hung.keys() else None
+        if h is None:
+            kept.append(f)
+            continue
+        h.evidence.setdefault("before_the_hang", []).append(f.describe())
+    return kept
 
 
 def _stage_work(traces: list[RankTrace]) -> dict[int, float] | None:

@@ -84,9 +84,12 @@ def hang_findings(traces: list[RankTrace]) -> list[Finding]:
         return name == "recv" and ("send", gname, granks, seq, src, dst) in closed.get(src, set())
 
     for r, ops in stuck.items():
-        # The oldest op in flight is the one the rank is blocked in, skipping receives posted ahead whose data
-        # was already sent (their completion is noted when the rank gets to them).
-        key = next((k for k, _ in ops if not delivered(k)), ops[0][0])
+        # The op the rank is blocked in: a collective it entered after posting its receives (it got past them:
+        # they were posted ahead), else the oldest op in flight, skipping receives posted ahead whose data was
+        # already sent (their completion is noted when the rank gets to them).
+        newest = ops[-1][0]
+        key = newest if newest[0] not in ("send", "recv") else \
+            next((k for k, _ in ops if not delivered(k)), ops[0][0])
         name, gname, granks, seq, src, dst = key
         if name == "recv":
             missing = {src} if ("send", gname, granks, seq, src, dst) not in opened.get(src, set()) else set()
@@ -95,6 +98,7 @@ def hang_findings(traces: list[RankTrace]) -> list[Finding]:
         else:
             missing = {m for m in granks if m != r and key not in opened.get(m, set())}
         waits_for[r] = (missing, key)
+    ahead_of_time = _break_link_cycles(waits_for)
     # Roots: waited for by someone, and not themselves stuck in a comm op waiting for another rank.
     blamed: dict[int, list[int]] = {}
     for r, (missing, _) in waits_for.items():
@@ -106,8 +110,14 @@ def hang_findings(traces: list[RankTrace]) -> list[Finding]:
     out = []
     for root, victims in sorted(blamed.items(), key=lambda kv: -len(kv[1])):
         key = waits_for[victims[0]][1]
-        where = "not in any communication (hung in its own work)" if root not in stuck else \
-            f"itself in {stuck[root][0][0][0]} on {stuck[root][0][0][1]}"
+        if root in ahead_of_time:
+            k = waits_for[root][1]
+            where = (f"waiting only in {k[0]} on {k[1]} (seq {k[3]}), posted ahead for a later microbatch than the "
+                     "one it owes (stopped in its own work)")
+        elif root not in stuck:
+            where = "not in any communication (hung in its own work)"
+        else:
+            where = f"itself in {stuck[root][0][0][0]} on {stuck[root][0][0][1]}"
         out.append(_finding(root, coords, victims, key, f"{len(victims)} rank(s) wait for it in "
                             f"{key[0]} on group {key[1]} (seq {key[3]}); it is {where}"))
     inside = [r for r, (missing, _) in waits_for.items() if not missing]
@@ -119,6 +129,25 @@ def hang_findings(traces: list[RankTrace]) -> list[Finding]:
                            "the hang is inside the collective (a link or the communication library)",
                            1.0, 0.0, 0.8, {"op": _op(key), "stuck_ranks": sorted(inside)}))
     return out
+
+
+def _break_link_cycles(waits_for: dict[int, tuple[set, tuple]]) -> set[int]:
+    """Two ranks that each wait for the other over their P2P link: a pipeline posts receives ahead (the next
+    microbatch's activation, a gradient), so a rank that stopped in its own work still shows a receive its peer
+    never sent, and its peer waits for what it never sent. The channels of one link number the same microbatch
+    alike (activation k and its gradient share seq k), so, as Flight Recorder takes the lowest sequence number, the
+    older microbatch decides: the rank that owes it is the root and waits for no one. Returns those ranks."""
+    freed = set()
+    for r, (missing, key) in list(waits_for.items()):
+        if len(missing) != 1 or key[0] not in ("send", "recv"):
+            continue
+        m = next(iter(missing))
+        m_missing, m_key = waits_for.get(m, (set(), ()))
+        if m_missing != {r} or not m_key or m_key[0] not in ("send", "recv") or key[3] >= m_key[3]:
+            continue
+        waits_for[m] = (set(), m_key)  # r waits for microbatch key[3] from m, older than what m waits for
+        freed.add(m)
+    return freed
 
 
 def _cycle_root(waits_for: dict[int, tuple[set, tuple]], opened: dict[int, set]) -> dict[int, list[int]]:
