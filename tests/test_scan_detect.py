@@ -254,6 +254,14 @@ def test_a_rank_that_stops_with_receives_posted_ahead_is_the_hang_and_nothing_el
         assert "posted ahead for a later microbatch" in hangs[0].slowdown
 
 
+def test_a_pause_is_judged_against_jitter_relative_to_peers_not_the_machines_shared_swings():
+    # The recorded tp2pp2dp2 run swings by hundreds of ms from iteration to iteration on every rank alike; rank 6's
+    # 100 ms pauses (every other iteration, inside its forward) are +63..+112 ms over its 3 stage peers against
+    # -7..+11 ms in between, but the raw per-rank jitter (56 ms) hid them.
+    report = detect(perturb(_real("tp2pp2dp2"), [Perturbation("pause", (6,), ms=100)]))
+    assert _named(report) == {("transient-pause", (6,))}, report.to_text()
+
+
 def test_clocks_days_apart_do_not_change_the_verdict():
     traces = perturb(_real("dp4"), [Perturbation("slow-compute", (0,), factor=2.0)])
     plain = _named(detect(traces))

@@ -247,7 +247,14 @@ def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool
     present = np.zeros(tb.world, bool)
     present[np.unique(tb.rank)] = True
     groups = np.where(present, stage, -1)
-    noise = excursion_noise(st, present)
+    # The run's jitter, measured on what is judged: each rank against its stage peers in the same iteration, so an
+    # iteration the whole machine was slow in (every rank and its reference alike) is no noise. Only where a stage
+    # has 3+ ranks: the leave-one-out reference of a pair is the other rank, the two residuals mirror each other,
+    # and a paused rank's peer would look as noisy as it; there the rank's own values are used, as before.
+    _, resid, _ = robust_excess(st, groups, th.scale_floor)
+    sizes = np.bincount(groups[groups >= 0], minlength=int(groups.max(initial=0)) + 1)
+    big_stage = (groups >= 0) & (sizes[np.maximum(groups, 0)] >= 3)
+    noise = excursion_noise(np.where(big_stage[:, None], resid, st), present)
     ref, exc, z = robust_excess(st, groups, th.scale_floor, noise / 2)
     n_it = st.shape[1]
     zmin = th.z_for(th.z, int(present.sum()) * n_it)  # every (rank, iteration) cell is one comparison
