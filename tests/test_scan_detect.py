@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 
 from megatronapp.scan import align
-from megatronapp.scan.detect import Thresholds, _pauses_of_slow_ranks, analyse, detect, join, match_p2p
+from megatronapp.scan.detect import (
+    Thresholds,
+    _links_of_slow_ranks,
+    _pauses_of_slow_ranks,
+    _size_classes,
+    analyse,
+    detect,
+    join,
+    match_p2p,
+)
 from megatronapp.scan.findings import Finding
 from megatronapp.scan.format import RankWriter, read_dir
 from megatronapp.scan.perturb import Perturbation, declare_stage_work, perturb, shift_clocks
@@ -260,6 +269,27 @@ def test_a_pause_is_judged_against_jitter_relative_to_peers_not_the_machines_sha
     # -7..+11 ms in between, but the raw per-rank jitter (56 ms) hid them.
     report = detect(perturb(_real("tp2pp2dp2"), [Perturbation("pause", (6,), ms=100)]))
     assert _named(report) == {("transient-pause", (6,))}, report.to_text()
+
+
+@pytest.mark.parametrize("link, ms", [((1, 3), 10), ((4, 6), 20)])
+def test_a_slow_dp_pair_is_judged_against_the_other_stages_dp_groups(link, ms):
+    # The two stages all-reduce gradients 3% apart in size; split by exact size, each stage's two DP groups
+    # were a pair (which MAD cannot split) and the slow one was never named.
+    report = detect(perturb(_real("tp2pp2dp2"), [Perturbation("slow-collective-link", link, ms=ms)]))
+    assert _named(report) == {("slow-link", link)}, report.to_text()
+
+
+def test_payloads_within_five_percent_are_one_class_and_a_slow_ranks_group_collective_folds_into_it():
+    names, sizes = np.array([1, 1, 1, 1, 2]), np.array([242432, 234752, 8, 300000, 242432])
+    c = _size_classes(names, sizes)
+    assert c[0] == c[1] and len({c[0], c[2], c[3], c[4]}) == 4
+    coords = [{"rank": r, "dp": 0, "pp": 0, "tp": 0} for r in range(3)]
+    slow = Finding("slow-compute", (1,), coords[1:2], "2.00x compute", 2.0, 10.0, 1.0, {})
+    coll = Finding("slow-link", (1, 2), coords[1:], "3.9x transfer time on collective 1-2", 3.9, 9.0, 1.0,
+                   {"what": "collective"})
+    p2p = Finding("slow-link", (0, 1), coords[:2], "2x on P2P 0-1", 2.0, 9.0, 1.0, {"what": "P2P"})
+    kept = _links_of_slow_ranks([slow, coll, p2p])
+    assert kept == [slow, p2p] and slow.evidence["group_collectives_also_slow"] == [coll.slowdown]
 
 
 def test_clocks_days_apart_do_not_change_the_verdict():

@@ -489,8 +489,7 @@ def links_and_waits(tb: Table, ph: Phases, th: Thresholds, offsets: dict[int, in
         g_of = tb.gkey[coll][first]
         kinds: dict[tuple[str, int], int] = {}
         gname = np.array([kinds.setdefault((tb.groups[g][0], len(tb.groups[g][1])), len(kinds)) for g in g_of])
-        cls = gname * (1 << 20) + np.unique(tb.name[coll][first] * (1 << 40) + tb.nbytes[coll][first],
-                                            return_inverse=True)[1]
+        cls = gname * (1 << 20) + _size_classes(tb.name[coll][first], tb.nbytes[coll][first])
         ci = cls * S + tb.seq[coll][first]
         uc, cm, _ = group_median(ci, ctime)
         ratio = ctime / np.maximum(_lookup(uc, cm, ci), 1.0)
@@ -521,6 +520,20 @@ def links_and_waits(tb: Table, ph: Phases, th: Thresholds, offsets: dict[int, in
         np.add.at(caused, (tb.rank[rows][ok], iti[rows][ok]), ns[ok] / MS)
         np.add.at(count, tb.rank[rows][ok], 1)
     return findings, Waits(waited, caused, count)
+
+
+def _size_classes(name: np.ndarray, nbytes: np.ndarray, within: float = 0.05) -> np.ndarray:
+    """Class id per op: the same op on payloads within `within` of each other is one class. The DP groups of two
+    pipeline stages all-reduce gradients of slightly different sizes (3% apart in the tiny GPT-2: embedding vs
+    LM head); split by exact size, each stage's groups were judged alone (a pair, or one group: never)."""
+    out = np.empty(len(name), np.int64)
+    o = np.lexsort((nbytes, name))
+    cid, start = -1, None
+    for i in o:
+        if start is None or name[i] != name[start] or nbytes[i] > (1 + within) * nbytes[start]:
+            cid, start = cid + 1, i
+        out[i] = cid
+    return out
 
 
 def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray, ratio: np.ndarray,
@@ -668,6 +681,25 @@ def _pauses_of_slow_ranks(findings: list[Finding], ph: Phases, tb: Table) -> lis
     return kept
 
 
+def _links_of_slow_ranks(findings: list[Finding]) -> list[Finding]:
+    """Fold a collective group's slow transfer into a member's slow-compute finding.
+
+    The pure time of a collective is its last arriver's duration, and an async one (gradient buckets) is timed
+    until its rank waits for it: a rank that computes slowly waits late, so its group's collectives look slow too
+    (seen on real runs: a 2x slow rank's DP pair at 3.9x transfer time). One fault, named by its cause; the link
+    stays in the finding's evidence. A P2P link is judged by its ends' stalls and transfers, and is kept."""
+    slow = {f.ranks[0]: f for f in findings if f.kind == "slow-compute"}
+    kept = []
+    for f in findings:
+        g = next((slow[r] for r in f.ranks if r in slow), None) \
+            if f.kind == "slow-link" and f.evidence.get("what") == "collective" else None
+        if g is None:
+            kept.append(f)
+            continue
+        g.evidence.setdefault("group_collectives_also_slow", []).append(f.slowdown)
+    return kept
+
+
 def _explained_by_links(findings: list[Finding], links: list[Finding]) -> list[Finding]:
     """Drop a link end's late arrival or pause that its stalls before posting over the link account for."""
     kept = []
@@ -711,7 +743,7 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     stall = posting_stall(tb)
     stall_f = stall_link_findings(tb, stall, ph.iters, th) + \
         collective_stall_findings(tb, posting_stall(tb, comm_ends=True), ph.iters, th)
-    findings = _explained_by_links(findings, stall_f) + _merge_directions(link_f + stall_f)
+    findings = _links_of_slow_ranks(_explained_by_links(findings, stall_f) + _merge_directions(link_f + stall_f))
     caused_total = waits.caused.sum(axis=1)
     for f in findings:
         f.evidence["others_waited_ms"] = round(float(caused_total[list(f.ranks)].sum()), 3)
