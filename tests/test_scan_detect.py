@@ -17,6 +17,7 @@ from megatronapp.scan.detect import (
     detect,
     join,
     match_p2p,
+    phases,
 )
 from megatronapp.scan.findings import Finding
 from megatronapp.scan.format import RankWriter, read_dir
@@ -160,6 +161,19 @@ def test_p2p_channels_between_the_same_ranks_are_matched_apart(tmp_path):
     gname = [tb.groups[g][0] for g in tb.gkey]
     assert sorted((gname[a], gname[b]) for a, b in zip(si, ri)) == [("pp.act.up", "pp.act.up"),
                                                                     ("pp.grad.up", "pp.grad.up")]
+
+
+def test_exclusive_compute_subtracts_the_union_of_overlapping_nested_comm(tmp_path):
+    # A forward of 100 ms that posts a send and a receive together (10-60 and 20-70 ms): 60 ms of it waited on
+    # comm, 40 ms computed. Summing the two durations took 100 ms away, leaving no compute at all.
+    ms = 1_000_000
+    with RankWriter(tmp_path / "rank00000.mst", {"world": 1, "topo": [1, 1, 1], "rank": 0, "coord": [0, 0, 0]}) as w:
+        w.write("step", "step", 0, 200 * ms, 0, "", [], -1, -1, 0)
+        w.write("forward", "compute", 0, 100 * ms, 0, "", [], -1, -1, 0)
+        w.write("send", "comm", 10 * ms, 50 * ms, 0, "pp.act.up", [0, 1], 0, 1, 64)
+        w.write("recv", "comm", 20 * ms, 50 * ms, 0, "pp.grad.up", [0, 1], 0, 1, 64)
+    traces, _ = read_dir(tmp_path)
+    assert phases(join(traces)).compute[0, 0] == pytest.approx(40.0)
 
 
 # ----------------------------------------------------------------------------- lone and heterogeneous stages

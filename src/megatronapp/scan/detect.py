@@ -149,7 +149,11 @@ def phases(tb: Table) -> Phases:
     inside = comm & (last_work >= 0)
     lw = last_work[inside]
     nested = (tb.rank[lw] == tb.rank[inside]) & (end[inside] <= end[lw] + _NEST_SLACK_NS)
-    sub = np.bincount(lw[nested], tb.dur[inside][nested], len(tb.ts))
+    # The UNION of the nested comm: async ops posted together (a batch of sends and receives) overlap, and their
+    # summed durations would take the parent's compute time twice.
+    parents, busy = _union_by_key(lw[nested], tb.ts[inside][nested], end[inside][nested])
+    sub = np.zeros(len(tb.ts))
+    sub[parents] = busy
     excl = np.maximum(tb.dur - sub, 0)
     compute = per_cell(work & (tb.cat != _DATA), excl)
     data = per_cell(tb.cat == _DATA, excl)
@@ -168,6 +172,20 @@ def phases(tb: Table) -> Phases:
     commu = _union_per_cell(tb, comm & ok, flat, W * shape[1]).reshape(shape)
     gap = np.maximum(window - cover, 0)
     return Phases(iters, compute / MS, data / MS, gap / MS, commu / MS, window / MS, excl)
+
+
+def _union_by_key(key: np.ndarray, s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, union length of the intervals [s, e) of each key); rows sorted by key, then by s within a key."""
+    if not len(key):
+        return key, np.zeros(0)
+    uk, first, inv = np.unique(key, return_index=True, return_inverse=True)
+    # Each key on its own stretch of one line (times from its first start), so one running max never crosses keys.
+    sn, en = s - s[first][inv], e - s[first][inv]
+    off = inv.astype(np.int64) * (int(en.max()) + 1)
+    sv, ev = sn + off, en + off
+    run = np.maximum.accumulate(ev)
+    prev = np.concatenate([[np.iinfo(np.int64).min], run[:-1]])
+    return uk, np.bincount(inv, np.maximum(ev - np.maximum(sv, prev), 0).astype(np.float64), len(uk))
 
 
 def _union_per_cell(tb: Table, mask: np.ndarray, flat: np.ndarray, n: int) -> np.ndarray:
