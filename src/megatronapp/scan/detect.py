@@ -544,14 +544,15 @@ def _size_classes(name: np.ndarray, nbytes: np.ndarray, within: float = 0.05) ->
     """Class id per op: the same op on payloads within `within` of each other is one class. The DP groups of two
     pipeline stages all-reduce gradients of slightly different sizes (3% apart in the tiny GPT-2: embedding vs
     LM head); split by exact size, each stage's groups were judged alone (a pair, or one group: never)."""
-    out = np.empty(len(name), np.int64)
-    o = np.lexsort((nbytes, name))
+    keys, inv = np.unique(name.astype(np.int64) * (1 << 40) + nbytes, return_inverse=True)  # few distinct sizes
+    ids = np.empty(len(keys), np.int64)
     cid, start = -1, None
-    for i in o:
-        if start is None or name[i] != name[start] or nbytes[i] > (1 + within) * nbytes[start]:
-            cid, start = cid + 1, i
-        out[i] = cid
-    return out
+    for i, k in enumerate(keys.tolist()):  # sorted by name, then size
+        n, b = divmod(k, 1 << 40)
+        if start is None or n != start[0] or b > (1 + within) * start[1]:
+            cid, start = cid + 1, (n, b)
+        ids[i] = cid
+    return ids[inv.ravel()]
 
 
 def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray, ratio: np.ndarray,
