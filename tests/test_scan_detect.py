@@ -11,6 +11,7 @@ from megatronapp.scan import align
 from megatronapp.scan.detect import (
     Thresholds,
     _links_of_slow_ranks,
+    _merge_directions,
     _pauses_of_slow_ranks,
     _size_classes,
     analyse,
@@ -304,6 +305,16 @@ def test_payloads_within_five_percent_are_one_class_and_a_slow_ranks_group_colle
     p2p = Finding("slow-link", (0, 1), coords[:2], "2x on P2P 0-1", 2.0, 9.0, 1.0, {"what": "P2P"})
     kept = _links_of_slow_ranks([slow, coll, p2p])
     assert kept == [slow, p2p] and slow.evidence["group_collectives_also_slow"] == [coll.slowdown]
+
+
+def test_two_views_of_one_link_report_the_larger_cost_under_the_more_confident_lead():
+    # Seen on a loaded real run: the floor view (0.08 ms faster-transfer excess, z 30) led over the stall view
+    # (20 ms waited before each send) and the report said the link cost 0.08 ms.
+    coords = [{"rank": r, "dp": 0, "pp": r, "tp": 0} for r in range(2)]
+    floor = Finding("slow-link", (0, 1), coords, "floor", 1.1, 0.08, 1.0, {"what": "P2P"})
+    stall = Finding("slow-link", (1, 0), coords[::-1], "stall", 3.0, 20.0, 0.8, {"what": "P2P"})
+    (f,) = _merge_directions([floor, stall])
+    assert f is floor and f.excess_ms == 20.0 and f.evidence["excess_ms_of_lead_view"] == 0.08
 
 
 def test_clocks_days_apart_do_not_change_the_verdict():

@@ -654,6 +654,11 @@ def _merge_directions(found: list[Finding]) -> list[Finding]:
             continue
         keep, drop = (f, other) if f.confidence > other.confidence else (other, f)
         keep.evidence["directions"] = [list(keep.ranks), list(drop.ranks)]
+        if drop.excess_ms > keep.excess_ms:
+            # Views measure the cost differently (a floor's excess is the fastest transfer's, a stall is paid by
+            # every send): the link costs at least the larger; the more confident view still leads.
+            keep.evidence["excess_ms_of_lead_view"] = keep.excess_ms
+            keep.excess_ms = drop.excess_ms
         best[key] = keep
     return list(best.values())
 
