@@ -5,6 +5,7 @@ stopped and writing the decision."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -97,12 +98,20 @@ def _beat(rank: int, round_: int, t: float, step: int = 3) -> dict:
             "flight": {"open": [], "recent": [], "issued": {}, "completed": {}}}
 
 
+def _write_beat(path, beat: dict) -> None:
+    """Atomically, as the agent writes it: a reader that caught a half-written file would not see the rank at
+    all (CI once named the beating rank 0 'never beat' so)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(beat))
+    os.replace(tmp, path)
+
+
 def test_driver_names_the_rank_whose_heartbeat_stopped_and_decides(tmp_path):
     stop = threading.Event()
 
     def beat_rank0() -> None:  # rank 0 keeps beating (stuck, waiting); rank 1's heartbeat stopped long ago
         while not stop.is_set():
-            (tmp_path / "rank00000.json").write_text(json.dumps(_beat(0, 0, time.time())))
+            _write_beat(tmp_path / "rank00000.json", _beat(0, 0, time.time()))
             time.sleep(0.05)
 
     (tmp_path / "rank00001.json").write_text(json.dumps(_beat(1, 0, time.time() - 30)))
