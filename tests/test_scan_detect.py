@@ -317,6 +317,21 @@ def test_two_views_of_one_link_report_the_larger_cost_under_the_more_confident_l
     assert f is floor and f.excess_ms == 20.0 and f.evidence["excess_ms_of_lead_view"] == 0.08
 
 
+def test_every_finding_of_the_perturbed_real_family_prints():
+    # `scan detect` printed a lone column's P2P floor finding with a KeyError (its evidence has floors, not
+    # medians): the text report is rendered for every scenario of the family, so every kind of evidence is.
+    from benchmarks.scan_real_family import build, scenarios
+
+    kinds = set()
+    for name, layout, faults, views in scenarios():
+        report = detect(build(layout, faults, views))
+        text = report.to_text()
+        for f in report.findings:
+            kinds.add((f.kind, f.evidence.get("method") or f.evidence.get("what")))
+            assert f"rank {f.ranks[0]} " in text, (name, text)
+    assert {k for k, _ in kinds} >= {"slow-compute", "slow-link", "transient-pause", "late-arrival", "hang"}
+
+
 def test_clocks_days_apart_do_not_change_the_verdict():
     traces = perturb(_real("dp4"), [Perturbation("slow-compute", (0,), factor=2.0)])
     plain = _named(detect(traces))

@@ -107,6 +107,9 @@ class Report:
             if ev.get("method") == "send stalls":
                 lines.append(f"      {ev['transfers']} sends, median posting delay {ev['median_ms']:.3f} ms vs "
                              f"peer links {ev['peer_median_ms']:.3f} ms")
+            elif "floor_ms" in ev:
+                lines.append(f"      {ev['transfers']} transfers, fastest {ev['floor_ms']:.3f} ms vs "
+                             f"{ev.get('peers', 'peers')} {ev['peer_floor_ms']:.3f} ms")
             elif "transfers" in ev:
                 lines.append(f"      {ev['transfers']} transfers, median {ev['median_ms']:.3f} ms vs "
                              f"peers {ev['peer_median_ms']:.3f} ms")
