@@ -100,7 +100,8 @@ def test_a_slow_ranks_own_pauses_fold_into_its_slow_compute_but_a_bigger_pause_i
                        1.0, {"iterations": [0, 1, 2, 3]})
     folded = _pauses_of_slow_ranks([slow, pause(2.5 * expected)], a.phases, a.table)
     assert [f.kind for f in folded] == ["slow-compute"] and folded[0].confidence == 1.0
-    assert folded[0].evidence["pauses_explained"]["iterations"] == [0, 1, 2, 3]
+    (explained,) = folded[0].evidence["pauses_explained"]
+    assert explained["iterations"] == [0, 1, 2, 3] and explained["expected_ms"] == pytest.approx(expected, abs=1e-3)
     kept = _pauses_of_slow_ranks([slow, pause(4 * expected)], a.phases, a.table)
     assert [f.kind for f in kept] == ["slow-compute", "transient-pause"]
 
@@ -304,7 +305,8 @@ def test_payloads_within_five_percent_are_one_class_and_a_slow_ranks_group_colle
                    {"what": "collective"})
     p2p = Finding("slow-link", (0, 1), coords[:2], "2x on P2P 0-1", 2.0, 9.0, 1.0, {"what": "P2P"})
     kept = _links_of_slow_ranks([slow, coll, p2p])
-    assert kept == [slow, p2p] and slow.evidence["group_collectives_also_slow"] == [coll.slowdown]
+    assert kept == [slow, p2p] and [e["slowdown"] for e in slow.evidence["group_collectives_also_slow"]] == \
+        [coll.slowdown]
 
 
 def test_two_views_of_one_link_report_the_larger_cost_under_the_more_confident_lead():

@@ -254,9 +254,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank gets here; rank 0 speaks for the job
         print(f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps; run files in {summary['out']}")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from megatronapp.launch import exit_rank
+    from megatronapp.launch import exit_rank, external_launch
 
+    if external_launch():
         exit_rank(0)  # a torchrun rank has the spawned ranks' comm threads: no interpreter finalization either
     return 0
 

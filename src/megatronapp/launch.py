@@ -64,6 +64,12 @@ def _loopback_store(rank: int, world: int, port: int, timeout: Any) -> dist.TCPS
     return dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
 
 
+def external_launch() -> bool:
+    """Whether this process is one rank of a job another launcher started (torchrun, or any that sets
+    RANK/WORLD_SIZE), rather than the parent of local ranks."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
 def init_distributed(backend: str = "auto", timeout_s: float = 300.0, local_port: int | None = None
                      ) -> tuple[int, int]:
     """Initialise torch.distributed from RANK/WORLD_SIZE (torchrun's variables) and MASTER_ADDR/MASTER_PORT,

@@ -148,11 +148,11 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
 
 def train(cfg: RunConfig, threads: int | None = None) -> dict[str, Any]:
     """Run a MegaFBD job on local ranks: the backward layout plus the forward instances."""
-    from megatronapp.launch import pick_backend, spawn
+    from megatronapp.launch import external_launch, pick_backend, spawn
 
     validate(cfg)
     plugins.resolve_all(plugin_entries(cfg))  # a bad --attach fails here, once, not in every spawned rank
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if external_launch():
         raise ConfigError("MegaFBD runs on local ranks only for now (not under torchrun); start it without torchrun")
     Path(cfg.train.out).mkdir(parents=True, exist_ok=True)
     with ckpt.OutLock(cfg.train.out):  # two jobs writing one run directory would corrupt each other's steps

@@ -23,6 +23,7 @@ ends), and the run's own jitter as a floor under every per-iteration finding, so
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -678,6 +679,20 @@ def _combine(per_iteration: list[Finding], floors: list[Finding]) -> list[Findin
     return list(best.values())
 
 
+def _fold_into(findings: list[Finding], lead_of: Callable[[Finding], Finding | None], key: str) -> list[Finding]:
+    """One fault seen twice: each finding that `lead_of` gives a lead for moves into that lead's evidence[key]
+    (a list of its slowdown, confidence and evidence); the others are kept."""
+    kept = []
+    for f in findings:
+        lead = lead_of(f)
+        if lead is None:
+            kept.append(f)
+        else:
+            lead.evidence.setdefault(key, []).append({"kind": f.kind, "ranks": list(f.ranks), "slowdown": f.slowdown,
+                                                      "confidence": f.confidence, **f.evidence})
+    return kept
+
+
 def _pauses_of_slow_ranks(findings: list[Finding], ph: Phases, tb: Table) -> list[Finding]:
     """Fold a rank's 'pauses' into its slow-compute finding when the slowness accounts for them.
 
@@ -686,23 +701,23 @@ def _pauses_of_slow_ranks(findings: list[Finding], ph: Phases, tb: Table) -> lis
     the floors say every repeat of its ops is slow: one fault, and the slowness is its cause. A pause kept
     apart must exceed 3x what the slow compute alone costs an iteration ((factor - 1) x its peers' compute, or
     the finding's own excess where the rank has no peers). Generous on purpose: the rank is named either way,
-    and the folded pause stays in the finding's evidence."""
+    the folded pause stays in the finding's evidence, and its confidence carries over (two views agree)."""
     slow = {f.ranks[0]: f for f in findings if f.kind == "slow-compute"}
-    kept = []
-    for f in findings:
+
+    def lead_of(f: Finding) -> Finding | None:
         g = slow.get(f.ranks[0]) if f.kind == "transient-pause" else None
-        if g is not None:
-            r = f.ranks[0]
-            peers = np.flatnonzero((tb.coords[:, 1] == tb.coords[r, 1]) & (np.arange(tb.world) != r))
-            peer_c = float(np.nanmedian(ph.compute[peers])) if len(peers) else 0.0
-            expected = max(g.excess_ms, (g.factor - 1.0) * peer_c if np.isfinite(peer_c) else 0.0)
-            if f.excess_ms <= 3.0 * expected:
-                g.evidence["pauses_explained"] = {"slowdown": f.slowdown, "excess_ms": f.excess_ms,
-                                                  "expected_ms": round(expected, 3), **f.evidence}
-                g.confidence = max(g.confidence, f.confidence)
-                continue
-        kept.append(f)
-    return kept
+        if g is None:
+            return None
+        r = f.ranks[0]
+        peers = np.flatnonzero((tb.coords[:, 1] == tb.coords[r, 1]) & (np.arange(tb.world) != r))
+        peer_c = float(np.nanmedian(ph.compute[peers])) if len(peers) else 0.0
+        expected = max(g.excess_ms, (g.factor - 1.0) * peer_c if np.isfinite(peer_c) else 0.0)
+        if f.excess_ms > 3.0 * expected:
+            return None
+        f.evidence["expected_ms"] = round(expected, 3)  # what the slowness alone costs an iteration
+        g.confidence = max(g.confidence, f.confidence)
+        return g
+    return _fold_into(findings, lead_of, "pauses_explained")
 
 
 def _links_of_slow_ranks(findings: list[Finding]) -> list[Finding]:
@@ -713,15 +728,9 @@ def _links_of_slow_ranks(findings: list[Finding]) -> list[Finding]:
     (seen on real runs: a 2x slow rank's DP pair at 3.9x transfer time). One fault, named by its cause; the link
     stays in the finding's evidence. A P2P link is judged by its ends' stalls and transfers, and is kept."""
     slow = {f.ranks[0]: f for f in findings if f.kind == "slow-compute"}
-    kept = []
-    for f in findings:
-        g = next((slow[r] for r in f.ranks if r in slow), None) \
-            if f.kind == "slow-link" and f.evidence.get("what") == "collective" else None
-        if g is None:
-            kept.append(f)
-            continue
-        g.evidence.setdefault("group_collectives_also_slow", []).append(f.slowdown)
-    return kept
+    return _fold_into(findings, lambda f: next((slow[r] for r in f.ranks if r in slow), None)
+                      if f.kind == "slow-link" and f.evidence.get("what") == "collective" else None,
+                      "group_collectives_also_slow")
 
 
 def _explained_by_links(findings: list[Finding], links: list[Finding]) -> list[Finding]:
@@ -807,14 +816,8 @@ def _finished_iterations(traces: list[RankTrace]) -> list[RankTrace]:
 def _fold_into_hangs(findings: list[Finding], hangs: list[Finding]) -> list[Finding]:
     """A hung rank's other findings are the same fault seen before it stopped: kept as the hang's evidence."""
     hung = {r: h for h in hangs for r in h.ranks}
-    kept = []
-    for f in findings:
-        h = hung.get(f.ranks[0]) if set(f.ranks) <= hung.keys() else None
-        if h is None:
-            kept.append(f)
-            continue
-        h.evidence.setdefault("before_the_hang", []).append(f.describe())
-    return kept
+    return _fold_into(findings, lambda f: hung[f.ranks[0]] if set(f.ranks) <= hung.keys() else None,
+                      "before_the_hang")
 
 
 def _stage_work(traces: list[RankTrace]) -> dict[int, float] | None:

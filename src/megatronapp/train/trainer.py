@@ -389,14 +389,14 @@ def _logged_steps(path: Path) -> int:
 
 def train(cfg: RunConfig, threads: int | None = None) -> dict[str, Any]:
     """Validate, then run the job: as this rank under torchrun, else on cfg.parallel.world_size local ranks."""
-    from megatronapp.launch import init_distributed
+    from megatronapp.launch import external_launch, init_distributed
 
     validate(cfg)
     if cfg.parallel.fbd:  # MegaFBD owns its run loop; reached by import path, so the engine imports no module
         return plugins.resolve(FBD_TRAIN, "parallel.fbd")(cfg, threads)
     plugins.resolve_all(plugin_entries(cfg))  # a bad --attach fails here, once, not in every spawned rank
     Path(cfg.train.out).mkdir(parents=True, exist_ok=True)
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+    if external_launch():
         rank, world = init_distributed(cfg.parallel.backend)
         with ckpt.OutLock(cfg.train.out) if rank == 0 else nullcontext():
             return run_rank(rank, world, cfg.to_dict())
