@@ -405,3 +405,29 @@ def test_dp_neighbour_link_named_as_the_pair_and_healthy_run_quiet_at_12288_rank
     simulate(tmp_path / "ok", tp * pp * dp, tp, pp, iterations=5, faults=[], seed=7)
     traces, _ = read_dir(tmp_path / "ok")
     assert detect(traces).findings == []
+
+
+def test_time_waiting_for_a_cpu_is_not_a_slow_rank():
+    # Recorded with format 2 (cpu_wait per work span). A rank whose compute takes twice as long is slow; the
+    # same lengthening spent runnable without a CPU (an oversubscribed host) is the host's, not the rank's.
+    quiet = REAL.parent / "scan_real_quiet"
+    traces, problems = read_dir(quiet / "dp4")
+    assert problems == [] and all((t.cpu_wait[t.cat == 0] >= 0).all() for t in traces)
+    slow = perturb(traces, [Perturbation("slow-compute", (2,), factor=2.0)])
+    assert ("slow-compute", (2,)) in _named(detect(slow))
+    comp = traces[2].cat == 0
+    extra = np.where(comp, slow[2].dur - traces[2].dur, 0)
+    starved = [dataclasses.replace(t, cpu_wait=t.cpu_wait + extra) if t.rank == 2 else t for t in slow]
+    assert not any(2 in f.ranks for f in detect(starved).findings if f.kind == "slow-compute")
+
+
+def test_a_link_slow_in_only_a_few_transfers_is_not_named():
+    from megatronapp.scan.detect import sign_p
+
+    assert sign_p(5, 5) == 1 / 32 and sign_p(0, 7) == 1.0 and abs(sign_p(6, 8) - 37 / 256) < 1e-12
+    # The 4 iterations a job finished before it hung: one DP group's all-reduces were slow in its first
+    # iterations only (13-14 ms against 1-6 ms, then like the others): a median of 8 transfers, not a link.
+    traces, _ = read_dir(REAL.parent / "scan_real_quiet" / "tp2pp2dp2")
+    report = detect(perturb(traces, [Perturbation("hang", (6,), at_iteration=4)]))
+    assert report.findings[0].kind == "hang" and report.findings[0].ranks == (6,)
+    assert not [f for f in report.findings if f.kind == "slow-link"], report.to_text()

@@ -139,3 +139,31 @@ def test_write_columns_takes_record_arrays_and_remaps_ids(tmp_path):
     assert list(t.opened["ts"]) == [30] and t.names[t.opened["name"][0]] == "data"  # dur -1: opened, kept apart
     with pytest.raises(ValueError, match="format.RECORD"):
         RankWriter(rank_file(tmp_path, 1), _header(1)).write_columns(["x"], [], np.zeros(2, np.int64))
+
+
+def test_cpu_wait_round_trips_and_format_1_files_still_read(tmp_path):
+    from megatronapp.scan.format import MAGIC_V1, RECORD_V1
+
+    w = RankWriter(rank_file(tmp_path, 0), _header(0))
+    w.write("forward", "compute", ts=0, dur=100, it=0, cpu_wait=40)
+    w.write("all_reduce", "comm", ts=100, dur=5, it=0, group="dp", group_ranks=(0, 1), seq=0)
+    w.close()
+    t = read_rank(rank_file(tmp_path, 0))
+    assert list(t.cpu_wait) == [40, -1] and t.problems == []
+    # A format-1 file (56-byte records, no cpu_wait), as written before format 2: read, cpu_wait unknown.
+    import json
+    import struct
+    import zlib
+
+    def block(tag, payload):
+        return struct.pack("<4sII", tag, len(payload), zlib.crc32(payload)) + payload
+
+    rec = np.zeros(2, RECORD_V1)
+    rec["ts"], rec["dur"], rec["cat"], rec["it"], rec["gid"] = [0, 50], [50, 7], [0, 1], 0, -1
+    old = MAGIC_V1 + block(b"HEAD", json.dumps(_header(1)).encode()) + \
+        block(b"STRS", json.dumps(["forward"]).encode()) + block(b"SPAN", rec.tobytes()) + \
+        block(b"FOOT", json.dumps({"records": 2}).encode())
+    rank_file(tmp_path, 1).write_bytes(old)
+    t1 = read_rank(rank_file(tmp_path, 1))
+    assert t1.problems == [] and list(t1.dur) == [50, 7] and list(t1.cpu_wait) == [-1, -1]
+    assert RECORD.itemsize == 64 and RECORD_V1.itemsize == 56

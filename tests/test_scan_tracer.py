@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -434,3 +435,43 @@ def test_cuda_event_times_stay_precise_hours_later_with_one_anchor_per_window(tm
     want_ts, want_dur = np.array(truth).T
     # From one anchor per run the last window's times would be float32 ms of ~1.2e7: 1 ms steps.
     assert np.abs(ts - want_ts).max() < 2_000 and np.abs(dur - want_dur).max() < 2_000, (ts - want_ts, dur - want_dur)
+
+
+@pytest.mark.skipif(not Path("/proc/thread-self/schedstat").exists() or not hasattr(os, "sched_setaffinity"),
+                    reason="needs Linux schedstat and CPU affinity")
+def test_work_spans_record_the_time_they_waited_for_a_cpu(tmp_path):
+    """A compute span that shares its one CPU with a spinning process waits for the CPU about half its time;
+    the tracer records that wait (schedstat run-queue delay), a sleeping span none, a comm span is not measured."""
+    import subprocess
+    import sys
+
+    cpu = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    hog = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    header = {"rank": 0, "world": 1, "coord": [0, 0, 0], "topo": [1, 1, 1]}
+    tr = Tracer(tmp_path / "rank00000.mst", header)
+    tracing.install(tr)
+    try:
+        time.sleep(0.3)  # the hog is pinned and spinning
+        os.sched_setaffinity(0, {cpu})
+        with tracing.step(0):
+            with tracing.span("forward", "compute"):
+                t0 = time.thread_time()
+                while time.thread_time() - t0 < 0.15:  # 150 ms of CPU: ~300 ms of wall time beside the hog
+                    pass
+            with tracing.span("data", "data"):
+                time.sleep(0.1)
+            with tracing.span("all_reduce", "comm", group="dp", group_ranks=(0,), seq=0):
+                pass
+    finally:
+        os.sched_setaffinity(0, before)
+        hog.kill()
+        hog.wait()
+        tr.close()
+    t = read_rank(tmp_path / "rank00000.mst")
+    by = {t.names[n]: (int(d), int(w)) for n, d, w in zip(t.name, t.dur, t.cpu_wait)}
+    dur, waited = by["forward"]
+    assert waited > 0.25 * dur, (dur, waited)  # CFS shares the CPU evenly: about half
+    assert waited < dur
+    assert 0 <= by["data"][1] < 0.2 * by["data"][0]  # asleep is not waiting for a CPU
+    assert by["all_reduce"][1] == -1

@@ -23,6 +23,7 @@ ends), and the run's own jitter as a floor under every per-iteration finding, so
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,6 +67,7 @@ class Table:
     mb: np.ndarray
     chunk: np.ndarray
     clock: np.ndarray | None = None  # [rank] -> shared-clock id (align.clock_domains; -1: own clock, unknown)
+    cpu_wait: np.ndarray | None = None  # per span: ns runnable but waiting for a CPU (-1 unknown); None: no span has it
 
     @property
     def end(self) -> np.ndarray:
@@ -99,6 +101,9 @@ def join(traces: list[RankTrace]) -> Table:
     gid = c.pop("gid")
     c["gkey"] = np.where(gid >= 0, groups_at[np.maximum(gid + np.repeat(np.array(goff, np.int64), lens), 0)], -1)
     c["clock"] = clock_domains(traces, world)
+    # Only traces that measured it (format 2, host-timed work spans) carry a column worth its memory at scale.
+    if any(len(t.cpu_wait) and t.cpu_wait.max() >= 0 for t in traces):
+        c["cpu_wait"] = np.concatenate([np.asarray(t.cpu_wait) for t in traces]).astype(np.int64)
     r, ts = c["rank"], c["ts"]
     # Sorted by (rank, ts) already (the simulator's files, most real ones): skip the sort; lexsort is stable, so
     # the order is the same either way.
@@ -156,6 +161,13 @@ def phases(tb: Table) -> Phases:
     sub = np.zeros(len(tb.ts))
     sub[parents] = busy
     excl = np.maximum(tb.dur - sub, 0)
+    if tb.cpu_wait is not None:
+        # Time runnable but without a CPU is the host's, not the op's: on an oversubscribed host it is most of
+        # a span's noise, and chance decides which rank waits. The span's wait is spread evenly over its time
+        # (its nested comm ops took their share): the exclusive part keeps excl/dur of it.
+        known = work & (tb.cpu_wait > 0) & (tb.dur > 0)
+        share = np.where(known, tb.cpu_wait * excl / np.maximum(tb.dur, 1), 0.0)
+        excl = np.maximum(excl - share, 0)
     compute = per_cell(work & (tb.cat != _DATA), excl)
     data = per_cell(tb.cat == _DATA, excl)
     # Comm time as the union of comm intervals (async spans overlap), rest of the window is untraced gap.
@@ -556,11 +568,19 @@ def _size_classes(name: np.ndarray, nbytes: np.ndarray, within: float = 0.05) ->
     return ids[inv.ravel()]
 
 
+def sign_p(k: int, n: int) -> float:
+    """One-sided sign test: P(at least k of n fair coin flips come up heads)."""
+    return sum(math.comb(n, j) for j in range(k, n + 1)) / 2.0 ** n if n else 1.0
+
+
 def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray, ratio: np.ndarray,
                    t: np.ndarray, ranks_of, what: str) -> list[Finding]:
     """Links (or groups) whose median transfer time stands out among units of the same class."""
     uu, rmed, n = group_median(unit, ratio)
     _, tmed, _ = group_median(unit, t)
+    # Consistency: a link slow on the wire is slow in most of its transfers; a few transfers a busy host delayed
+    # move a median of few transfers (a job judged on the iterations before a hang) but not this count.
+    above = np.bincount(np.searchsorted(uu, unit), ratio > 1.0, len(uu))
     # Jitter of one transfer (median over units of each unit's MAD): a slow link must stand above it.
     _, dev, _ = group_median(unit, np.abs(t - _lookup(uu, tmed, unit)))
     jitter = 1.4826 * float(np.median(dev)) if len(dev) else 0.0
@@ -575,7 +595,8 @@ def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray,
         for i, k in enumerate(rows):
             peer_t = tmed[k] / rmed[k] * ref[i, 0]
             if not (exc[i, 0] >= th.link_rel and z[i, 0] >= zmin
-                    and tmed[k] - peer_t >= max(th.link_abs_ms * MS, th.link_noise * jitter)):
+                    and tmed[k] - peer_t >= max(th.link_abs_ms * MS, th.link_noise * jitter)
+                    and sign_p(int(above[k]), int(n[k])) <= th.link_sign_p):
                 continue
             rks = tuple(int(x) for x in ranks_of(uu[k]))
             factor = float(rmed[k] / ref[i, 0])

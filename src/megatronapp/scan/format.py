@@ -7,6 +7,10 @@ Layout: an 8-byte magic, then blocks `tag(4s) length(u32) crc32(u32) payload`. T
         {"range": [start, stop, step]} for evenly spaced ones (a DP group of 384 ranks costs 30 bytes, not 2 KB)
   SPAN  packed fixed-size span records (`RECORD` dtype), read with one `np.frombuffer`
   FOOT  JSON footer (records written, records dropped), merged into the header under "footer"
+Format 2 (magic ...\x02\x00) adds `cpu_wait` to every record: ns the span's thread spent runnable but waiting
+for a CPU (Linux schedstat's run-queue delay) while the span ran, -1 where unknown (a device-timed span, another
+OS, a format-1 file, which still reads). Time waiting for a core is not what the op costs: on an oversubscribed
+host it is the biggest noise in a span's duration, and one rank waits more than another by chance.
 A SPAN record with `dur` = -1 marks an op OPENED (written when a comm op starts, before it completes): a rank
 that hangs leaves its in-flight ops on disk. Readers put those in `RankTrace.opened`, apart from the spans.
 A string or group is always written before the first SPAN block that refers to it, so any prefix of a file is
@@ -28,16 +32,20 @@ import numpy as np
 CATS = ("compute", "comm", "data", "optimizer", "layer", "step", "other")
 CAT_INDEX = {c: i for i, c in enumerate(CATS)}
 
-MAGIC = b"MSCAN\x00\x01\x00"
+MAGIC = b"MSCAN\x00\x02\x00"
+MAGIC_V1 = b"MSCAN\x00\x01\x00"  # format 1: no cpu_wait (read as -1)
 _BLOCK = struct.Struct("<4sII")
 FILE_PATTERN = re.compile(r"rank(\d{5,})\.mst$")
 
-# Widest fields first so the packed record has no holes; 56 bytes a span.
-RECORD = np.dtype([("ts", "<i8"), ("dur", "<i8"), ("seq", "<i8"), ("nbytes", "<i8"),
+# Widest fields first so the packed record has no holes; 64 bytes a span (format 1: 56, without cpu_wait).
+RECORD = np.dtype([("ts", "<i8"), ("dur", "<i8"), ("seq", "<i8"), ("nbytes", "<i8"), ("cpu_wait", "<i8"),
                    ("name", "<i4"), ("it", "<i4"), ("gid", "<i4"), ("peer", "<i4"), ("mb", "<i4"),
                    ("chunk", "<i2"), ("cat", "i1"), ("_pad", "u1")])
+RECORD_V1 = np.dtype([("ts", "<i8"), ("dur", "<i8"), ("seq", "<i8"), ("nbytes", "<i8"),
+                      ("name", "<i4"), ("it", "<i4"), ("gid", "<i4"), ("peer", "<i4"), ("mb", "<i4"),
+                      ("chunk", "<i2"), ("cat", "i1"), ("_pad", "u1")])
 OPENED = -1  # `dur` of a record that marks an op as opened (not a finished span)
-COLUMNS = ("name", "cat", "ts", "dur", "it", "gid", "seq", "peer", "nbytes", "chunk", "mb")
+COLUMNS = ("name", "cat", "ts", "dur", "it", "gid", "seq", "peer", "nbytes", "chunk", "mb", "cpu_wait")
 
 
 class TraceFormatError(ValueError):
@@ -71,6 +79,7 @@ class RankTrace:
     nbytes: np.ndarray
     chunk: np.ndarray
     mb: np.ndarray
+    cpu_wait: np.ndarray  # ns waiting for a CPU during the span; -1 unknown
     problems: list[str] = field(default_factory=list)
     opened: dict[str, np.ndarray] = field(default_factory=dict)  # ops written when opened (dur = -1): COLUMNS
 
@@ -135,10 +144,10 @@ class RankWriter:
 
     def write(self, name: str, cat: str | int, ts: int, dur: int, it: int, group: str | None = None,
               group_ranks: Any = None, seq: int = -1, peer: int | None = -1, nbytes: int = 0,
-              chunk: int | None = -1, mb: int | None = -1) -> None:
+              chunk: int | None = -1, mb: int | None = -1, cpu_wait: int = -1) -> None:
         """Buffer one span (times in ns on this rank's clock); flushed every `buffer_records` spans."""
         c = cat if isinstance(cat, int) else CAT_INDEX.get(cat, CAT_INDEX["other"])
-        self._rows.append((ts, dur, -1 if seq is None else seq, nbytes or 0, self._name(name), it,
+        self._rows.append((ts, dur, -1 if seq is None else seq, nbytes or 0, cpu_wait, self._name(name), it,
                            self._gid(group, group_ranks), -1 if peer is None else peer,
                            -1 if mb is None else mb, -1 if chunk is None else chunk, c, 0))
         if len(self._rows) >= self._buffer:
@@ -171,7 +180,7 @@ class RankWriter:
                     rec[c] = cols[c]
             rec["name"] = np.array(nids + [-1], np.int32)[np.asarray(cols["name"])]
             rec["gid"] = np.array(gids + [-1], np.int32)[np.asarray(cols["gid"])] if "gid" in cols else -1
-            for c, default in (("seq", -1), ("peer", -1), ("mb", -1), ("chunk", -1), ("it", -1)):
+            for c, default in (("seq", -1), ("peer", -1), ("mb", -1), ("chunk", -1), ("it", -1), ("cpu_wait", -1)):
                 if c not in cols:
                     rec[c] = default
         self.flush()  # new names and groups must precede the block that uses them
@@ -265,8 +274,9 @@ def read_rank(path: str | Path, shared: dict | None = None) -> RankTrace:
         data = p.read_bytes()
     except OSError as e:
         raise TraceFormatError(f"{p.name}: cannot read ({e.strerror})") from None
-    if data[:len(MAGIC)] != MAGIC:
+    if data[:len(MAGIC)] not in (MAGIC, MAGIC_V1):
         raise TraceFormatError(f"{p.name}: not a MegaScan trace (bad magic); expected a file written by RankWriter")
+    dtype = RECORD if data[:len(MAGIC)] == MAGIC else RECORD_V1
     header: dict | None = None
     footer: dict | None = None
     names: list[str] = []
@@ -288,9 +298,9 @@ def read_rank(path: str | Path, shared: dict | None = None) -> RankTrace:
         if len(payload) < length:
             if tag == b"SPAN":
                 # Records are fixed-size: keep every complete one of the partial block.
-                k = len(payload) // RECORD.itemsize
+                k = len(payload) // dtype.itemsize
                 if k:
-                    spans.append(np.frombuffer(payload, dtype=RECORD, count=k))
+                    spans.append(np.frombuffer(payload, dtype=dtype, count=k))
                     nrec += k
             problems.append(f"{p.name} truncated after {nrec} records")
             break
@@ -302,11 +312,11 @@ def read_rank(path: str | Path, shared: dict | None = None) -> RankTrace:
                 break  # later spans would index a table we no longer have
             continue
         if tag == b"SPAN":
-            if length % RECORD.itemsize:
+            if length % dtype.itemsize:
                 problems.append(f"{p.name}: span block at byte {body} has a partial record; block skipped")
                 continue
-            spans.append(np.frombuffer(payload, dtype=RECORD))
-            nrec += length // RECORD.itemsize
+            spans.append(np.frombuffer(payload, dtype=dtype))
+            nrec += length // dtype.itemsize
         elif tag == b"STRS":
             names.extend(json.loads(payload))
         elif tag == b"GRPS":
@@ -327,8 +337,9 @@ def read_rank(path: str | Path, shared: dict | None = None) -> RankTrace:
         header = {**header, "footer": footer}
         if footer.get("dropped"):
             problems.append(f"{p.name}: the tracer dropped {footer['dropped']} spans (queue full)")
-    rec = np.concatenate(spans) if len(spans) > 1 else (spans[0] if spans else np.zeros(0, RECORD))
-    cols = {c: np.ascontiguousarray(rec[c]) for c in COLUMNS}
+    rec = np.concatenate(spans) if len(spans) > 1 else (spans[0] if spans else np.zeros(0, dtype))
+    cols = {c: np.ascontiguousarray(rec[c]) if c in dtype.names else np.full(len(rec), -1, np.int64)
+            for c in COLUMNS}
     bad = (cols["name"] < 0) | (cols["name"] >= len(names)) | (cols["gid"] < -1) | (cols["gid"] >= len(groups))
     if bad.any():
         problems.append(f"{p.name}: {int(bad.sum())} records refer to unknown names/groups; dropped")

@@ -358,6 +358,7 @@ def simulate(out_dir: str | Path, ranks: int, tp: int, pp: int, dp: int | None =
     # Every rank's records in one array (one conversion, not one per rank); each file gets its slice as one block.
     # Names and groups are registered in the same order in every file, so the ids need no remapping.
     rec = np.zeros(len(dur), RECORD)
+    rec["cpu_wait"] = -1  # simulated ranks own their device: nothing to wait for
     g = cols["group"]
     for k, v in (("name", cols["name"]), ("cat", cols["cat"]), ("ts", ts_local), ("dur", dur), ("it", cols["it"]),
                  ("gid", np.where(g > 0, g - 1, -1)), ("seq", cols["seq"]), ("peer", cols["peer"]),

@@ -30,6 +30,34 @@ _FINISH = object()  # `close()` without a token ends the tracer (SpanSink.close(
 _SKIP_ON_COARSE = frozenset({"layer"})
 _HOST_TIMED_ON_CUDA = frozenset({"data"})  # CPU-side work: a host clock is the truth, not the stream
 _OTHER = CAT_INDEX["other"]
+_WORK = frozenset({"compute", "data", "optimizer"})  # spans whose CPU wait is measured (format.py: cpu_wait)
+
+
+class _CpuWait:
+    """Nanoseconds this thread has spent runnable but waiting for a CPU, from Linux schedstat (its 2nd field,
+    the run-queue delay); -1 where the kernel does not say. One pread of an fd opened once per thread (~1 us):
+    /proc/thread-self names the thread that opens it."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __call__(self) -> int:
+        fd = getattr(self._local, "fd", None)
+        if fd is None:
+            try:
+                fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            except OSError:
+                fd = -1
+            self._local.fd = fd
+        if fd < 0:
+            return -1
+        try:
+            return int(os.pread(fd, 128, 0).split()[1])
+        except (OSError, IndexError, ValueError):
+            return -1
+
+
+cpu_wait_ns = _CpuWait()
 
 
 class Tracer:
@@ -79,10 +107,10 @@ class Tracer:
             return None
         if (cat == "comm" or cat == "step") and len(self._q) < self._limit:
             # Written as soon as the writer wakes (every flush_s): if this op never completes, the file says so.
-            self._q.append(((name, cat, meta, self._it, None), self._clock()))
+            self._q.append(((name, cat, meta, self._it, None, -1), self._clock(), -1))
         if self._cuda and cat not in _HOST_TIMED_ON_CUDA:
-            return (name, cat, meta, self._it, self._event())
-        return (name, cat, meta, self._it, self._clock())
+            return (name, cat, meta, self._it, self._event(), -1)
+        return (name, cat, meta, self._it, self._clock(), cpu_wait_ns() if cat in _WORK else -1)
 
     def close(self, token: Any = _FINISH) -> None:
         """End span `token`; called with no argument, flush everything, close the file and uninstall."""
@@ -95,7 +123,8 @@ class Tracer:
         if len(self._q) >= self._limit:
             self.dropped += 1
             return
-        self._q.append((token, end))
+        waited = cpu_wait_ns() - token[5] if token[5] >= 0 else -1
+        self._q.append((token, end, waited if waited >= 0 else -1))
 
     def step(self, iteration: int, begin: bool) -> None:
         """Open or close a trace window at an iteration boundary; a repeated iteration is not traced twice."""
@@ -216,20 +245,21 @@ class Tracer:
         while q:
             pending.append(q.popleft())
         if not self._cuda:  # host clock: every span is resolved already (what _resolve does, per batch)
-            self._write_batch([(t, (end, OPENED) if t[4] is None else (t[4], end - t[4])) for t, end in pending])
+            self._write_batch([(t, (end, OPENED) if t[4] is None else (t[4], end - t[4]), w)
+                               for t, end, w in pending])
             return
         done = []
-        for i, (token, end) in enumerate(pending):
+        for i, (token, end, waited) in enumerate(pending):
             if final and not isinstance(end, int):
                 end.synchronize()  # only at shutdown: wait for the stream to finish the last spans
             te = self._resolve(token, end)
             if te is None:
                 self._pending = pending[i:]  # stream order: later spans are not done either
                 break
-            done.append((token, te))
+            done.append((token, te, waited))
         self._write_batch(done)
 
-    def _write_batch(self, done: list[tuple[tuple, tuple[int, int]]]) -> None:
+    def _write_batch(self, done: list[tuple[tuple, tuple[int, int], int]]) -> None:
         """One columnar block for everything drained at once (RankWriter.write_columns): each field is pulled out
         of the spans by one comprehension and converted by numpy once, not packed span by span."""
         if not done:
@@ -245,11 +275,12 @@ class Tracer:
             return groups.setdefault((group, ranks if isinstance(ranks, tuple) else tuple(ranks or ())),
                                      len(groups))
 
-        tokens = [t for t, _ in done]
+        tokens = [t for t, _, _ in done]
         metas = [t[2] for t in tokens]
         rec = np.zeros(len(done), RECORD)
-        rec["ts"] = [te[0] for _, te in done]
-        rec["dur"] = [te[1] for _, te in done]
+        rec["ts"] = [te[0] for _, te, _ in done]
+        rec["dur"] = [te[1] for _, te, _ in done]
+        rec["cpu_wait"] = [w for _, _, w in done]
         rec["name"] = [names.setdefault(t[0], len(names)) for t in tokens]
         rec["cat"] = [CAT_INDEX.get(t[1], _OTHER) for t in tokens]
         rec["it"] = [t[3] for t in tokens]
