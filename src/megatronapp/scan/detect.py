@@ -471,7 +471,7 @@ def links_and_waits(tb: Table, ph: Phases, th: Thresholds, offsets: dict[int, in
         ratio = xfer / np.maximum(_lookup(ui, imed, inst), 1.0)
         findings += _link_findings(tb, th, pair, cls, ratio, xfer, lambda p: (int(p // W), int(p % W)), "P2P")
         seen = {f.ranks for f in findings}
-        findings += [f for f in _cross_stage_links(tb, th, si, pair, cls, shared, xfer) if f.ranks not in seen]
+        findings += [f for f in _cross_stage_links(tb, th, si, pair, shared, xfer) if f.ranks not in seen]
         # Blame: the sender, for wait beyond what this transfer usually costs, unless it was itself held up.
         def p2p_blame(cw_all, si=si, inst=inst, w=w):
             uw, wmed, _ = group_median(inst, w)
@@ -609,11 +609,13 @@ def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray,
     return out
 
 
-def _cross_stage_links(tb: Table, th: Thresholds, si: np.ndarray, pair: np.ndarray, cls: np.ndarray,
-                       shared: np.ndarray, xfer: np.ndarray) -> list[Finding]:
-    """Slow P2P links with no peer on another pipeline column (one or two columns), judged against transfers
-    of the same byte size between OTHER stage pairs and the other direction: a homogeneous pipeline moves the
-    same hidden-state tensor (activations up, gradients down) between every pair of adjacent stages. Only
+def _cross_stage_links(tb: Table, th: Thresholds, si: np.ndarray, pair: np.ndarray, shared: np.ndarray,
+                       xfer: np.ndarray) -> list[Finding]:
+    """Slow P2P links by their FLOORS, judged against transfers of the same byte size on the other columns,
+    between OTHER stage pairs and in the other direction: a homogeneous pipeline moves the same hidden-state
+    tensor (activations up, gradients down) between every pair of adjacent stages. Used for every column count:
+    with one or two columns the column view has no peer, and with more its medians carry each receiver's
+    scheduling (a +10 ms wire delay on one of four columns: median z 2.6, floor named). Only
     transfers timed on one clock take part (elsewhere the pair-offset assumption has absorbed a constant wire
     delay); a stage pair that legitimately moves more bytes falls in another class.
     The statistic is each link's FLOOR (its fastest transfer): a delay on the wire is paid by every transfer,
@@ -623,13 +625,11 @@ def _cross_stage_links(tb: Table, th: Thresholds, si: np.ndarray, pair: np.ndarr
     own low-end spread (twice, see _FLOOR_NOISE). A delay on only some transfers does not move the floor and
     is not seen here."""
     W = tb.world
-    per_cls = np.bincount(np.unique(cls * (W * W) + pair) // (W * W), minlength=int(cls.max()) + 1)
-    lone = shared & (per_cls[cls] < 3)
-    if lone.sum() < 3:
+    if shared.sum() < 3:
         return []
     # Same bytes on the same kind of wire, whichever way (activations up, gradients down: one tensor shape).
-    kind = np.unique(tb.nbytes[si[lone]], return_inverse=True)[1]
-    unit, t = pair[lone], xfer[lone]
+    kind = np.unique(tb.nbytes[si[shared]], return_inverse=True)[1]
+    unit, t = pair[shared], xfer[shared]
     uu, tmed, n = group_median(unit, t)
     ui = np.searchsorted(uu, unit)
     floor = np.full(len(uu), np.inf)
@@ -742,16 +742,26 @@ def _pauses_of_slow_ranks(findings: list[Finding], ph: Phases, tb: Table) -> lis
 
 
 def _links_of_slow_ranks(findings: list[Finding]) -> list[Finding]:
-    """Fold a collective group's slow transfer into a member's slow-compute finding.
+    """Fold a link's slow transfers into a slow-compute finding of the rank that makes them look slow.
 
     The pure time of a collective is its last arriver's duration, and an async one (gradient buckets) is timed
     until its rank waits for it: a rank that computes slowly waits late, so its group's collectives look slow too
-    (seen on real runs: a 2x slow rank's DP pair at 3.9x transfer time). One fault, named by its cause; the link
-    stays in the finding's evidence. A P2P link is judged by its ends' stalls and transfers, and is kept."""
+    (seen on real runs: a 2x slow rank's DP pair at 3.9x transfer time). Likewise a receive posted ahead ends when
+    its rank waits for it: every transfer TO a slow rank looks slow (seen on a perturbed real run: 38x, the floor
+    included). One fault, named by its cause; the link stays in the finding's evidence. A P2P link found by its
+    sender's stalls, or slow only towards a rank that computes at normal speed, is kept."""
     slow = {f.ranks[0]: f for f in findings if f.kind == "slow-compute"}
-    return _fold_into(findings, lambda f: next((slow[r] for r in f.ranks if r in slow), None)
-                      if f.kind == "slow-link" and f.evidence.get("what") == "collective" else None,
-                      "group_collectives_also_slow")
+
+    def cause(f: Finding) -> Finding | None:
+        if f.kind != "slow-link":
+            return None
+        if f.evidence.get("what") == "collective":
+            return next((slow[r] for r in f.ranks if r in slow), None)
+        if f.evidence.get("what") == "P2P" and f.evidence.get("method") != "send stalls":
+            receivers = [int(d[1]) for d in f.evidence.get("directions", [f.ranks])]
+            return next((slow[r] for r in receivers if r in slow), None)
+        return None
+    return _fold_into(findings, cause, "links_also_slow")
 
 
 def _explained_by_links(findings: list[Finding], links: list[Finding]) -> list[Finding]:
