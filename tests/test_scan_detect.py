@@ -199,6 +199,19 @@ def test_healthy_pure_pipeline_is_quiet(tmp_path):
     assert "wait structure" in report.to_text()
 
 
+def test_pause_of_a_lone_stage_is_named_against_the_other_stages(tmp_path):
+    # No peer in its stage: each lone stage's iterations against its own calm level, compared per iteration
+    # with the other stages' swing (a heavier last stage is not a pause; an iteration slow for all is no pause).
+    traces, _ = read_dir(REAL.parent / "scan_real_quiet" / "pp4")
+    report = detect(perturb(traces, [Perturbation("pause", (1,), ms=80, every=3)]))
+    assert _named(report) == {("transient-pause", (1,))}, report.to_text()
+    assert report.findings[0].evidence["method"] == "lone stages against each other"
+    heavy = perturb(traces, [Perturbation("slow-compute", (3,), factor=1.4)])  # a heavier last stage
+    assert not [f for f in detect(declare_stage_work(heavy, [1, 1, 1, 1.4])).findings if f.kind == "transient-pause"]
+    sim = _pipeline(tmp_path, ["pause=2:15:2"], seed=5)
+    assert ("transient-pause", (2,)) in _named(sim), sim.to_text()
+
+
 def test_heterogeneous_stages_compare_work_beyond_the_cost_model(tmp_path):
     # The last stage carries the LM head (1.4x the work), declared by the cost model: not a fault by itself;
     # a 1.25x slow rank of stage 1 still is.

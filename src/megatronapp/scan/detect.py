@@ -35,7 +35,7 @@ from megatronapp.scan.evidence import excursion_noise, floor_findings, posting_s
 from megatronapp.scan.findings import KINDS, Finding, Report, Thresholds
 from megatronapp.scan.format import CAT_INDEX, COLUMNS, RankTrace
 from megatronapp.scan.hang import hang_findings
-from megatronapp.scan.structure import collective_stall_findings, lone_stage_findings
+from megatronapp.scan.structure import collective_stall_findings, lone_stage_findings, lone_stage_pauses
 
 __all__ = ["KINDS", "Analysis", "Finding", "Report", "Thresholds", "analyse", "detect"]
 
@@ -803,6 +803,7 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     findings = _combine(rank_findings(tb, ph, th), floor_findings(tb, ph.excl, ph.iters, th, _stage_work(traces)))
     link_f, waits = links_and_waits(tb, ph, th, offsets, clock)
     findings = _combine(findings, lone_stage_findings(tb, ph, waits, th, _stage_work(traces)))  # one per rank
+    findings = _combine(findings, lone_stage_pauses(tb, ph, th))
     findings = _pauses_of_slow_ranks(findings, ph, tb)
     stall = posting_stall(tb)
     stall_f = stall_link_findings(tb, stall, ph.iters, th) + \

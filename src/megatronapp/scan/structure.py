@@ -80,6 +80,54 @@ def lone_stage_findings(tb: Table, ph: Phases, waits: Waits, th: Thresholds,
     return out
 
 
+def lone_stage_pauses(tb: Table, ph: Phases, th: Thresholds) -> list[Finding]:
+    """Transient pauses of ranks alone in their stage (a pure pipeline), against the other lone stages.
+
+    Stages differ in work (embedding, LM head), so each rank's per-iteration self time is divided by its own
+    calm level (the lower quartile of its iterations: calm even when every other iteration is paused) and the
+    ratios are compared per iteration with the other lone stages' (leave-one-out median): an iteration the whole
+    pipeline was slow in (the first, a busy moment of the host) moves every ratio alike. What remains in ms must
+    clear the run's own upward jitter of that residual (transient_noise times it), as a peer comparison must.
+    Persistent differences are not judged here: a ratio to the rank's own calm level cannot show them (the
+    floors and the wait structure do)."""
+    stage = tb.coords[:, 1]
+    present = np.zeros(tb.world, bool)
+    present[np.unique(tb.rank)] = True
+    sizes = np.bincount(stage[present], minlength=int(stage.max()) + 1)
+    lone = np.array([r for r in np.flatnonzero(present) if sizes[stage[r]] == 1], np.int64)
+    n_it = ph.self_time.shape[1]
+    if len(lone) < 3 or n_it < 4:
+        return []  # two lone stages: each is the other's only reference; few iterations: no calm level
+    st = ph.self_time[lone]
+    with np.errstate(all="ignore"):
+        calm = np.nanquantile(st, 0.25, axis=1)
+        x = st / calm[:, None]
+        ref = np.stack([np.nanmedian(np.delete(x, i, axis=0), axis=0) for i in range(len(lone))])
+        exc = (x - ref) * calm[:, None]  # ms beyond what the other stages' swing says this iteration costs
+    noise = excursion_noise(exc, np.ones(len(lone), bool))
+    need = max(th.transient_abs_ms, th.transient_noise * noise)
+    with np.errstate(invalid="ignore"):
+        big = (exc >= need) & (x - ref >= th.transient_rel)
+    out = []
+    for i, r in enumerate(lone):
+        hb = np.flatnonzero(big[i])
+        if not len(hb) or len(hb) / n_it >= th.persistent:
+            continue
+        if len(hb) == 1 and exc[i, hb[0]] < 2 * need:
+            continue  # a one-off on a busy machine needs twice the margin of a repeated pattern
+        excess = float(np.nanmedian(exc[i, hb]))
+        margin = excess / need
+        conf = round(min(1.0, 0.5 + (margin - 1) / 4) * (1.0 if len(hb) > 1 else 0.7) * 0.85, 3)
+        ev = {"method": "lone stages against each other", "peers": 0, "view": "self",
+              "iterations": [int(ph.iters[k]) for k in hb], "calm_ms": round(float(calm[i]), 3),
+              "noise_ms": round(noise, 3), "reference": "other lone stages' swing in the same iteration"}
+        factor = float(np.nanmedian(x[i, hb] / ref[i, hb]))
+        out.append(Finding("transient-pause", (int(r),), [_coord(tb, int(r))],
+                           f"+{excess:.1f} ms in {len(hb)} of {n_it} iterations", round(factor, 3),
+                           round(excess, 3), conf, ev))
+    return out
+
+
 def collective_stall_findings(tb: Table, stall: np.ndarray, iters: np.ndarray, th: Thresholds) -> list[Finding]:
     """Slow links inside collective groups: the two members that stall before posting the group's collectives."""
     coll = np.flatnonzero((tb.cat == _COMM) & (tb.peer < 0) & (tb.gkey >= 0) & (tb.seq >= 0)
