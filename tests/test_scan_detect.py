@@ -459,3 +459,11 @@ def test_transfers_to_a_slow_rank_are_its_slowness_not_a_link():
     report = detect(perturb(traces, [Perturbation("slow-compute", (2,), factor=2.0)]))
     assert _named(report) == {("slow-compute", (2,))}, report.to_text()
     assert any(e["kind"] == "slow-link" for e in report.findings[0].evidence["links_also_slow"])
+
+
+def test_late_arrival_on_four_ranks_is_judged_against_the_others_spread():
+    # With 3-4 ranks in a stage the reference leaves the judged rank out; so must the spread it is measured in,
+    # or its own excess widens the MAD (20 ms late arrivals on 4 DP ranks sat at z 2-5 and were missed).
+    traces, _ = read_dir(REAL.parent / "scan_real_quiet" / "dp4")
+    report = detect(perturb(traces, [Perturbation("late-arrival", (3,), ms=20)]))
+    assert _named(report) == {("late-arrival", (3,))}, report.to_text()
