@@ -10,6 +10,7 @@ import pytest
 from megatronapp.scan import align
 from megatronapp.scan.detect import (
     Thresholds,
+    _explained_by_links,
     _links_of_slow_ranks,
     _merge_directions,
     _pauses_of_slow_ranks,
@@ -470,3 +471,20 @@ def test_late_arrival_on_four_ranks_is_judged_against_the_others_spread():
     traces, _ = read_dir(REAL.parent / "scan_real_quiet" / "dp4")
     report = detect(perturb(traces, [Perturbation("late-arrival", (3,), ms=20)]))
     assert _named(report) == {("late-arrival", (3,))}, report.to_text()
+
+
+def test_a_link_found_by_its_ends_stalls_explains_their_slow_compute_not_the_other_way():
+    # A real drill (test_scan_real): a 20 ms stall before each DP collective of ranks 1 and 3, one of them posted
+    # inside backward, so rank 3's compute looked 1.56x (+37 ms); the link was folded into that finding and the
+    # report named a slow rank. Stalls before posting are the link's evidence: the link stays, the compute goes.
+    coords = [{"rank": r, "dp": r // 2, "pp": 0, "tp": r % 2} for r in range(4)]
+    link = Finding("slow-link", (1, 3), [coords[1], coords[3]], "+20.1 ms stalled", 201.0, 20.1, 1.0,
+                   {"what": "collective", "method": "collective stalls", "stall_ms_per_iteration": {1: 40.2, 3: 40.2}})
+    slow = Finding("slow-compute", (3,), [coords[3]], "1.56x compute", 1.56, 37.1, 0.71, {})
+    late = Finding("late-arrival", (1,), [coords[1]], "+33.7 ms", 1.3, 33.7, 0.7, {})
+    other = Finding("slow-compute", (0,), [coords[0]], "1.5x compute", 1.5, 30.0, 0.7, {})
+    kept = _links_of_slow_ranks(_explained_by_links([slow, late, other], [link]) + [link])
+    assert kept == [other, link] and len(link.evidence["explains"]) == 2
+    # Twice the stall is more than the link explains: a slow rank of its own.
+    big = Finding("slow-compute", (3,), [coords[3]], "3x compute", 3.0, 90.0, 1.0, {})
+    assert _links_of_slow_ranks(_explained_by_links([big], [link]) + [link]) == [big, link]

@@ -105,3 +105,9 @@ def test_slow_link_between_data_parallel_peers(traced_run):
     top = _top(report)
     assert (top.kind, tuple(sorted(top.ranks))) == ("slow-link", (1, 3)), report.to_text()
     assert top.evidence["method"] == "collective stalls" and top.evidence["group"] == "dp"
+    # The link delays both DP collectives of an iteration, one of them posted inside backward (its stall shows as
+    # compute): the ends' late arrivals are the link's, not findings of their own.
+    assert not [f for f in report.findings if f.kind in ("late-arrival", "transient-pause")
+                and f.ranks[0] in (1, 3)], report.to_text()
+    assert set(top.evidence["stall_ms_per_iteration"].values()) and \
+        min(top.evidence["stall_ms_per_iteration"].values()) >= 35

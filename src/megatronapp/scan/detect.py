@@ -756,16 +756,19 @@ def _links_of_slow_ranks(findings: list[Finding]) -> list[Finding]:
     until its rank waits for it: a rank that computes slowly waits late, so its group's collectives look slow too
     (seen on real runs: a 2x slow rank's DP pair at 3.9x transfer time). Likewise a receive posted ahead ends when
     its rank waits for it: every transfer TO a slow rank looks slow (seen on a perturbed real run: 38x, the floor
-    included). One fault, named by its cause; the link stays in the finding's evidence. A P2P link found by its
-    sender's stalls, or slow only towards a rank that computes at normal speed, is kept."""
+    included). One fault, named by its cause; the link stays in the finding's evidence. A link found by the
+    stalls of its ends before posting (P2P or collective), or slow only towards a rank that computes at normal
+    speed, is kept (_explained_by_links goes the other way for those)."""
     slow = {f.ranks[0]: f for f in findings if f.kind == "slow-compute"}
 
     def cause(f: Finding) -> Finding | None:
         if f.kind != "slow-link":
             return None
+        if f.evidence.get("method") in ("send stalls", "collective stalls"):
+            return None  # both ends stall before posting: the link's own evidence, not its ends' speed
         if f.evidence.get("what") == "collective":
             return next((slow[r] for r in f.ranks if r in slow), None)
-        if f.evidence.get("what") == "P2P" and f.evidence.get("method") != "send stalls":
+        if f.evidence.get("what") == "P2P":
             receivers = [int(d[1]) for d in f.evidence.get("directions", [f.ranks])]
             return next((slow[r] for r in receivers if r in slow), None)
         return None
@@ -773,12 +776,14 @@ def _links_of_slow_ranks(findings: list[Finding]) -> list[Finding]:
 
 
 def _explained_by_links(findings: list[Finding], links: list[Finding]) -> list[Finding]:
-    """Drop a link end's late arrival or pause that its stalls before posting over the link account for."""
+    """Drop a link end's late arrival, pause or slow compute that its stalls before posting over the link account
+    for (a collective posted inside a compute span, a gradient all-reduce issued from backward, stalls inside that
+    span: its rank's compute looks slow by the stall)."""
     kept = []
     for f in findings:
         r = f.ranks[0]
         link = next((x for x in links if r in x.ranks), None)
-        if link is not None and f.kind in ("late-arrival", "transient-pause") and \
+        if link is not None and f.kind in ("late-arrival", "transient-pause", "slow-compute") and \
                 f.excess_ms <= 1.5 * link.evidence["stall_ms_per_iteration"][r]:
             link.evidence.setdefault("explains", []).append(f"{f.kind} of rank {r} (+{f.excess_ms:.1f} ms)")
             continue

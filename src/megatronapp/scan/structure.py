@@ -175,10 +175,21 @@ def collective_stall_findings(tb: Table, stall: np.ndarray, iters: np.ndarray, t
         ev = {"what": "collective", "method": "collective stalls", "group": gname, "group_size": size,
               "transfers": int(sum(n[j] for j in js)), "median_ms": round(ex + th.stall_floor_ms, 4),
               "peer_median_ms": th.stall_floor_ms,
-              "stall_ms_per_iteration": {a: round(ex, 3), b: round(ex, 3)}}
+              "stall_ms_per_iteration": {r: round(_stall_per_iteration(tb, coll, ex, g, r), 3) for r in (a, b)}}
         out.append(Finding("slow-link", (a, b), [_coord(tb, a), _coord(tb, b)],
                            f"+{ex:.1f} ms stalled before each {gname} collective on link {a}-{b} (both ends, no "
                            f"other member of the {size}-rank group)", round((ex + th.stall_floor_ms)
                                                                              / th.stall_floor_ms, 3),
                            round(ex, 3), conf, ev))
     return out
+
+
+def _stall_per_iteration(tb: Table, coll: np.ndarray, ex: float, g: int, r: int) -> float:
+    """What a link end loses in one iteration: the stall seen per collective times the group's collectives it
+    posts per iteration (median). The link delays every one of them, also those posted inside a compute span
+    (a gradient all-reduce issued from backward), whose stall shows as compute rather than a posting stall."""
+    m = (tb.gkey[coll] == g) & (tb.rank[coll] == r)
+    if not m.any():
+        return 0.0
+    _, per_it = np.unique(tb.it[coll][m], return_counts=True)
+    return ex * float(np.median(per_it))
