@@ -66,7 +66,8 @@ def test_slow_compute_with_one_peer_per_stage(traced_run):
     top = _top(report)
     assert (top.kind, top.ranks) == ("slow-compute", (3,)), report.to_text()
     assert top.factor > 1.4 and top.evidence["peers"] == 1
-    assert "rank 3 (DP1 PP1 TP0)" in report.to_text() and "at its fastest" in report.to_text()
+    # Either view may lead (op floors, or per-iteration compute now that CPU waits are taken out of it).
+    assert "rank 3 (DP1 PP1 TP0)" in report.to_text()
     assert not [f for f in report.findings if f.kind == "slow-compute" and f.ranks != (3,)], report.to_text()
 
 
