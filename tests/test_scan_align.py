@@ -128,3 +128,57 @@ def test_detect_align_uses_drift_so_arrivals_hours_apart_keep_their_order(tmp_pa
     waited = detect(traces, offsets, clock=clock).waited_for
     assert waited[0]["rank"] == 5 and waited[0]["ms"] > 10 * waited[1]["ms"], waited
     assert detect(traces, offsets).waited_for[0]["rank"] != 5
+
+
+def test_all_pairs_fitted_at_once_equal_each_pair_fitted_alone():
+    # _fit_edges (every pair of ranks in one pass of sorts) replaced a Python loop over pairs calling _fit_edge:
+    # same line for every pair, including pairs with start-up samples, bounds that reject the median slope (the
+    # clipped case), too few samples for a slope and no bounds at all.
+    from megatronapp.scan.align import _fit_edge, _fit_edges
+
+    rng = np.random.default_rng(7)
+    gids, xs, ys, los, his, sus = [], [], [], [], [], []
+    for e in range(40):
+        n = int(rng.integers(3, 30))
+        x = np.sort(rng.uniform(0, 4e9, n)) if e % 5 else rng.uniform(0, 1e6, n)  # some spans too short
+        true_b = rng.uniform(-5e-5, 5e-5)
+        y = 3e6 * e + true_b * x + rng.exponential(2e4, n)
+        lo, hi = y - rng.uniform(0, 5e4, n), y + rng.uniform(0, 5e4, n)
+        if e % 7 == 3:  # bounds that reject the median slope: the clipping search runs
+            hi = y + 10.0
+            lo = y - 10.0 + 1e-4 * x
+        su = np.zeros(n, bool)
+        su[: min(3, n)] = e % 4 == 0
+        gids.append(np.full(n, e))
+        xs.append(x)
+        ys.append(y)
+        los.append(lo)
+        his.append(hi)
+        sus.append(su)
+    g, x, y = np.concatenate(gids), np.concatenate(xs), np.concatenate(ys)
+    lo, hi, su = np.concatenate(los), np.concatenate(his), np.concatenate(sus)
+    for bounded in (True, False):
+        for drift in (True, False):
+            a, b, mad, has = _fit_edges(g, 40, x, y, lo if bounded else None, hi if bounded else None,
+                                        su if bounded else None, drift)
+            for e in range(40):
+                m = g == e
+                ref = _fit_edge(x[m], y[m], 0, lo[m] if bounded else None,
+                                hi[m] if bounded else None, su[m] if bounded else None, drift=drift)
+                assert np.allclose([a[e], b[e], mad[e]], ref[:3], rtol=1e-9, atol=1e-6), (e, bounded, drift)
+                assert has[e] == ref[3]
+
+
+def test_handshake_reads_move_with_a_shifted_clock():
+    # perturb.shift_clocks puts a rank on another host's clock (days apart, drifting); its handshake reads are
+    # clock reads too. Left on the old clock they broke alignment (median residual 30 hours, now as unshifted).
+    from pathlib import Path
+
+    from megatronapp.scan.perturb import shift_clocks
+
+    real = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "scan_real_quiet" / "dp4"
+    traces, _ = read_dir(real)
+    _, plain, _ = estimate_offsets(traces)
+    shifted = shift_clocks(traces, {1: 2.5 * 86_400, 2: -1.2 * 86_400, 3: 4 * 86_400}, {1: 30.0, 2: -25.0})
+    _, moved, report = estimate_offsets(shifted)
+    assert report["unaligned"] == [] and moved < 2 * plain + 100_000, (plain, moved)

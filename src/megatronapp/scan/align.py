@@ -17,7 +17,6 @@ without drift finds each o_r; the second fits drift around it. Aligned time = t 
 from __future__ import annotations
 
 import heapq
-import itertools
 from typing import Any
 
 import numpy as np
@@ -227,9 +226,10 @@ def estimate_offsets(traces: list[RankTrace], p2p_weight: float = 0.1) -> tuple[
 
 def _edges(samples: tuple, ranks: list[int], origin: dict[int, int], t0: int, drift: bool,
            report: dict) -> list[tuple[int, int, float, float, float, bool]]:
-    """One fitted (i, j, a, b, weight, has_slope) per pair of ranks that share anchors."""
+    """One fitted (i, j, a, b, weight, has_slope) per pair of ranks that share anchors, all pairs at once."""
     edges = []
     n = max(ranks) + 1
+    org = np.array([origin.get(r, t0) for r in range(n)], np.int64)
     for (si, sj, st, sd, sl, su, sh), scale in samples:
         if not len(si):
             continue
@@ -238,15 +238,73 @@ def _edges(samples: tuple, ranks: list[int], origin: dict[int, int], t0: int, dr
         ekey, st, sd = ekey[order], st[order], sd[order]
         if sl is not None:
             sl, su, sh = sl[order], su[order], sh[order]
-        bounds = np.flatnonzero(np.r_[True, ekey[1:] != ekey[:-1], True])
-        for lo, hi in itertools.pairwise(bounds):
-            i, j = divmod(int(ekey[lo]), n)
-            bounds_lh = (sl[lo:hi], su[lo:hi], sh[lo:hi]) if sl is not None else (None, None, None)
-            a, b, mad, has_slope = _fit_edge(st[lo:hi], sd[lo:hi], origin.get(i, t0), *bounds_lh, drift=drift)
-            edges.append((i, j, a, b, scale * (hi - lo) / (mad + _NOISE_FLOOR_NS) ** 2, has_slope))
+        uk, gid = np.unique(ekey, return_inverse=True)
+        x = (st - org[ekey // n]).astype(np.float64)
+        a, b, mad, has_slope = _fit_edges(gid, len(uk), x, sd.astype(np.float64), sl, su, sh, drift)
+        cnt = np.bincount(gid, minlength=len(uk))
+        w = scale * cnt / (mad + _NOISE_FLOOR_NS) ** 2
+        edges += [(int(k // n), int(k % n), float(a[e]), float(b[e]), float(w[e]), bool(has_slope[e]))
+                  for e, k in enumerate(uk.tolist())]
         if scale != 1.0:
-            report["p2p_edges"] = int(len(bounds) - 1)
+            report["p2p_edges"] = len(uk)
     return edges
+
+
+def _gmedian(g: np.ndarray, v: np.ndarray, n: int) -> np.ndarray:
+    """Median of v per group id in [0, n) (NaN for an empty group), by one sort."""
+    o = np.lexsort((v, g))
+    gs, vs = g[o], v[o]
+    cnt = np.bincount(gs, minlength=n)
+    start = np.concatenate([[0], np.cumsum(cnt)[:-1]])
+    med = np.full(n, np.nan)
+    ok = cnt > 0
+    med[ok] = (vs[start[ok] + (cnt[ok] - 1) // 2] + vs[start[ok] + cnt[ok] // 2]) / 2
+    return med
+
+
+def _fit_edges(g: np.ndarray, n: int, x: np.ndarray, y: np.ndarray, lower: np.ndarray | None,
+               upper: np.ndarray | None, startup: np.ndarray | None, drift: bool
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`_fit_edge` for every pair at once: samples grouped by g (contiguous, sorted), x the time since the pair's
+    origin. Per pair (a, b, mad, has_slope), equal to fitting each pair on its own (tests compare the two); the
+    rare pair whose bounds reject the median slope is moved by `_clip_slope`, one pair at a time."""
+    cnt = np.bincount(g, minlength=n)
+    first = np.concatenate([[0], np.cumsum(cnt)[:-1]])
+    run = np.ones(len(x), bool)
+    if startup is not None:
+        calm = np.bincount(g, ~startup, minlength=n)
+        run = ~startup | (calm[g] < 6)
+    b = np.zeros(n)
+    has_slope = np.zeros(n, bool)
+    if drift:
+        gr, xr, yr = g[run], x[run], y[run]
+        o = np.lexsort((xr, gr))
+        gs, xs, ys = gr[o], xr[o], yr[o]
+        nr = np.bincount(gs, minlength=n)
+        start = np.concatenate([[0], np.cumsum(nr)[:-1]])
+        pos = np.arange(len(gs)) - start[gs]
+        k = nr // 3
+        lo_third, hi_third = pos < k[gs], pos >= (nr - k)[gs]
+        xl, xh = _gmedian(gs[lo_third], xs[lo_third], n), _gmedian(gs[hi_third], xs[hi_third], n)
+        yl, yh = _gmedian(gs[lo_third], ys[lo_third], n), _gmedian(gs[hi_third], ys[hi_third], n)
+        span = np.zeros(n)
+        some = nr > 0
+        span[some] = xs[start[some] + nr[some] - 1] - xs[start[some]]
+        with np.errstate(invalid="ignore"):
+            has_slope = (nr >= 6) & (span >= _MIN_DRIFT_SPAN_NS) & (xh - xl >= _MIN_DRIFT_SPAN_NS / 2)
+        b[has_slope] = (yh - yl)[has_slope] / (xh - xl)[has_slope]
+    bounded = lower is not None and upper is not None
+    if bounded:
+        lower, upper = lower.astype(np.float64), upper.astype(np.float64)
+        width = np.minimum.reduceat(upper - b[g] * x, first) - np.maximum.reduceat(lower - b[g] * x, first)
+        for e in np.flatnonzero(has_slope & (width < 0)):
+            sl = slice(first[e], first[e] + cnt[e])
+            b[e] = _clip_slope(x[sl], lower[sl], upper[sl], float(b[e]))
+    a = _gmedian(g, y - b[g] * x, n)
+    if bounded:
+        a = 0.5 * (np.maximum.reduceat(lower - b[g] * x, first) + np.minimum.reduceat(upper - b[g] * x, first))
+    mad = _gmedian(g, np.abs(y - a[g] - b[g] * x), n)
+    return a, b, mad, has_slope
 
 
 def _solve(ranks: list[int], edges: list[tuple]) -> tuple[dict[int, float], dict[int, float]]:

@@ -264,6 +264,13 @@ def shift_clocks(traces: list[RankTrace], offsets_s: dict[int, float], ppm: dict
         header = t.header
         if off or k != 1.0:  # another host's clock: the header must not claim the recording host's
             header = {**header, "host": f"{header.get('host')}~clock{off:+d}ns{k - 1:+.2e}", "boot_id": None}
+            hs = header.get("handshake")
+            if hs:  # its clock reads are on this rank's clock too (alignment anchors on them)
+                header["handshake"] = {**hs, **{key: remap(np.asarray(hs[key], np.int64),
+                                                           np.zeros(len(hs[key]), np.int64))[0].tolist()
+                                                for key in ("send", "exit") if key in hs}}
+            if "mono_ns" in header:
+                header["mono_ns"] = int(remap(np.array([header["mono_ns"]], np.int64), np.zeros(1, np.int64))[0][0])
         out.append(dataclasses.replace(t, ts=ts, dur=dur, opened=opened, header=header))
     return out
 
