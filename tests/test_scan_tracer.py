@@ -475,3 +475,28 @@ def test_work_spans_record_the_time_they_waited_for_a_cpu(tmp_path):
     assert waited < dur
     assert 0 <= by["data"][1] < 0.2 * by["data"][0]  # asleep is not waiting for a CPU
     assert by["all_reduce"][1] == -1
+
+
+@pytest.mark.skipif(not Path("/proc/thread-self/schedstat").exists(), reason="needs Linux schedstat")
+def test_cpu_wait_reader_keeps_no_fd_of_ended_threads_and_rereads_after_fork():
+    import threading
+
+    from megatronapp.scan.tracer import cpu_wait_ns
+
+    assert cpu_wait_ns() >= 0
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):  # spans on short-lived threads: each opens its own schedstat file, closed with it
+        t = threading.Thread(target=cpu_wait_ns)
+        t.start()
+        t.join()
+    import gc
+
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # an inherited fd would read the PARENT's thread: the child opens its own
+        os.write(w, b"1" if cpu_wait_ns() >= 0 and cpu_wait_ns._local.f.pid == os.getpid() else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"1"

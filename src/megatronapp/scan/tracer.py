@@ -33,6 +33,22 @@ _OTHER = CAT_INDEX["other"]
 _WORK = frozenset({"compute", "data", "optimizer"})  # spans whose CPU wait is measured (format.py: cpu_wait)
 
 
+class _SchedstatFd:
+    """This thread's /proc schedstat file, open; closed when the thread (and so its thread-local) goes away."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()  # a forked child must not read its parent's thread through an inherited fd
+        try:
+            self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self.fd = -1
+
+    def __del__(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+
+
 class _CpuWait:
     """Nanoseconds this thread has spent runnable but waiting for a CPU, from Linux schedstat (its 2nd field,
     the run-queue delay); -1 where the kernel does not say. One pread of an fd opened once per thread (~1 us):
@@ -42,17 +58,13 @@ class _CpuWait:
         self._local = threading.local()
 
     def __call__(self) -> int:
-        fd = getattr(self._local, "fd", None)
-        if fd is None:
-            try:
-                fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-            except OSError:
-                fd = -1
-            self._local.fd = fd
-        if fd < 0:
+        f = getattr(self._local, "f", None)
+        if f is None or f.pid != os.getpid():
+            f = self._local.f = _SchedstatFd()
+        if f.fd < 0:
             return -1
         try:
-            return int(os.pread(fd, 128, 0).split()[1])
+            return int(os.pread(f.fd, 128, 0).split()[1])
         except (OSError, IndexError, ValueError):
             return -1
 
