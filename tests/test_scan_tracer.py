@@ -496,7 +496,8 @@ def test_cpu_wait_reader_keeps_no_fd_of_ended_threads_and_rereads_after_fork():
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # an inherited fd would read the PARENT's thread: the child opens its own
-        os.write(w, b"1" if cpu_wait_ns() >= 0 and cpu_wait_ns._local.f.pid == os.getpid() else b"0")
+        ok = cpu_wait_ns() >= 0 and f"/{os.getpid()}/" in os.readlink(f"/proc/self/fd/{cpu_wait_ns._local.f.fd}")
+        os.write(w, b"1" if ok else b"0")
         os._exit(0)
     os.waitpid(pid, 0)
     assert os.read(r, 1) == b"1"

@@ -251,14 +251,12 @@ def _edges(samples: tuple, ranks: list[int], origin: dict[int, int], t0: int, dr
 
 
 def _gmedian(g: np.ndarray, v: np.ndarray, n: int) -> np.ndarray:
-    """Median of v per group id in [0, n) (NaN for an empty group), by one sort."""
-    o = np.lexsort((v, g))
-    gs, vs = g[o], v[o]
-    cnt = np.bincount(gs, minlength=n)
-    start = np.concatenate([[0], np.cumsum(cnt)[:-1]])
+    """Median of v per group id in [0, n), NaN for a group with no sample (detect.group_median, dense)."""
+    from megatronapp.scan.detect import group_median  # detect imports this module
+
     med = np.full(n, np.nan)
-    ok = cnt > 0
-    med[ok] = (vs[start[ok] + (cnt[ok] - 1) // 2] + vs[start[ok] + cnt[ok] // 2]) / 2
+    uk, m, _ = group_median(g, v)
+    med[uk] = m
     return med
 
 

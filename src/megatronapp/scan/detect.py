@@ -238,6 +238,7 @@ def robust_excess(x: np.ndarray, groups: np.ndarray, floor: float, noise: float 
         if len(rows) < 2:
             continue
         v = x[rows]
+        mad = np.nanmedian(np.abs(v - np.nanmedian(v, axis=0)), axis=0) * 1.4826
         if len(rows) < 5:
             med = np.stack([np.nanmedian(np.delete(v, i, axis=0), axis=0) for i in range(len(rows))])
             if noise is not None:
@@ -246,11 +247,8 @@ def robust_excess(x: np.ndarray, groups: np.ndarray, floor: float, noise: float 
                 # with the run's jitter as a floor under it: three values alone may agree by chance.
                 mad = np.stack([np.nanmedian(np.abs(np.delete(v, i, axis=0) - med[i]), axis=0)
                                 for i in range(len(rows))]) * 1.4826
-            else:
-                mad = np.nanmedian(np.abs(v - np.nanmedian(v, axis=0)), axis=0) * 1.4826
         else:
             med = np.broadcast_to(np.nanmedian(v, axis=0), v.shape)
-            mad = np.nanmedian(np.abs(v - np.nanmedian(v, axis=0)), axis=0) * 1.4826
         if noise is not None and len(rows) == 2:
             mad = 0.0
         ref[rows] = med
@@ -779,16 +777,14 @@ def _explained_by_links(findings: list[Finding], links: list[Finding]) -> list[F
     """Drop a link end's late arrival, pause or slow compute that its stalls before posting over the link account
     for (a collective posted inside a compute span, a gradient all-reduce issued from backward, stalls inside that
     span: its rank's compute looks slow by the stall)."""
-    kept = []
-    for f in findings:
+    def link_of(f: Finding) -> Finding | None:
         r = f.ranks[0]
         link = next((x for x in links if r in x.ranks), None)
         if link is not None and f.kind in ("late-arrival", "transient-pause", "slow-compute") and \
                 f.excess_ms <= 1.5 * link.evidence["stall_ms_per_iteration"][r]:
-            link.evidence.setdefault("explains", []).append(f"{f.kind} of rank {r} (+{f.excess_ms:.1f} ms)")
-            continue
-        kept.append(f)
-    return kept
+            return link
+        return None
+    return _fold_into(findings, link_of, "explains")
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -254,9 +254,11 @@ def shift_clocks(traces: list[RankTrace], offsets_s: dict[int, float], ppm: dict
         off, k = int(offsets_s.get(t.rank, 0.0) * 1e9), 1.0 + ppm.get(t.rank, 0.0) * 1e-6
         t0 = int(t.ts.min()) if len(t) else 0
 
-        def remap(ts: np.ndarray, dur: np.ndarray, t0: int = t0, off: int = off, k: float = k) -> tuple:
-            return (t0 + off + np.round((ts - t0) * k).astype(np.int64),
-                    np.where(dur < 0, dur, np.round(dur * k)).astype(np.int64))
+        def moved(ts: np.ndarray, t0: int = t0, off: int = off, k: float = k) -> np.ndarray:
+            return t0 + off + np.round((np.asarray(ts, np.int64) - t0) * k).astype(np.int64)
+
+        def remap(ts: np.ndarray, dur: np.ndarray, k: float = k) -> tuple:
+            return moved(ts), np.where(dur < 0, dur, np.round(dur * k)).astype(np.int64)
         ts, dur = remap(t.ts, t.dur)
         opened = dict(t.opened)
         if len(opened.get("ts", ())):
@@ -266,11 +268,9 @@ def shift_clocks(traces: list[RankTrace], offsets_s: dict[int, float], ppm: dict
             header = {**header, "host": f"{header.get('host')}~clock{off:+d}ns{k - 1:+.2e}", "boot_id": None}
             hs = header.get("handshake")
             if hs:  # its clock reads are on this rank's clock too (alignment anchors on them)
-                header["handshake"] = {**hs, **{key: remap(np.asarray(hs[key], np.int64),
-                                                           np.zeros(len(hs[key]), np.int64))[0].tolist()
-                                                for key in ("send", "exit") if key in hs}}
+                header["handshake"] = {**hs, **{key: moved(hs[key]).tolist() for key in ("send", "exit") if key in hs}}
             if "mono_ns" in header:
-                header["mono_ns"] = int(remap(np.array([header["mono_ns"]], np.int64), np.zeros(1, np.int64))[0][0])
+                header["mono_ns"] = int(moved([header["mono_ns"]])[0])
         out.append(dataclasses.replace(t, ts=ts, dur=dur, opened=opened, header=header))
     return out
 

@@ -37,7 +37,6 @@ class _SchedstatFd:
     """This thread's /proc schedstat file, open; closed when the thread (and so its thread-local) goes away."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()  # a forked child must not read its parent's thread through an inherited fd
         try:
             self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
         except OSError:
@@ -52,14 +51,19 @@ class _SchedstatFd:
 class _CpuWait:
     """Nanoseconds this thread has spent runnable but waiting for a CPU, from Linux schedstat (its 2nd field,
     the run-queue delay); -1 where the kernel does not say. One pread of an fd opened once per thread (~1 us):
-    /proc/thread-self names the thread that opens it."""
+    /proc/thread-self names the thread that opens it, so a forked child forgets every fd it inherited (they
+    would read the parent's threads) and opens its own."""
 
     def __init__(self) -> None:
         self._local = threading.local()
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._local = threading.local()  # the inherited fds are closed as their holders go
 
     def __call__(self) -> int:
         f = getattr(self._local, "f", None)
-        if f is None or f.pid != os.getpid():
+        if f is None:
             f = self._local.f = _SchedstatFd()
         if f.fd < 0:
             return -1
