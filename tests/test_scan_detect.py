@@ -488,3 +488,38 @@ def test_a_link_found_by_its_ends_stalls_explains_their_slow_compute_not_the_oth
     # Twice the stall is more than the link explains: a slow rank of its own.
     big = Finding("slow-compute", (3,), [coords[3]], "3x compute", 3.0, 90.0, 1.0, {})
     assert _links_of_slow_ranks(_explained_by_links([big], [link]) + [link]) == [big, link]
+
+
+@pytest.mark.parametrize("recording, link, ms", [("scan_real_quiet", (0, 1), 6), ("scan_real", (2, 3), 15)])
+def test_the_slower_of_two_dp_groups_is_named_on_paired_instances(recording, link, ms):
+    # pp2dp2 has one DP pair per stage: two groups doing the same all-reduces, which a MAD cannot split (each is
+    # the other's outlier). Paired by sequence number, the slow one is slower in nearly every instance; the
+    # healthy recordings' pairs differ either way (13 of 20 slower, systematic skew 0.4-2 ms under 2-4 ms spread).
+    traces, _ = read_dir(REAL.parent / recording / "pp2dp2")
+    assert detect(traces).findings == []
+    report = detect(perturb(traces, [Perturbation("slow-collective-link", link, ms=ms)]))
+    assert _named(report) == {("slow-link", link)}, report.to_text()
+    (f,) = report.findings
+    assert f.evidence["method"] == "paired instances" and f.evidence["peer"] == [r for r in (0, 1, 2, 3)
+                                                                                  if r not in link]
+
+
+def test_two_units_need_a_consistent_difference_above_their_spread():
+    from megatronapp.scan.detect import _slower_of_two
+
+    rng = np.random.default_rng(3)
+    n, ms = 20, 1e6
+    base = rng.normal(3 * ms, 1 * ms, n).clip(0.5 * ms)
+    tb = join(_real("pp2dp2"))  # only its coordinates are read
+
+    def judge(extra, jitter=1 * ms):
+        unit = np.r_[np.zeros(n, np.int64), np.ones(n, np.int64)]
+        t = np.r_[base, base + extra + rng.normal(0, jitter, n)]
+        inst = np.r_[np.arange(n), np.arange(n)]
+        return _slower_of_two(tb, Thresholds(), np.array([0, 1]), unit, t, inst, 5.0, lambda u: (2 * u, 2 * u + 1),
+                              "collective")
+
+    assert judge(np.full(n, 10 * ms)).ranks == (2, 3)  # +10 ms in every instance
+    assert judge(np.full(n, 1.5 * ms), jitter=2 * ms) is None  # a skew within twice one difference's spread
+    assert judge(np.where(np.arange(n) < 6, 30 * ms, 0.0)) is None  # delayed in 6 of 20 instances: no link
+

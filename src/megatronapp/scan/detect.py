@@ -533,7 +533,8 @@ def links_and_waits(tb: Table, ph: Phases, th: Thresholds, offsets: dict[int, in
         # A slow group is narrowed to the slow link inside it where the members' exit order singles one out.
         # Exits are put on one clock through the groups that leave together (ring.bridge_offsets), also when
         # offsets are given: their alignment anchored on the slow group's exits too, which do not coincide.
-        slow = _link_findings(tb, th, g_of, cls, ratio, ctime, lambda g: tb.groups[int(g)][1], "collective")
+        slow = _link_findings(tb, th, g_of, cls, ratio, ctime, lambda g: tb.groups[int(g)][1], "collective",
+                              tb.seq[coll][first])
         gids = [[g for g, (_, r) in enumerate(tb.groups) if r == f.ranks] for f in slow]
         flagged = {g for x in gids for g in x}
         bridge, part = ring.bridge_offsets(tb, coll, inst, flagged) if any(len(f.ranks) > 2 for f in slow) \
@@ -580,8 +581,9 @@ def sign_p(k: int, n: int) -> float:
 
 
 def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray, ratio: np.ndarray,
-                   t: np.ndarray, ranks_of, what: str) -> list[Finding]:
-    """Links (or groups) whose median transfer time stands out among units of the same class."""
+                   t: np.ndarray, ranks_of, what: str, inst: np.ndarray | None = None) -> list[Finding]:
+    """Links (or groups) whose median transfer time stands out among units of the same class. With `inst` (the
+    same op instance on every unit: one id per row), a class of exactly two units is judged pairwise."""
     uu, rmed, n = group_median(unit, ratio)
     _, tmed, _ = group_median(unit, t)
     # Consistency: a link slow on the wire is slow in most of its transfers; a few transfers a busy host delayed
@@ -597,6 +599,10 @@ def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray,
         rows = np.flatnonzero(ucls == c)
         if len(rows) < 2:
             continue  # a link with no peer doing the same transfer cannot be judged
+        if len(rows) == 2 and inst is not None:
+            f = _slower_of_two(tb, th, uu[rows], unit, t, inst, zmin, ranks_of, what)
+            out += [f] if f else []
+            continue
         ref, exc, z = robust_excess(rmed[rows, None], np.zeros(len(rows), np.int64), th.scale_floor)
         for i, k in enumerate(rows):
             peer_t = tmed[k] / rmed[k] * ref[i, 0]
@@ -613,6 +619,48 @@ def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray,
                                f"{factor:.2f}x transfer time on {what} {label}", round(factor, 3),
                                round((tmed[k] - peer_t) / MS, 4), _confidence(float(z[i, 0]), 1.0, zmin), ev))
     return out
+
+
+_PAIR_NOISE = 2.0  # a pair's median difference must reach twice the spread of one instance's difference
+
+
+def _slower_of_two(tb: Table, th: Thresholds, units: np.ndarray, unit: np.ndarray, t: np.ndarray, inst: np.ndarray,
+                   zmin: float, ranks_of, what: str) -> Finding | None:
+    """The slower of two units doing the same ops (the DP groups of two stages), judged on paired instances.
+
+    Two units have no spread to measure an outlier in (each is the other's), but they repeat the same op: the
+    difference of each instance (same op, same sequence number) is a sample of how much slower one is. A slow
+    link pays its delay in nearly every instance; a healthy pair differs by chance either way. Both must hold:
+    the median difference stands out of its standard error (z), and most instances are slower (sign test); the
+    difference must also reach link_rel of the faster one and twice the spread of one instance's difference
+    (the two stages' all-reduces meet different load: a systematic few-ms skew is no fault)."""
+    ta_of, tb_of = (dict(zip(inst[unit == u].tolist(), t[unit == u].tolist())) for u in units)
+    common = sorted(ta_of.keys() & tb_of.keys())
+    if len(common) < 5:
+        return None
+    ta, tb_ = np.array([ta_of[k] for k in common]), np.array([tb_of[k] for k in common])
+    d = tb_ - ta
+    if np.median(d) < 0:
+        d, ta, tb_, units = -d, tb_, ta, units[::-1]
+    med, n = float(np.median(d)), len(d)
+    spread = max(1.4826 * float(np.median(np.abs(d - med))), th.scale_floor * float(np.median(ta)), 1.0)
+    z = med / (1.2533 * spread / math.sqrt(n))  # the sample median's standard error
+    slower = int((d > 0).sum())
+    ref = float(np.median(ta))
+    if not (z >= zmin and med >= th.link_rel * ref and med >= max(th.link_abs_ms * MS, _PAIR_NOISE * spread)
+            and sign_p(slower, n) <= th.link_sign_p):
+        return None
+    rks = tuple(int(x) for x in ranks_of(units[1]))
+    factor = float(np.median(tb_)) / max(ref, 1.0)
+    ev = {"what": what, "method": "paired instances", "transfers": n, "slower_in": slower,
+          "median_ms": round(float(np.median(tb_)) / MS, 4), "peer_median_ms": round(ref / MS, 4),
+          "peer": [int(x) for x in ranks_of(units[0])], "median_difference_ms": round(med / MS, 4),
+          "difference_spread_ms": round(spread / MS, 4), "z": round(z, 1)}
+    label = f"{rks[0]}-{rks[1]}" if len(rks) == 2 else f"group {list(rks)}"
+    return Finding("slow-link", rks, [_coord(tb, r) for r in rks],
+                   f"{factor:.2f}x transfer time on {what} {label} (+{med / MS:.1f} ms in {slower} of {n} "
+                   f"instances against its only peer)", round(factor, 3), round(med / MS, 4),
+                   _confidence(z, slower / n, zmin), ev)
 
 
 def _cross_stage_links(tb: Table, th: Thresholds, si: np.ndarray, pair: np.ndarray, shared: np.ndarray,
