@@ -89,6 +89,32 @@ def test_slow_compute_and_pause_act_on_their_rank_only(tmp_path):
     assert gaps[0] >= 79 and gaps[2] >= 79 and gaps[1] < 40 and gaps[3] < 40, gaps
 
 
+def test_slow_compute_stretches_layers_once_and_the_compute_around_them(tmp_path):
+    # A slow device is slow at every op: per-layer spans are stretched too (MegaScan measures stage work and
+    # lone stages by them), and the compute span around them stretches only its time outside layers.
+    tr = Tracer(tmp_path / "rank00000.mst", {"rank": 0, "world": 1, "coord": [0, 0, 0], "topo": [1, 1, 1]},
+                granularity="full")
+    tracing.install(tr)
+    inj = faults.install(["slow-compute=0:2.0"], Topology(tp=1, pp=1, dp=1, rank=0))
+    try:
+        for it in range(3):
+            with tracing.step(it):
+                with tracing.span("forward", "compute"):
+                    time.sleep(0.01)
+                    for i in range(2):
+                        with tracing.span(f"layers.{i}", "layer"):
+                            time.sleep(0.02)
+    finally:
+        inj.remove()
+        tr.close()
+    t = read_rank(tmp_path / "rank00000.mst")
+    name = np.array(t.names)[t.name]
+    layer = t.dur[np.char.startswith(name.astype(str), "layers.")] / 1e6
+    fwd = t.dur[name == "forward"] / 1e6
+    assert np.all(layer > 39) and np.median(layer) < 60, layer  # 2 x 20 ms
+    assert np.all(fwd > 99) and np.median(fwd) < 140, fwd  # 2 x (10 + 2 x 20) ms, not 2 x (10 + 2 x 40)
+
+
 def test_hang_blocks_until_removed(tmp_path):
     inj = faults.install(["hang=0:3"], Topology(tp=1, pp=1, dp=2, rank=0))
     reached = []

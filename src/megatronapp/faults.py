@@ -1,7 +1,8 @@
 """Fault injection for `--inject`: make a rank slow, a link slow, a rank pause like GC, or a rank hang.
 
 Specs (one per `--inject`):
-  slow-compute=RANK:FACTOR   compute spans on RANK take FACTOR times longer (sleep (FACTOR-1)*elapsed at close)
+  slow-compute=RANK:FACTOR   compute spans on RANK take FACTOR times longer (sleep (FACTOR-1)*elapsed at close),
+                             and so do the layer spans inside them: a slow device is slow at every op it runs
   slow-link=A-B:DELAY_MS     each send between A and B, and each collective holding both, waits DELAY_MS on A and B
   pause=RANK:MS:EVERY        RANK pauses MS milliseconds at the start of every EVERY-th iteration
   hang=RANK:STEP             RANK blocks at the start of iteration STEP until the injector is removed
@@ -109,6 +110,7 @@ class Injector:
         self._pauses = [f for f in faults if f.kind == "pause" and f.ranks[0] == rank]
         self._hangs = {f.step for f in faults if f.kind == "hang" and f.ranks[0] == rank}
         self._release = threading.Event()
+        self._local = threading.local()
         self.hung_at: int | None = None
         self.installed_sink = bool(self._slow or self._pauses or self._hangs)
         if self.installed_sink:
@@ -116,15 +118,38 @@ class Injector:
         if self._links or self._wires:
             comm.add_interceptor(self.intercept)
 
-    # SpanSink: only compute spans are timed, everything else costs one comparison.
+    # SpanSink: only compute and layer spans are timed, everything else costs one comparison. A layer span is
+    # stretched at its own close; the compute span around it then stretches only its time outside layers (each
+    # thread keeps a stack of its open compute spans' already-stretched time).
     def open(self, name: str, cat: str, meta: dict[str, Any]) -> Any:
-        return time.perf_counter() if cat == "compute" and self._slow else None
+        if not self._slow or cat not in ("compute", "layer"):
+            return None
+        inner = None
+        if cat == "compute":
+            inner = [0.0]
+            self._stack().append(inner)
+        return time.perf_counter(), inner
 
     def close(self, token: Any) -> None:
-        if token is not None:
-            elapsed = time.perf_counter() - token
-            for factor in self._slow:
-                time.sleep((factor - 1.0) * elapsed)
+        if token is None:
+            return
+        t0, inner = token
+        elapsed = time.perf_counter() - t0
+        own = elapsed - (inner[0] if inner is not None else 0.0)
+        stretch = sum(factor - 1.0 for factor in self._slow) * max(own, 0.0)
+        time.sleep(stretch)
+        stack = self._stack()
+        if inner is not None:
+            if stack and stack[-1] is inner:
+                stack.pop()
+        elif stack:  # a layer: its stretched time is already paid inside the enclosing compute span
+            stack[-1][0] += elapsed + stretch
+
+    def _stack(self) -> list[list[float]]:
+        local = self._local
+        if not hasattr(local, "stack"):
+            local.stack = []
+        return local.stack
 
     def step(self, iteration: int, begin: bool) -> None:
         if not begin:
