@@ -2,20 +2,22 @@
 
 Real runs: a pure pipeline (pp=4, dp=tp=1) whose last stage is legitimately heavier (vocabulary 1024: the logits
 GEMM and the loss make its FLOPs 1.6x a middle stage's) is healthy and must raise nothing, while that stage
-slowed 2x by a drill is still named. Without `stage_work` the same healthy traces blame the last stage
-(checked too, so the tests show what the cost model is for). A 2x drill, not 1.3x: FLOPs overstate the LM
-head's time on this CPU (docs/megascan.md, lone stages), and the margin must also beat a busy machine's noise
-(a 1.5x drill was missed once in four runs at a load average near 27).
+slowed 2x by a drill is still named. Without `stage_work` the same healthy last stage works 1.35-1.4x the others
+per iteration (checked too, so the tests show what the cost model is for). A 2x drill, not 1.3x: FLOPs overstate
+the LM head's time on this CPU (docs/megascan.md, lone stages), and the margin must also beat a busy machine's
+noise (a 1.5x drill was missed once in four runs at a load average near 27). Traced per layer (granularity
+full), the job measures its stages' work itself (scan/layercost.py): no cost model, and a 1.5x drill is named.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from megatronapp.config import ModelConfig, ParallelConfig, RunConfig, TraceConfig, TrainConfig
 from megatronapp.scan.costmodel import chunk_flops_per_token, stage_work
-from megatronapp.scan.detect import detect
+from megatronapp.scan.detect import analyse, detect
 from megatronapp.scan.format import read_dir
 from megatronapp.train.trainer import train
 
@@ -43,21 +45,21 @@ def test_stage_work_adds_up_to_the_model_flops_and_follows_chunks():
 def pipeline_run(tmp_path_factory):
     done: dict[tuple, list] = {}
 
-    def run(inject: tuple[str, ...]) -> list:
-        if inject not in done:
+    def run(inject: tuple[str, ...], granularity: str = "coarse") -> list:
+        if (inject, granularity) not in done:
             out = tmp_path_factory.mktemp("megascan-pp4")
             cfg = RunConfig(model=ModelConfig(**MODEL),
                             parallel=ParallelConfig(tp=1, pp=4, dp=1, microbatches=4, schedule="1f1b"),
                             train=TrainConfig(steps=STEPS, global_batch_size=8, seq_len=64, warmup_steps=1,
                                               out=str(out), progress=False),
                             trace=TraceConfig(enabled=True, dir=str(out / "trace"), interval=STEPS,
-                                              iterations=STEPS),
+                                              iterations=STEPS, granularity=granularity),
                             inject=list(inject))
             train(cfg)
             traces, problems = read_dir(Path(out) / "trace")
             assert problems == [] and len(traces) == 4
-            done[inject] = traces
-        return done[inject]
+            done[inject, granularity] = traces
+        return done[inject, granularity]
     return run
 
 
@@ -73,12 +75,25 @@ def test_heavier_last_stage_is_no_fault(pipeline_run):
     report = detect(traces)
     assert report.findings == [], report.to_text()
     assert "scaled by the headers' stage_work" in report.to_text()
-    # Assuming equal stages, the healthy last stage (rank 3) would be blamed.
-    blamed = detect(_without_stage_work(traces)).findings
-    assert blamed and blamed[0].ranks == (3,)
+    # What the cost model is for: the healthy last stage works clearly more per iteration than the others
+    # (1.35-1.4x measured), which a detector assuming equal stages would count against it. (Whether that
+    # detector then names it depends on the machine's noise in the run: asserted on the data, not on that.)
+    st = np.nanmedian(analyse(_without_stage_work(traces)).phases.self_time, axis=1)
+    assert st[3] > 1.15 * np.median(st[:3]), st
 
 
 def test_slow_heavy_stage_is_still_found(pipeline_run):
     traces = pipeline_run(("slow-compute=3:2",))
     report = detect(traces)
     assert [(f.kind, f.ranks) for f in report.findings] == [("slow-compute", (3,))], report.to_text()
+
+
+def test_per_layer_spans_measure_the_stages_work_and_name_a_slow_lone_stage(pipeline_run):
+    # Traced per layer, the job carries its own yardstick: every stage runs the same transformer layer. No cost
+    # model in the headers at all; the healthy heavier last stage raises nothing, and a 1.5x slow last stage
+    # (below the 2x the FLOPs model needs above) is named: its layers run slower than the other stages' layers.
+    healthy = detect(_without_stage_work(pipeline_run((), "full")))
+    assert healthy.findings == [], healthy.to_text()
+    assert "stage work measured in per-layer spans" in healthy.to_text()
+    slow = detect(_without_stage_work(pipeline_run(("slow-compute=3:1.5",), "full")))
+    assert [(f.kind, f.ranks) for f in slow.findings] == [("slow-compute", (3,))], slow.to_text()

@@ -441,7 +441,8 @@ def test_cuda_event_times_stay_precise_hours_later_with_one_anchor_per_window(tm
                     reason="needs Linux schedstat and CPU affinity")
 def test_work_spans_record_the_time_they_waited_for_a_cpu(tmp_path):
     """A compute span that shares its one CPU with a spinning process waits for the CPU about half its time;
-    the tracer records that wait (schedstat run-queue delay), a sleeping span none, a comm span is not measured."""
+    the tracer records that wait (schedstat run-queue delay), a layer span inside it too (per-layer costs are
+    measured without it), a sleeping span none, a comm span is not measured."""
     import subprocess
     import sys
 
@@ -449,13 +450,13 @@ def test_work_spans_record_the_time_they_waited_for_a_cpu(tmp_path):
     before = os.sched_getaffinity(0)
     hog = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
     header = {"rank": 0, "world": 1, "coord": [0, 0, 0], "topo": [1, 1, 1]}
-    tr = Tracer(tmp_path / "rank00000.mst", header)
+    tr = Tracer(tmp_path / "rank00000.mst", header, granularity="full")
     tracing.install(tr)
     try:
         time.sleep(0.3)  # the hog is pinned and spinning
         os.sched_setaffinity(0, {cpu})
         with tracing.step(0):
-            with tracing.span("forward", "compute"):
+            with tracing.span("forward", "compute"), tracing.span("layers.0", "layer"):
                 t0 = time.thread_time()
                 while time.thread_time() - t0 < 0.15:  # 150 ms of CPU: ~300 ms of wall time beside the hog
                     pass
@@ -473,6 +474,7 @@ def test_work_spans_record_the_time_they_waited_for_a_cpu(tmp_path):
     dur, waited = by["forward"]
     assert waited > 0.25 * dur, (dur, waited)  # CFS shares the CPU evenly: about half
     assert waited < dur
+    assert by["layers.0"][1] > 0.25 * by["layers.0"][0] and by["layers.0"][1] <= waited
     assert 0 <= by["data"][1] < 0.2 * by["data"][0]  # asleep is not waiting for a CPU
     assert by["all_reduce"][1] == -1
 

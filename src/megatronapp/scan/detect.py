@@ -35,6 +35,7 @@ from megatronapp.scan.evidence import excursion_noise, floor_findings, posting_s
 from megatronapp.scan.findings import KINDS, Finding, Report, Thresholds
 from megatronapp.scan.format import CAT_INDEX, COLUMNS, RankTrace
 from megatronapp.scan.hang import hang_findings
+from megatronapp.scan.layercost import layer_findings, measured_stage_work
 from megatronapp.scan.structure import collective_stall_findings, lone_stage_findings, lone_stage_pauses
 
 __all__ = ["KINDS", "Analysis", "Finding", "Report", "Thresholds", "analyse", "detect"]
@@ -43,6 +44,7 @@ MS = 1e6
 _FLOOR_NOISE = 2.0  # a link's floor must stand twice its own low-end spread above its peers' (_cross_stage_links)
 _NEST_SLACK_NS = 2_000  # a child may end a hair after its parent (clock reads in a different order)
 _COMPUTE, _COMM, _DATA, _OPT, _STEP = (CAT_INDEX[c] for c in ("compute", "comm", "data", "optimizer", "step"))
+_LAYER = CAT_INDEX["layer"]
 
 
 # ----------------------------------------------------------------------------- the joined span table
@@ -146,28 +148,9 @@ def phases(tb: Table) -> Phases:
         m = mask & ok
         return np.bincount(flat[m], values[m], W * shape[1]).reshape(shape)
 
-    # Exclusive compute: a comm span nested in the latest work span that started before it is subtracted.
     work = np.isin(tb.cat, (_COMPUTE, _OPT, _DATA))
-    comm = tb.cat == _COMM
-    idx = np.where(work, np.arange(len(tb.ts)), -1)
-    last_work = np.maximum.accumulate(idx) if len(idx) else idx
-    end = tb.end
-    inside = comm & (last_work >= 0)
-    lw = last_work[inside]
-    nested = (tb.rank[lw] == tb.rank[inside]) & (end[inside] <= end[lw] + _NEST_SLACK_NS)
-    # The UNION of the nested comm: async ops posted together (a batch of sends and receives) overlap, and their
-    # summed durations would take the parent's compute time twice.
-    parents, busy = _union_by_key(lw[nested], tb.ts[inside][nested], end[inside][nested])
-    sub = np.zeros(len(tb.ts))
-    sub[parents] = busy
-    excl = np.maximum(tb.dur - sub, 0)
-    if tb.cpu_wait is not None:
-        # Time runnable but without a CPU is the host's, not the op's: on an oversubscribed host it is most of
-        # a span's noise, and chance decides which rank waits. The span's wait is spread evenly over its time
-        # (its nested comm ops took their share): the exclusive part keeps excl/dur of it.
-        known = work & (tb.cpu_wait > 0) & (tb.dur > 0)
-        share = np.where(known, tb.cpu_wait * excl / np.maximum(tb.dur, 1), 0.0)
-        excl = np.maximum(excl - share, 0)
+    excl = exclusive_time(tb, work)
+    end, comm = tb.end, tb.cat == _COMM
     compute = per_cell(work & (tb.cat != _DATA), excl)
     data = per_cell(tb.cat == _DATA, excl)
     # Comm time as the union of comm intervals (async spans overlap), rest of the window is untraced gap.
@@ -185,6 +168,33 @@ def phases(tb: Table) -> Phases:
     commu = _union_per_cell(tb, comm & ok, flat, W * shape[1]).reshape(shape)
     gap = np.maximum(window - cover, 0)
     return Phases(iters, compute / MS, data / MS, gap / MS, commu / MS, window / MS, excl)
+
+
+def exclusive_time(tb: Table, parent: np.ndarray) -> np.ndarray:
+    """Per row: the span's time less the comm nested in it and less its CPU wait (meaningful where `parent`).
+
+    A comm span is nested in the latest `parent` span that started before it, on its rank, if it ends inside.
+    The UNION of the nested comm is subtracted: async ops posted together (a batch of sends and receives) overlap,
+    and their summed durations would take the parent's time twice."""
+    comm = tb.cat == _COMM
+    idx = np.where(parent, np.arange(len(tb.ts)), -1)
+    last = np.maximum.accumulate(idx) if len(idx) else idx
+    end = tb.end
+    inside = comm & (last >= 0)
+    lw = last[inside]
+    nested = (tb.rank[lw] == tb.rank[inside]) & (end[inside] <= end[lw] + _NEST_SLACK_NS)
+    parents, busy = _union_by_key(lw[nested], tb.ts[inside][nested], end[inside][nested])
+    sub = np.zeros(len(tb.ts))
+    sub[parents] = busy
+    excl = np.maximum(tb.dur - sub, 0)
+    if tb.cpu_wait is not None:
+        # Time runnable but without a CPU is the host's, not the op's: on an oversubscribed host it is most of
+        # a span's noise, and chance decides which rank waits. The span's wait is spread evenly over its time
+        # (its nested comm ops took their share): the exclusive part keeps excl/dur of it.
+        known = parent & (tb.cpu_wait > 0) & (tb.dur > 0)
+        share = np.where(known, tb.cpu_wait * excl / np.maximum(tb.dur, 1), 0.0)
+        excl = np.maximum(excl - share, 0)
+    return excl
 
 
 def _union_by_key(key: np.ndarray, s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -632,8 +642,9 @@ def _slower_of_two(tb: Table, th: Thresholds, units: np.ndarray, unit: np.ndarra
     difference of each instance (same op, same sequence number) is a sample of how much slower one is. A slow
     link pays its delay in nearly every instance; a healthy pair differs by chance either way. Both must hold:
     the median difference stands out of its standard error (z), and most instances are slower (sign test); the
-    difference must also reach link_rel of the faster one and twice the spread of one instance's difference
-    (the two stages' all-reduces meet different load: a systematic few-ms skew is no fault)."""
+    difference must also reach twice the spread of one instance's difference and floor_rel of the faster one,
+    the bar of a comparison with one peer: the two groups sit in different stages and meet different load (a
+    healthy embedding all-reduce pair differed by 1.12x in 5 of 5 instances before a hang)."""
     ta_of, tb_of = (dict(zip(inst[unit == u].tolist(), t[unit == u].tolist())) for u in units)
     common = sorted(ta_of.keys() & tb_of.keys())
     if len(common) < 5:
@@ -647,11 +658,11 @@ def _slower_of_two(tb: Table, th: Thresholds, units: np.ndarray, unit: np.ndarra
     z = med / (1.2533 * spread / math.sqrt(n))  # the sample median's standard error
     slower = int((d > 0).sum())
     ref = float(np.median(ta))
-    if not (z >= zmin and med >= th.link_rel * ref and med >= max(th.link_abs_ms * MS, _PAIR_NOISE * spread)
+    factor = float(np.median(tb_)) / max(ref, 1.0)
+    if not (z >= zmin and factor >= 1 + th.floor_rel and med >= max(th.link_abs_ms * MS, _PAIR_NOISE * spread)
             and sign_p(slower, n) <= th.link_sign_p):
         return None
     rks = tuple(int(x) for x in ranks_of(units[1]))
-    factor = float(np.median(tb_)) / max(ref, 1.0)
     ev = {"what": what, "method": "paired instances", "transfers": n, "slower_in": slower,
           "median_ms": round(float(np.median(tb_)) / MS, 4), "peer_median_ms": round(ref / MS, 4),
           "peer": [int(x) for x in ranks_of(units[0])], "median_difference_ms": round(med / MS, 4),
@@ -857,9 +868,14 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
         traces = _finished_iterations(traces)
     tb = join(traces)
     ph = phases(tb)
-    findings = _combine(rank_findings(tb, ph, th), floor_findings(tb, ph.excl, ph.iters, th, _stage_work(traces)))
+    # Stage costs: measured from per-layer spans where the traces have them, else the headers' cost model.
+    layer_excl = exclusive_time(tb, tb.cat == _LAYER)
+    measured = measured_stage_work(tb, ph, layer_excl, th.floor_q)
+    work = measured or _stage_work(traces)
+    findings = _combine(rank_findings(tb, ph, th), floor_findings(tb, ph.excl, ph.iters, th, work))
+    findings = _combine(findings, layer_findings(tb, ph, layer_excl, th))
     link_f, waits = links_and_waits(tb, ph, th, offsets, clock)
-    findings = _combine(findings, lone_stage_findings(tb, ph, waits, th, _stage_work(traces)))  # one per rank
+    findings = _combine(findings, lone_stage_findings(tb, ph, waits, th, work))  # one per rank
     findings = _combine(findings, lone_stage_pauses(tb, ph, th))
     findings = _pauses_of_slow_ranks(findings, ph, tb)
     stall = posting_stall(tb)
@@ -882,7 +898,8 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     lonely = [int(s) for s in np.unique(tb.coords[:, 1]) if (tb.coords[:, 1] == s).sum() < 2]
     if lonely:
         notes.append(f"stages {lonely} have a single rank (dp*tp == 1): judged through the wait structure against "
-                     "the other stages" + (" (scaled by the headers' stage_work)" if _stage_work(traces) else
+                     "the other stages" + (f" (scaled by the stage work measured in per-layer spans: {measured})"
+                                           if measured else " (scaled by the headers' stage_work)" if work else
                                            ", assuming stages do equal work (no stage_work in the headers)"))
     step_ms = float(np.nanmedian(ph.window)) if np.isfinite(ph.window).any() else 0.0
     report = Report(findings, tb.world, len(ph.iters), round(step_ms, 3), waited_for, notes)

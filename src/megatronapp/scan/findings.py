@@ -29,6 +29,9 @@ class Thresholds:
     persistent_noise: float = 1.0  # a persistent excess >= that jitter in each counted iteration
     floor_q: float = 0.1  # an op's floor: this quantile of its repeats
     floor_rel: float = 0.4  # floors above peers' by 40% (measured: healthy ranks on a 2-core box at load 20 reach 1.3x)
+    # A lone stage's fastest layer per iteration above the other stages' (the same op, CPU waits out): healthy
+    # ranks of the stored pure-pipeline recordings reach 1.12x (median over iterations).
+    layer_rel: float = 0.2
     stall_abs_ms: float = 2.0  # stall before posting a send, beyond the same send on other columns
     stall_floor_ms: float = 0.1  # a healthy posting delay is taken as at least this (for the ratio)
     # False alarms at scale: thousands of comparisons at a fixed z make some noise pass it. The z needed grows
@@ -94,6 +97,10 @@ class Report:
             if "floor_ratio_by_op" in ev:
                 lines.append(f"      fastest repeats vs {ev['peers']} peer(s): {ev['floor_ratio_by_op']}; "
                              f"iterations {ev['iterations']}")
+            elif "layer_floor_ms" in ev:
+                lines.append(f"      fastest '{ev['layer_kind']}' span per iteration {ev['layer_floor_ms']:.3f} ms vs "
+                             f"the other stages' {ev['other_stages_layer_floor_ms']:.3f} ms; iterations "
+                             f"{ev['iterations']}")
             elif "iterations" in ev:
                 lines.append(f"      iterations {ev['iterations']}; ops {ev.get('ops', {})}")
             if ev.get("method") == "ring exit pattern":

@@ -36,6 +36,7 @@ from megatronapp.scan.detect import join, match_p2p
 from megatronapp.scan.format import CAT_INDEX, COLUMNS, RankTrace
 
 _COMPUTE, _COMM, _STEP = CAT_INDEX["compute"], CAT_INDEX["comm"], CAT_INDEX["step"]
+_LAYER = CAT_INDEX["layer"]
 NEVER = 1e15  # ns of delay standing for "never" (a hang): far beyond any trace window, finite so sums stay exact
 KINDS = ("slow-compute", "slow-link", "slow-collective-link", "pause", "late-arrival", "hang")
 
@@ -43,7 +44,9 @@ KINDS = ("slow-compute", "slow-link", "slow-collective-link", "pause", "late-arr
 @dataclass(frozen=True)
 class Perturbation:
     """One injected fault: `ranks` (one rank, or the two ends of a link), `factor` (compute stretch), `ms`
-    (extra per transfer / collective / pause / stall), `every` (pause period), `at_iteration` (hang start)."""
+    (extra per transfer / collective / pause / stall), `every` (pause period), `at_iteration` (hang start).
+    `outside_layers` makes a slow-compute a heavier STAGE rather than a slower rank: the same total stretch,
+    put on the compute outside per-layer spans (a bigger head, an extra embedding), its layers untouched."""
 
     kind: str
     ranks: tuple[int, ...]
@@ -51,6 +54,7 @@ class Perturbation:
     ms: float = 0.0
     every: int = 2
     at_iteration: int = 0
+    outside_layers: bool = False  # slow-compute: the extra work lies outside per-layer spans (a heavier stage)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -99,6 +103,23 @@ class _Delay:
         return base + inj
 
 
+def _minus(spans: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of sorted, disjoint `spans` outside sorted `holes`."""
+    out, k = [], 0
+    for a, b in spans:
+        while k < len(holes) and holes[k][1] <= a:
+            k += 1
+        j, t = k, a
+        while j < len(holes) and holes[j][0] < b:
+            if holes[j][0] > t:
+                out.append((t, holes[j][0]))
+            t = max(t, holes[j][1])
+            j += 1
+        if b > t:
+            out.append((t, b))
+    return out
+
+
 def _compute_gaps(ts: np.ndarray, end: np.ndarray, cat: np.ndarray) -> list[tuple[int, int]]:
     """One rank's exclusive compute intervals: compute spans minus the comm spans nested in them."""
     comm = np.flatnonzero(cat == _COMM)
@@ -128,7 +149,13 @@ def _segments(t: RankTrace, faults: list[Perturbation]) -> list[tuple[float, flo
         if f.ranks[0] != t.rank or "link" in f.kind:
             continue
         if f.kind == "slow-compute":
-            seg += [(a, b, (f.factor - 1) * (b - a)) for a, b in _compute_gaps(ts, end, cat)]
+            gaps = _compute_gaps(ts, end, cat)
+            stretch = f.factor - 1
+            if f.outside_layers and (cat == _LAYER).any():
+                total = sum(b - a for a, b in gaps)
+                gaps = _minus(gaps, list(zip(ts[cat == _LAYER].tolist(), end[cat == _LAYER].tolist())))
+                stretch *= total / max(sum(b - a for a, b in gaps), 1)
+            seg += [(a, b, stretch * (b - a)) for a, b in gaps]
         elif f.kind == "pause":
             for k in np.unique(it[it >= 0]):
                 first = np.flatnonzero((it == k) & (t.name[o] == fwd))

@@ -30,7 +30,7 @@ _FINISH = object()  # `close()` without a token ends the tracer (SpanSink.close(
 _SKIP_ON_COARSE = frozenset({"layer"})
 _HOST_TIMED_ON_CUDA = frozenset({"data"})  # CPU-side work: a host clock is the truth, not the stream
 _OTHER = CAT_INDEX["other"]
-_WORK = frozenset({"compute", "data", "optimizer"})  # spans whose CPU wait is measured (format.py: cpu_wait)
+_WORK = frozenset({"compute", "data", "optimizer", "layer"})  # spans whose CPU wait is measured (format.py: cpu_wait)
 
 
 class _SchedstatFd:

@@ -1,0 +1,135 @@
+"""What each pipeline stage costs, MEASURED from the job's own per-layer spans (trace granularity `full`).
+
+A cost model's FLOPs are what a stage should cost on an ideal device; small layers on a CPU (or any kernel-
+launch-bound model) spend their time elsewhere: on the stored tiny-GPT-2 pipeline the FLOPs give the last
+stage (LM head and loss) 1.31x a middle stage's work, the run measures 1.08x, and a 1.3x slow last stage hid in
+the difference. Every stage runs the same transformer layer, though, so the layer is a yardstick each rank
+carries. Two uses:
+
+- `measured_stage_work`: a stage's work in LAYER UNITS, its compute floors per iteration (each op kind's
+  fastest repeats, as `evidence.floor_findings` takes them) over its own layer floor. A slow rank is slow at
+  both, so its units stay what its stage costs. Replaces the headers' (a model's) `stage_work` in the views
+  that compare a lone stage with the others.
+- `layer_findings`: a rank alone in its stage is compared with the OTHER stages on the one op they all run:
+  per iteration, its fastest layer against theirs. No cost model enters; what stays is how far identical ops
+  on healthy ranks of one job differ (`Thresholds.layer_rel`).
+
+Floors, not medians: a rank that waits less (the bottleneck) sees less of its nested comm and its exclusive
+compute median moves with the pipeline's timing (a 1.3x drill moved the last stage's compute median 1.47x),
+while the fastest repeats of an op move with the device only. Layer spans of one KIND are compared: the name
+without its index (`layers.3` -> `layers`), the kind most ranks run; their time is exclusive (nested comm such
+as a TP all-reduce, and CPU waits, taken out). Layers of different shapes under one name (a hybrid or MoE
+stack split unevenly) would need a name per shape.
+"""
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from megatronapp.scan.evidence import group_quantile
+from megatronapp.scan.findings import Finding, Thresholds
+from megatronapp.scan.format import CAT_INDEX
+
+if TYPE_CHECKING:
+    from megatronapp.scan.detect import Phases, Table
+
+_LAYER, _COMPUTE = CAT_INDEX["layer"], CAT_INDEX["compute"]
+_INDEX = re.compile(r"\.\d+$")
+_MIN_ITERATIONS = 4  # per rank: iterations with layer spans (a floor per iteration)
+MS = 1e6
+
+
+def layer_kind(name: str) -> str:
+    """The kind of a layer span: its name without a trailing `.<index>`."""
+    return _INDEX.sub("", name)
+
+
+def _layer_floors(tb: Table, ph: Phases, layer_excl: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
+    """(per rank x iteration: the fastest layer of the most common kind, ms (NaN: none); per iteration: how
+    many such layers a rank runs (its median count); that kind)."""
+    W, n_it = tb.world, len(ph.iters)
+    per_it = np.full((W, max(n_it, 1)), np.nan)
+    count = np.zeros((W, max(n_it, 1)))
+    m = (tb.cat == _LAYER) & np.isin(tb.it, ph.iters) & (tb.dur > 0)
+    if not m.any():
+        return per_it, np.zeros(W), ""
+    kinds = np.array([layer_kind(n) for n in tb.names], dtype=object)
+    kind = kinds[tb.name[m]]
+    rank = tb.rank[m]
+    best = max(set(kind), key=lambda k: len(np.unique(rank[kind == k])))
+    rows = np.flatnonzero(m)[kind == best]
+    cell = tb.rank[rows] * per_it.shape[1] + np.searchsorted(ph.iters, tb.it[rows])
+    flat = np.full(per_it.size, np.inf)
+    np.minimum.at(flat, cell, layer_excl[rows].astype(float) / MS)
+    np.add.at(count.ravel(), cell, 1)
+    per_it = np.where(np.isinf(flat), np.nan, flat).reshape(per_it.shape)
+    return per_it, np.median(count, axis=1), best
+
+
+def measured_stage_work(tb: Table, ph: Phases, layer_excl: np.ndarray, q: float = 0.1) -> dict[int, float] | None:
+    """Relative work of each pipeline stage (mean 1.0) in measured layer units, or None when the traces cannot
+    say: fewer than three ranks with layer spans of one kind, or a stage none of whose ranks has them."""
+    per_it, _, _ = _layer_floors(tb, ph, layer_excl)
+    n_it = len(ph.iters)
+    c = (tb.cat == _COMPUTE) & np.isin(tb.it, ph.iters)
+    if not c.any() or n_it == 0:
+        return None
+    # Each rank's compute at floor speed per iteration: every op kind (name, chunk) at its q-floor, times its
+    # repeats per iteration.
+    op = tb.name[c].astype(np.int64) * 1_000 + np.maximum(tb.chunk[c], 0)
+    keys, floor, cnt = group_quantile(tb.rank[c].astype(np.int64) * (1 << 32) + op, ph.excl[c].astype(float), q)
+    at_floor = np.bincount((keys >> 32).astype(np.int64), floor * cnt / n_it, tb.world) / MS
+    stage = tb.coords[:, 1]
+    units: dict[int, list[float]] = {}
+    for r in np.unique(tb.rank):
+        lf = per_it[r][np.isfinite(per_it[r])]
+        if len(lf) < _MIN_ITERATIONS or at_floor[r] <= 0:
+            continue
+        units.setdefault(int(stage[r]), []).append(float(at_floor[r] / np.quantile(lf, q)))
+    present = np.unique(stage[np.unique(tb.rank)])
+    if sum(len(v) for v in units.values()) < 3 or any(int(s) not in units for s in present):
+        return None
+    work = {s: float(np.median(v)) for s, v in units.items()}
+    mean = sum(work.values()) / len(work)
+    return {s: round(w / mean, 6) for s, w in sorted(work.items())}
+
+
+def layer_findings(tb: Table, ph: Phases, layer_excl: np.ndarray, th: Thresholds) -> list[Finding]:
+    """Slow ranks alone in their stage, by their fastest layer per iteration against the other stages'."""
+    stage = tb.coords[:, 1]
+    present = np.zeros(tb.world, bool)
+    present[np.unique(tb.rank)] = True
+    sizes = np.bincount(stage[present], minlength=int(stage.max()) + 1)
+    per_it, count, kind = _layer_floors(tb, ph, layer_excl)
+    has = np.isfinite(per_it).sum(axis=1) >= _MIN_ITERATIONS
+    out = []
+    for r in np.flatnonzero(present & has & (sizes[stage] == 1)):
+        others = np.flatnonzero(has & (np.arange(tb.world) != r))
+        if len(others) < 2:
+            continue
+        with np.errstate(all="ignore"):
+            ref = np.nanmedian(per_it[others], axis=0)
+            ratio = per_it[r] / ref
+        ok = np.isfinite(ratio)
+        if ok.sum() < _MIN_ITERATIONS:
+            continue
+        factor = float(np.median(ratio[ok]))
+        high = ratio[ok] >= 1 + th.layer_rel / 2
+        frac = float(high.mean())
+        excess = float(np.median((per_it[r] - ref)[ok])) * count[r]  # ms per iteration, at floor speed
+        if not (factor >= 1 + th.layer_rel and frac >= th.persistent and excess >= th.abs_ms):
+            continue
+        conf = min(1.0, 0.5 + (factor - 1 - th.layer_rel) / (2 * th.layer_rel)) * frac * 0.85  # no stage peer
+        ev = {"method": "layer floors against the other stages", "peers": 0, "layer_kind": kind,
+              "layers_per_iteration": float(count[r]),
+              "layer_floor_ms": round(float(np.nanmedian(per_it[r])), 4),
+              "other_stages_layer_floor_ms": round(float(np.nanmedian(ref)), 4),
+              "iterations": [int(t) for t, h in zip(ph.iters[ok], high) if h]}
+        out.append(Finding("slow-compute", (int(r),), [{"rank": int(r), "dp": int(tb.coords[r, 0]),
+                                                         "pp": int(stage[r]), "tp": int(tb.coords[r, 2])}],
+                           f"{factor:.2f}x the other stages' time for the same layer at its fastest "
+                           f"(+{excess:.1f} ms per iteration in its layers alone)", round(factor, 3), round(excess, 3),
+                           round(conf, 3), ev))
+    return out
