@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import stats
+from benchmarks import scan_real_family, stats
 from megatronapp.scan.detect import analyse
 from megatronapp.scan.format import read_dir
 from megatronapp.scan.simulate import Fault, simulate
@@ -140,16 +140,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--from-json", action="store_true", help="re-render the docs intervals from the stored result")
     ap.add_argument("--family", choices=["sim", "real"], default="sim",
                     help="sim: the simulator's scenarios; real: faults injected into recorded real traces")
-    ap.add_argument("--recordings", choices=["busy", "quiet"], default="busy",
+    ap.add_argument("--recordings", choices=sorted(scan_real_family.RECORDINGS), default="busy",
                     help="which stored recordings --family real perturbs (and --record rewrites)")
     ap.add_argument("--record", action="store_true", help="re-record the healthy real traces of --family real")
     args = ap.parse_args(argv)
     if args.record:
-        from benchmarks import scan_real_family
-        scan_real_family.record_all(scan_real_family.RECORDINGS[args.recordings][0])
+        scan_real_family.record_all(scan_real_family.RECORDINGS[args.recordings][0],
+                                    scan_real_family.GRANULARITY.get(args.recordings, "coarse"))
         return {}
     if args.family == "real":
-        from benchmarks import scan_real_family
         return scan_real_family.run(DOCS, stats, args.recordings)
     if args.from_json:
         res = json.loads(RESULTS.read_text())

@@ -24,9 +24,14 @@ TITLE = "## MegaScan detection on perturbed real traces (second scenario family)
 # other engineers' jobs beside 4-8 ranks, rank-vs-rank spread of an op's fastest repeat up to 2.2x) and "quiet"
 # (2026-12-02, nothing else running: the load is the recording's own ranks; recording.json). Same scenarios, same
 # detector; a user's ranks own their device, so neither is the cluster, and both are reported.
+# A third, "full" (2026-12-02, quiet, trace granularity full): the same layouts with per-layer spans, from which
+# the detector measures each stage's work (scan/layercost.py) instead of taking the FLOPs cost model's.
 RECORDINGS = {"busy": (DATA, RESULTS, TITLE),
               "quiet": (DATA.parent / "scan_real_quiet", RESULTS.with_name("scan_detect_real_quiet.json"),
-                        TITLE.replace("(second scenario family)", "(second family, quiet recordings)"))}
+                        TITLE.replace("(second scenario family)", "(second family, quiet recordings)")),
+              "full": (DATA.parent / "scan_real_full", RESULTS.with_name("scan_detect_real_full.json"),
+                       TITLE.replace("(second scenario family)", "(second family, per-layer spans)"))}
+GRANULARITY = {"full": "full"}  # recordings traced per layer; the others coarse
 # layout -> (tp, pp, dp, microbatches, global batch)
 LAYOUTS = {"pp4": (1, 4, 1, 8, 8), "tp2pp2dp2": (2, 2, 2, 4, 8), "dp4": (1, 1, 4, 2, 16), "pp2dp2": (1, 2, 2, 4, 8)}
 KIND = {"slow-compute": "slow-compute", "slow-link": "slow-link", "slow-collective-link": "slow-link",
@@ -34,7 +39,7 @@ KIND = {"slow-compute": "slow-compute", "slow-link": "slow-link", "slow-collecti
 DAY = 86_400.0
 
 
-def record(layout: str, steps: int = 10, root: Path = DATA) -> None:
+def record(layout: str, steps: int = 10, root: Path = DATA, granularity: str = "coarse") -> None:
     """Run the engine healthy on `layout` with every step traced; store the trace files under root/layout."""
     import tempfile
 
@@ -48,7 +53,8 @@ def record(layout: str, steps: int = 10, root: Path = DATA) -> None:
                         parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, microbatches=mbs, schedule="1f1b"),
                         train=TrainConfig(steps=steps, global_batch_size=gb, seq_len=32, warmup_steps=1,
                                           out=str(out), progress=False),
-                        trace=TraceConfig(enabled=True, dir=str(out / "trace"), interval=steps, iterations=steps))
+                        trace=TraceConfig(enabled=True, dir=str(out / "trace"), interval=steps, iterations=steps,
+                                          granularity=granularity))
         train(cfg)
         dest = root / layout
         shutil.rmtree(dest, ignore_errors=True)
@@ -57,16 +63,17 @@ def record(layout: str, steps: int = 10, root: Path = DATA) -> None:
             shutil.copy(f, dest / f.name)
 
 
-def record_all(root: Path = DATA) -> None:
+def record_all(root: Path = DATA, granularity: str = "coarse") -> None:
     """Record every layout under root, with the machine's load around each recording (recording.json): the
     recordings' own noise is the machine's, and a reader of the results must know how busy it was."""
     import os
 
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpus": os.cpu_count(), "layouts": {}}
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpus": os.cpu_count(),
+            "granularity": granularity, "layouts": {}}
     for layout in LAYOUTS:
         before = os.getloadavg()[0]
         t0 = time.perf_counter()
-        record(layout, root=root)
+        record(layout, root=root, granularity=granularity)
         meta["layouts"][layout] = {"load_before": round(before, 2), "load_after": round(os.getloadavg()[0], 2),
                                    "wall_s": round(time.perf_counter() - t0, 1)}
         print(f"recorded {layout} -> {root / layout} {meta['layouts'][layout]}", flush=True)
@@ -158,9 +165,10 @@ def build(layout: str, faults: list[P], views: dict, root: Path = DATA) -> list:
     if problems:
         raise RuntimeError(f"stored traces of {layout} are damaged: {problems}")
     heavy = []
-    if "heavy" in views:  # a stage that legitimately does more work: every rank of it stretched alike
+    if "heavy" in views:  # a stage that legitimately does more work: every rank of it, outside its layers
         stage, factor = views["heavy"]
-        heavy = [P("slow-compute", (t.rank,), factor=factor) for t in traces if t.coord[1] == stage]
+        heavy = [P("slow-compute", (t.rank,), factor=factor, outside_layers=True) for t in traces
+                 if t.coord[1] == stage]
     traces = perturb(traces, heavy + faults) if heavy or faults else traces
     if views.get("stage_work"):
         traces = declare_stage_work(traces, views["stage_work"])
@@ -212,7 +220,9 @@ def _load_line(res: dict) -> str:
     if "layouts" not in rec:
         return rec.get("note", "load not recorded")
     loads = [v for x in rec["layouts"].values() for v in (x["load_before"], x["load_after"])]
-    return f"recorded {rec['date']} on {rec['cpus']} CPUs, 1-min load {min(loads):.1f}-{max(loads):.1f} (its own ranks)"
+    gran = rec.get("granularity", "coarse")
+    return (f"recorded {rec['date']} on {rec['cpus']} CPUs, 1-min load {min(loads):.1f}-{max(loads):.1f} "
+            f"(its own ranks)" + (f", trace granularity {gran}" if gran != "coarse" else ""))
 
 
 def _recorded(root: Path) -> dict:
