@@ -9,6 +9,8 @@ Peer: the same detector on the same scenario; the question is run-to-run stabili
 Each run's trace files are kept (--keep, default /tmp/megascan_real_runs), so `--reanalyse` judges the same
 runs again with the current detector (a detector change is then compared on identical runs, not new noise).
 Run: python -m benchmarks.bench_scan_real [--repeats 5] [--only NAME,...] [--steps 8] [--reanalyse]
+(--only re-measures those scenarios and keeps the stored rows of the others.) Two scenarios are a pure pipeline
+(pp = 4, one rank per stage) traced per layer, judged by measured stage work and layer floors.
 """
 from __future__ import annotations
 
@@ -38,7 +40,11 @@ SCENARIOS: dict[str, tuple[int, tuple[str, ...], tuple[str, tuple[int, ...]] | N
     "8 ranks slow compute 2.0x": (8, ("slow-compute=5:2.0",), ("slow-compute", (5,))),
     "8 ranks slow compute 1.10x": (8, ("slow-compute=5:1.1",), ("slow-compute", (5,))),
     "8 ranks DP-peer link +20 ms": (8, ("slow-link=1-3:20",), ("slow-link", (1, 3))),
+    "pure pp4 healthy (per layer)": (4, (), None),
+    "pure pp4 last stage 1.3x (per layer)": (4, ("slow-compute=3:1.3",), ("slow-compute", (3,))),
 }
+# Scenarios of another shape: a pure pipeline (one rank per stage) traced per layer (scan/layercost.py).
+SHAPE = {name: ((1, 4, 1), "full") for name in SCENARIOS if name.startswith("pure pp4")}
 KIND_OF = {"slow-compute": "slow-compute", "slow-link": "slow-link", "pause": "transient-pause"}
 
 
@@ -48,12 +54,13 @@ def one_run(name: str, steps: int, out: Path) -> dict:
     from megatronapp.train.trainer import train
 
     world, inject, _ = SCENARIOS[name]
-    tp, pp, dp = LAYOUTS[world]
+    (tp, pp, dp), granularity = SHAPE.get(name, (LAYOUTS[world], "coarse"))
     cfg = RunConfig(model=ModelConfig(family="gpt2", hidden_size=64, num_layers=4, num_heads=4, max_seq_len=32),
                     parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, microbatches=4, schedule="1f1b"),
                     train=TrainConfig(steps=steps, global_batch_size=8, seq_len=32, warmup_steps=1, out=str(out),
                                       progress=False),
-                    trace=TraceConfig(enabled=True, dir=str(out / "trace"), interval=steps, iterations=steps),
+                    trace=TraceConfig(enabled=True, dir=str(out / "trace"), interval=steps, iterations=steps,
+                                      granularity=granularity),
                     inject=list(inject))
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -186,6 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{rep} {name:<34} {'DET' if row['detected'] else '   '} fa={len(row['false_alarms'])} "
                   f"load={run['load_avg']} {run['wall_s']}s | {top}", flush=True)
             RESULTS.with_suffix(".partial.json").write_text(json.dumps(rows, indent=1))
+    if args.only and RESULTS.exists():  # re-measured some scenarios: keep the stored rows of the others
+        rows = [r for r in json.loads(RESULTS.read_text())["rows"] if r["scenario"] not in names] + rows
     res = {"steps": args.steps, "repeats": args.repeats, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "note": args.note, "rows": rows}
     res["summary"] = summarise(rows)

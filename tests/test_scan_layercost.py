@@ -65,6 +65,23 @@ def test_a_slow_lone_stage_is_named_by_its_layers(rank, factor):
     assert _named(report) == {("slow-compute", (rank,))}, report.to_text()
 
 
+def _without_stage_work(traces):
+    for t in traces:
+        t.header.pop("stage_work", None)
+    return traces
+
+
+def test_measured_work_stands_in_when_the_headers_declare_none():
+    # Any PyTorch job traced per layer through scan.instrument() has no cost model; the engine declares FLOPs,
+    # which go first (measured units are noisier per rank).
+    traces = _traces()
+    assert "scaled by the headers' stage_work" in detect(traces).to_text()
+    bare = detect(_without_stage_work(_traces()))
+    assert bare.findings == [] and "stage work measured in per-layer spans" in bare.to_text(), bare.to_text()
+    slow = detect(_without_stage_work(perturb(_traces(), [Perturbation("slow-compute", (3,), factor=1.3)])))
+    assert _named(slow) == {("slow-compute", (3,))}, slow.to_text()
+
+
 def test_healthy_and_legitimately_heavier_stages_raise_nothing():
     traces = _traces()
     assert detect(traces).findings == []

@@ -868,10 +868,14 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
         traces = _finished_iterations(traces)
     tb = join(traces)
     ph = phases(tb)
-    # Stage costs: measured from per-layer spans where the traces have them, else the headers' cost model.
+    # Stage costs: the headers' cost model (the engine writes its FLOPs), else measured from per-layer spans (any
+    # job traced per layer). A declared model goes first: measured units are noisy by 15-25% per rank on a busy
+    # host (a healthy real pp4 run got a false wait-structure finding from them in 1 of 5 repeats, FLOPs in
+    # none), and a lone stage's own slowness is judged by its layers either way (layer_findings).
     layer_excl = exclusive_time(tb, tb.cat == _LAYER)
-    measured = measured_stage_work(tb, ph, layer_excl, th.floor_q)
-    work = measured or _stage_work(traces)
+    declared = _stage_work(traces)
+    measured = None if declared else measured_stage_work(tb, ph, layer_excl, th.floor_q)
+    work = declared or measured
     findings = _combine(rank_findings(tb, ph, th), floor_findings(tb, ph.excl, ph.iters, th, work))
     findings = _combine(findings, layer_findings(tb, ph, layer_excl, th))
     link_f, waits = links_and_waits(tb, ph, th, offsets, clock)
@@ -898,8 +902,9 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     lonely = [int(s) for s in np.unique(tb.coords[:, 1]) if (tb.coords[:, 1] == s).sum() < 2]
     if lonely:
         notes.append(f"stages {lonely} have a single rank (dp*tp == 1): judged through the wait structure against "
-                     "the other stages" + (f" (scaled by the stage work measured in per-layer spans: {measured})"
-                                           if measured else " (scaled by the headers' stage_work)" if work else
+                     "the other stages" + (" (scaled by the headers' stage_work)" if declared else
+                                           f" (scaled by the stage work measured in per-layer spans: {measured})"
+                                           if measured else
                                            ", assuming stages do equal work (no stage_work in the headers)"))
     step_ms = float(np.nanmedian(ph.window)) if np.isfinite(ph.window).any() else 0.0
     report = Report(findings, tb.world, len(ph.iters), round(step_ms, 3), waited_for, notes)
