@@ -523,3 +523,25 @@ def test_two_units_need_a_consistent_difference_above_their_spread():
     assert judge(np.full(n, 1.5 * ms), jitter=2 * ms) is None  # a skew within twice one difference's spread
     assert judge(np.where(np.arange(n) < 6, 30 * ms, 0.0)) is None  # delayed in 6 of 20 instances: no link
 
+
+
+@pytest.mark.parametrize("recording, layout, rank, factor", [("scan_real_full", "tp2pp2dp2", 7, 1.4),
+                                                             ("scan_real_quiet", "dp4", 3, 1.3)])
+def test_a_rank_slower_in_every_iteration_is_slow_compute_though_its_floors_stay_under_the_bar(
+        recording, layout, rank, factor):
+    # Its healthy floors sit 10-15% under its peers', so the stretch reads 1.1-1.2x at its fastest (bar 1.4x), and
+    # its per-iteration excess clears the run's jitter only now and then (it was read as pauses). Its compute is
+    # above its peers' in every iteration, by a median 1.3x and more; healthy ranks are above in about half.
+    traces, _ = read_dir(REAL.parent / recording / layout)
+    assert detect(traces).findings == []
+    report = detect(perturb(traces, [Perturbation("slow-compute", (rank,), factor=factor)]))
+    assert _named(report) == {("slow-compute", (rank,))}, report.to_text()
+    assert "above its peers in nearly every iteration" in report.findings[0].evidence["method"]
+
+
+def test_the_tp_peer_of_a_slow_rank_is_its_victim_not_a_second_slow_rank():
+    # Rank 3 waits for its TP peer 2 (2x slow) in every layer, partly inside its own compute spans: above its stage
+    # peers in 10 of 10 iterations at a median 1.26x, floors near 1.0x. Its TP group holds a slower rank.
+    traces, _ = read_dir(REAL.parent / "scan_real_quiet" / "tp2pp2dp2")
+    report = detect(perturb(traces, [Perturbation("slow-compute", (2,), factor=2.0)]))
+    assert _named(report) == {("slow-compute", (2,))}, report.to_text()

@@ -31,7 +31,7 @@ import numpy as np
 
 from megatronapp.scan import ring
 from megatronapp.scan.align import clock_domains, row_offsets
-from megatronapp.scan.evidence import excursion_noise, floor_findings, posting_stall, stall_link_findings
+from megatronapp.scan.evidence import excursion_noise, floor_findings, posting_stall, sign_p, stall_link_findings
 from megatronapp.scan.findings import KINDS, Finding, Report, Thresholds
 from megatronapp.scan.format import CAT_INDEX, COLUMNS, RankTrace
 from megatronapp.scan.hang import hang_findings
@@ -286,7 +286,8 @@ def rank_findings(tb: Table, ph: Phases, th: Thresholds) -> list[Finding]:
     is far smaller than compute's on a busy machine, so a pause or a late arrival stands out there first."""
     out = _rank_view(tb, ph, th, ph.self_time, host=False)
     seen = {(f.kind, f.ranks) for f in out}
-    return out + [f for f in _rank_view(tb, ph, th, ph.data + ph.gap, host=True) if (f.kind, f.ranks) not in seen]
+    out += [f for f in _rank_view(tb, ph, th, ph.data + ph.gap, host=True) if (f.kind, f.ranks) not in seen]
+    return out
 
 
 def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool) -> list[Finding]:
@@ -583,11 +584,6 @@ def _size_classes(name: np.ndarray, nbytes: np.ndarray, within: float = 0.05) ->
             cid, start = cid + 1, (n, b)
         ids[i] = cid
     return ids[inv.ravel()]
-
-
-def sign_p(k: int, n: int) -> float:
-    """One-sided sign test: P(at least k of n fair coin flips come up heads)."""
-    return sum(math.comb(n, j) for j in range(k, n + 1)) / 2.0 ** n if n else 1.0
 
 
 def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray, ratio: np.ndarray,
