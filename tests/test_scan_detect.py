@@ -522,6 +522,13 @@ def test_two_units_need_a_consistent_difference_above_their_spread():
     assert judge(np.full(n, 10 * ms)).ranks == (2, 3)  # +10 ms in every instance
     assert judge(np.full(n, 1.5 * ms), jitter=2 * ms) is None  # a skew within twice one difference's spread
     assert judge(np.where(np.arange(n) < 6, 30 * ms, 0.0)) is None  # delayed in 6 of 20 instances: no link
+    # Each bar alone. Many instances make z and the sign test pass a systematic skew: 1.5 ms over 3 ms (1.5x)
+    # with 2 ms of jitter per difference is under twice that spread; 1 ms with 0.1 ms jitter is only 1.33x.
+    n = 400
+    base = rng.normal(3 * ms, 0.05 * ms, n)
+    assert judge(np.full(n, 1.5 * ms), jitter=2 * ms) is None
+    assert judge(np.full(n, 1.0 * ms), jitter=0.1 * ms) is None
+    assert judge(np.full(n, 1.5 * ms), jitter=0.1 * ms).ranks == (2, 3)  # 1.5x, 15 spreads: named
 
 
 

@@ -544,8 +544,7 @@ def links_and_waits(tb: Table, ph: Phases, th: Thresholds, offsets: dict[int, in
         # A slow group is narrowed to the slow link inside it where the members' exit order singles one out.
         # Exits are put on one clock through the groups that leave together (ring.bridge_offsets), also when
         # offsets are given: their alignment anchored on the slow group's exits too, which do not coincide.
-        slow = _link_findings(tb, th, g_of, cls, ratio, ctime, lambda g: tb.groups[int(g)][1], "collective",
-                              tb.seq[coll][first])
+        slow = _link_findings(tb, th, g_of, cls, ratio, ctime, lambda g: tb.groups[int(g)][1], "collective", ci)
         gids = [[g for g, (_, r) in enumerate(tb.groups) if r == f.ranks] for f in slow]
         flagged = {g for x in gids for g in x}
         bridge, part = ring.bridge_offsets(tb, coll, inst, flagged) if any(len(f.ranks) > 2 for f in slow) \
@@ -589,7 +588,8 @@ def _size_classes(name: np.ndarray, nbytes: np.ndarray, within: float = 0.05) ->
 def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray, ratio: np.ndarray,
                    t: np.ndarray, ranks_of, what: str, inst: np.ndarray | None = None) -> list[Finding]:
     """Links (or groups) whose median transfer time stands out among units of the same class. With `inst` (the
-    same op instance on every unit: one id per row), a class of exactly two units is judged pairwise."""
+    same op instance on every unit, e.g. size class and sequence number: one id per row), a class of exactly two
+    units is judged pairwise on the instances both ran."""
     uu, rmed, n = group_median(unit, ratio)
     _, tmed, _ = group_median(unit, t)
     # Consistency: a link slow on the wire is slow in most of its transfers; a few transfers a busy host delayed

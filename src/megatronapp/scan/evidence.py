@@ -104,7 +104,8 @@ def floor_findings(tb: Table, excl: np.ndarray, iters: np.ndarray, th: Threshold
     lone stages are not judged here). Floors are what an op costs undisturbed, so unlike per-iteration totals
     they are not swamped by the host noise of a busy machine. A rank with stage peers whose floors are only
     moderately above theirs is also named when its compute is above theirs in nearly every iteration by a wide
-    median margin (`_consistency`), unless a rank of its own TP group is slower still (its victim)."""
+    median margin (`_peer_ratio`), unless a rank of its own TP group is named and slower (it is that rank's
+    victim)."""
     lone_ok = stage_work is not _NO_LONE
     work_of = stage_work if isinstance(stage_work, dict) else {}
     m = (tb.cat == _COMPUTE) & np.isin(tb.it, iters)
@@ -166,20 +167,27 @@ def floor_findings(tb: Table, excl: np.ndarray, iters: np.ndarray, th: Threshold
     frac = high.mean(axis=1)
     hit = (ok.any(axis=1) & (ratio >= 1 + rel) & (weakest >= 1 + rel / 2) & (excess >= th.abs_ms)
            & (frac >= th.persistent))
-    cons_factor, cons_above, cons_n = _consistency(rank, iti, x, stage, present, W, n_it)
+    q = _peer_ratio(rank, iti, x, stage, present, W, n_it)
+    judged = np.isfinite(q).sum(axis=1)
+    above = (q > 1).sum(axis=1)
+    cons_factor = np.ones(W)
+    enough = judged >= _CONSISTENT_MIN_IT
+    if enough.any():
+        cons_factor[enough] = np.nanmedian(q[enough], axis=1)
     # A second path, for a slow rank of a noisy run whose floors stay under the bar: its floors above its peers'
     # all the same (1 + rel/4: a victim waiting on async ops inside its compute spans has normal floors), and its
-    # compute per iteration above theirs in (nearly) every iteration by a wide median margin.
-    consistent = ~hit & ok.any(axis=1) & (ratio >= 1 + rel / 4) & (excess >= th.abs_ms) & \
-        (cons_factor >= 1 + rel / 2) & np.array([sign_p(int(a), int(n)) <= _CONSISTENT_P
-                                                 for a, n in zip(cons_above, cons_n)])
-    # ...unless a rank of its own TP group (same dp and pp) is slower by the same measure: a TP peer of a slow rank
-    # waits for it in every layer, partly inside its compute spans (a real 8-rank run: a 5x rank's TP peer read
-    # 1.23x in 8 of 8 iterations, floors 1.3x).
+    # compute per iteration above theirs in nearly every iteration by a wide median margin.
+    candidate = ~hit & ok.any(axis=1) & (ratio >= 1 + rel / 4) & (excess >= th.abs_ms) & \
+        (cons_factor >= 1 + rel / 2) & np.array([n >= _CONSISTENT_MIN_IT and sign_p(int(a), int(n)) <= _CONSISTENT_P
+                                                 for a, n in zip(above, judged)])
+    # ...unless a rank of its own TP group (same dp and pp) is named and slower: a TP peer of a slow rank waits for
+    # it in every layer, partly inside its compute spans (a real 8-rank run: a 5x rank's TP peer read 1.23x in 8 of
+    # 8 iterations, floors 1.3x).
     tp_group = tb.coords[:, 0] * (int(stage.max()) + 1) + stage
-    for r in np.flatnonzero(consistent):
+    consistent = candidate.copy()
+    for r in np.flatnonzero(candidate):
         mates = np.flatnonzero(present & (tp_group == tp_group[r]) & (np.arange(W) != r))
-        if np.any(hit[mates] | (cons_factor[mates] > cons_factor[r])):
+        if np.any(hit[mates] | (candidate[mates] & (cons_factor[mates] > cons_factor[r]))):
             consistent[r] = False
     out = []
     for r in np.flatnonzero(hit | consistent):
@@ -187,50 +195,50 @@ def floor_findings(tb: Table, excl: np.ndarray, iters: np.ndarray, th: Threshold
         lone = peers == 0
         by_op = {tb.names[int(ukind[j]) // 1_000]: round(float(floor[r, j] / ref[r, j]), 3)
                  for j in range(K) if ok[r, j]}
+        ev = {"method": "op floors" + (" against the other stages" if lone else ""), "floor_ratio_by_op": by_op,
+              "peers": peers, "iterations": [int(t) for t, h in zip(iters, high[r]) if h],
+              "floor_ms_per_iteration": round(float(mine[r]), 3),
+              "peer_floor_ms_per_iteration": round(float(theirs[r]), 3)}
         # Honest confidence: 0.5 at the threshold, 1.0 at twice it, scaled by consistency; one peer is weaker
         # evidence than several (a peer that is itself unusually fast cannot be told apart from a slow rank).
         if hit[r]:
             conf = min(1.0, 0.5 + (ratio[r] - 1 - rel) / (2 * rel)) * frac[r]
+            factor, what = ratio[r], f"{ratio[r]:.2f}x compute at its fastest"
         else:
-            conf = min(1.0, 0.5 + (cons_factor[r] - 1 - rel / 2) / rel) * cons_above[r] / cons_n[r]
+            conf = min(1.0, 0.5 + (cons_factor[r] - 1 - rel / 2) / rel) * above[r] / judged[r]
+            factor = cons_factor[r]
+            what = (f"{factor:.2f}x compute, above its peers in {above[r]} of {judged[r]} iterations (floors "
+                    f"{ratio[r]:.2f}x)")
+            ev.update(method="compute above its peers in nearly every iteration, floors above too",
+                      iterations=[int(t) for t, v in zip(iters, q[r]) if v > 1], sign_p=round(sign_p(
+                          int(above[r]), int(judged[r])), 5), compute_ratio_by_iteration=[
+                          None if not np.isfinite(v) else round(float(v), 3) for v in q[r]])
         conf *= 0.85 if peers <= 1 else 1.0  # one peer, or only other stages' work (a lone stage)
-        ev = {"method": "op floors" + (" against the other stages" if lone else "")
-                        + ("" if hit[r] else ", and compute above its peers in nearly every iteration"),
-              "floor_ratio_by_op": by_op, "peers": peers,
-              "iterations": [int(t) for t, h in zip(iters, high[r]) if h],
-              "floor_ms_per_iteration": round(float(mine[r]), 3),
-              "peer_floor_ms_per_iteration": round(float(theirs[r]), 3)}
-        if not hit[r]:
-            ev.update(compute_ratio_median=round(float(cons_factor[r]), 3), above_in=int(cons_above[r]),
-                      iterations_judged=int(cons_n[r]))
         out.append(Finding("slow-compute", (int(r),), [_coord(tb, r)],
-                           f"{ratio[r]:.2f}x compute at its fastest (+{excess[r]:.1f} ms per iteration)",
-                           round(float(ratio[r]), 3), round(float(excess[r]), 3), round(float(conf), 3), ev))
+                           f"{what} (+{excess[r]:.1f} ms per iteration at floor speed)",
+                           round(float(factor), 3), round(float(excess[r]), 3), round(float(conf), 3), ev))
     return out
 
 
-_CONSISTENT_P = 0.01  # one-sided sign test over iterations: 9 of 10 above the peers
+_CONSISTENT_P = 0.02  # one-sided sign test over iterations: 9 of 10 above the peers (p 0.011), 8 of 8 (0.004)
+_CONSISTENT_MIN_IT = 7  # fewer iterations: even all of them above the peers is weak evidence
 
 
-def _consistency(rank: np.ndarray, iti: np.ndarray, x: np.ndarray, stage: np.ndarray, present: np.ndarray,
-                 W: int, n_it: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per rank: median over iterations of its exclusive compute over its stage peers' median, the number of
-    iterations it is above them, and the number judged (0 without stage peers). On a busy host a 1.5x rank of
-    ~30 ms iterations clears the run's jitter in ms in some iterations only, but its sign does not waver: above
-    its peers in every iteration (1.15-1.78x) where healthy ranks sit above in about half (0.78-1.24x)."""
+def _peer_ratio(rank: np.ndarray, iti: np.ndarray, x: np.ndarray, stage: np.ndarray, present: np.ndarray,
+                W: int, n_it: int) -> np.ndarray:
+    """Per rank and iteration: its exclusive compute over its stage peers' median (NaN without peers). On a busy
+    host a 1.5x rank of ~30 ms iterations clears the run's jitter in ms in some iterations only, but its sign
+    does not waver: above its peers in every iteration (1.15-1.78x) where healthy ranks sit above in about half
+    (0.78-1.24x)."""
     comp = np.bincount(rank * n_it + iti, x, W * n_it).reshape(W, n_it)
     comp[~present] = np.nan
-    factor, above, n = np.ones(W), np.zeros(W), np.zeros(W)
+    q = np.full((W, n_it), np.nan)
     for r in np.flatnonzero(present):
         peers = np.flatnonzero(present & (stage == stage[r]) & (np.arange(W) != r))
-        if not len(peers):
-            continue
-        with np.errstate(all="ignore"):
-            q = comp[r] / np.nanmedian(comp[peers], axis=0)
-        q = q[np.isfinite(q)]
-        if len(q) >= 5:
-            factor[r], above[r], n[r] = float(np.median(q)), float((q > 1).sum()), float(len(q))
-    return factor, above, n
+        if len(peers):
+            with np.errstate(all="ignore"):
+                q[r] = comp[r] / np.nanmedian(comp[peers], axis=0)
+    return np.where(np.isfinite(q), q, np.nan)
 
 
 def sign_p(k: int, n: int) -> float:

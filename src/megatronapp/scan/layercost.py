@@ -8,8 +8,9 @@ carries. Two uses:
 
 - `measured_stage_work`: a stage's work in LAYER UNITS, its compute floors per iteration (each op kind's
   fastest repeats, as `evidence.floor_findings` takes them) over its own layer floor. A slow rank is slow at
-  both, so its units stay what its stage costs. Replaces the headers' (a model's) `stage_work` in the views
-  that compare a lone stage with the others.
+  both, so its units stay what its stage costs. Stands in for `stage_work` in the views that compare a lone
+  stage with the others when the headers declare none (a declared model goes first: measured units are noisy
+  by 15-25% per rank on a busy host).
 - `layer_findings`: a rank alone in its stage is compared with the OTHER stages on the one op they all run:
   per iteration, its fastest layer against theirs. No cost model enters; what stays is how far identical ops
   on healthy ranks of one job differ (`Thresholds.layer_rel`).
@@ -58,7 +59,8 @@ def _layer_floors(tb: Table, ph: Phases, layer_excl: np.ndarray) -> tuple[np.nda
     kinds = np.array([layer_kind(n) for n in tb.names], dtype=object)
     kind = kinds[tb.name[m]]
     rank = tb.rank[m]
-    best = max(set(kind), key=lambda k: len(np.unique(rank[kind == k])))
+    # The kind most ranks run, then the most spans; ties by name (a set's order varies with the hash seed).
+    best = max(sorted(set(kind)), key=lambda k: (len(np.unique(rank[kind == k])), int((kind == k).sum())))
     rows = np.flatnonzero(m)[kind == best]
     cell = tb.rank[rows] * per_it.shape[1] + np.searchsorted(ph.iters, tb.it[rows])
     flat = np.full(per_it.size, np.inf)

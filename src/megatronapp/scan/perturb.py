@@ -46,7 +46,9 @@ class Perturbation:
     """One injected fault: `ranks` (one rank, or the two ends of a link), `factor` (compute stretch), `ms`
     (extra per transfer / collective / pause / stall), `every` (pause period), `at_iteration` (hang start).
     `outside_layers` makes a slow-compute a heavier STAGE rather than a slower rank: the same total stretch,
-    put on the compute outside per-layer spans (a bigger head, an extra embedding), its layers untouched."""
+    put on the compute outside per-layer spans (a bigger head, an extra embedding), its layer spans untouched.
+    The engine's layer spans cover the forward only, so the layers' backward counts as outside and takes a
+    share of the extra (more than a bigger head would put there; the layer view reads forward spans only)."""
 
     kind: str
     ranks: tuple[int, ...]
