@@ -233,11 +233,14 @@ def _peer_ratio(rank: np.ndarray, iti: np.ndarray, x: np.ndarray, stage: np.ndar
     comp = np.bincount(rank * n_it + iti, x, W * n_it).reshape(W, n_it)
     comp[~present] = np.nan
     q = np.full((W, n_it), np.nan)
-    for r in np.flatnonzero(present):
-        peers = np.flatnonzero(present & (stage == stage[r]) & (np.arange(W) != r))
-        if len(peers):
-            with np.errstate(all="ignore"):
-                q[r] = comp[r] / np.nanmedian(comp[peers], axis=0)
+    with np.errstate(all="ignore"):
+        for s in np.unique(stage[present]):
+            members = np.flatnonzero(present & (stage == s))
+            if len(members) >= 5:  # the plain stage median, as elsewhere (one rank barely moves it)
+                q[members] = comp[members] / np.nanmedian(comp[members], axis=0)
+                continue
+            for i, r in enumerate(members if len(members) > 1 else []):
+                q[r] = comp[r] / np.nanmedian(comp[np.delete(members, i)], axis=0)
     return np.where(np.isfinite(q), q, np.nan)
 
 

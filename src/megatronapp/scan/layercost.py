@@ -74,6 +74,8 @@ def measured_stage_work(tb: Table, ph: Phases, layer_excl: np.ndarray, q: float 
     """Relative work of each pipeline stage (mean 1.0) in measured layer units, or None when the traces cannot
     say: fewer than three ranks with layer spans of one kind, or a stage none of whose ranks has them."""
     per_it, _, _ = _layer_floors(tb, ph, layer_excl)
+    if not np.isfinite(per_it).any():
+        return None  # no layer spans (a coarse trace): nothing to measure by
     n_it = len(ph.iters)
     c = (tb.cat == _COMPUTE) & np.isin(tb.it, ph.iters)
     if not c.any() or n_it == 0:
