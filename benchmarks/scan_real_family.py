@@ -24,13 +24,16 @@ TITLE = "## MegaScan detection on perturbed real traces (second scenario family)
 # other engineers' jobs beside 4-8 ranks, rank-vs-rank spread of an op's fastest repeat up to 2.2x) and "quiet"
 # (2026-12-02, nothing else running: the load is the recording's own ranks; recording.json). Same scenarios, same
 # detector; a user's ranks own their device, so neither is the cluster, and both are reported.
-# A third, "full" (2026-12-02, quiet, trace granularity full): the same layouts with per-layer spans, from which
-# the detector measures each stage's work (scan/layercost.py) instead of taking the FLOPs cost model's.
+# A third, "full" (2026-12-02, quiet, trace granularity full): the same layouts with per-layer spans, by which the
+# detector judges lone stages (scan/layercost.py). A fourth, "loaded" (2026-12-02, format 2, coarse): recorded
+# beside 10 processes spinning on the CPU (recording.json), the CPU-contention case with CPU waits recorded.
 RECORDINGS = {"busy": (DATA, RESULTS, TITLE),
               "quiet": (DATA.parent / "scan_real_quiet", RESULTS.with_name("scan_detect_real_quiet.json"),
                         TITLE.replace("(second scenario family)", "(second family, quiet recordings)")),
               "full": (DATA.parent / "scan_real_full", RESULTS.with_name("scan_detect_real_full.json"),
-                       TITLE.replace("(second scenario family)", "(second family, per-layer spans)"))}
+                       TITLE.replace("(second scenario family)", "(second family, per-layer spans)")),
+              "loaded": (DATA.parent / "scan_real_loaded", RESULTS.with_name("scan_detect_real_loaded.json"),
+                         TITLE.replace("(second scenario family)", "(second family, 10 CPU hogs beside the ranks)"))}
 GRANULARITY = {"full": "full"}  # recordings traced per layer; the others coarse
 # layout -> (tp, pp, dp, microbatches, global batch)
 LAYOUTS = {"pp4": (1, 4, 1, 8, 8), "tp2pp2dp2": (2, 2, 2, 4, 8), "dp4": (1, 1, 4, 2, 16), "pp2dp2": (1, 2, 2, 4, 8)}
@@ -221,8 +224,9 @@ def _load_line(res: dict) -> str:
         return rec.get("note", "load not recorded")
     loads = [v for x in rec["layouts"].values() for v in (x["load_before"], x["load_after"])]
     gran = rec.get("granularity", "coarse")
+    whose = f"its own ranks and {rec['hogs']} CPU-spinning processes" if rec.get("hogs") else "its own ranks"
     return (f"recorded {rec['date']} on {rec['cpus']} CPUs, 1-min load {min(loads):.1f}-{max(loads):.1f} "
-            f"(its own ranks)" + (f", trace granularity {gran}" if gran != "coarse" else ""))
+            f"({whose})" + (f", trace granularity {gran}" if gran != "coarse" else ""))
 
 
 def _recorded(root: Path) -> dict:

@@ -31,6 +31,7 @@ import numpy as np
 
 from megatronapp.scan import ring
 from megatronapp.scan.align import clock_domains, row_offsets
+from megatronapp.scan.contention import cpu_wait_share, starved_note
 from megatronapp.scan.evidence import excursion_noise, floor_findings, posting_stall, sign_p, stall_link_findings
 from megatronapp.scan.findings import KINDS, Finding, Report, Thresholds
 from megatronapp.scan.format import CAT_INDEX, COLUMNS, RankTrace
@@ -902,6 +903,9 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
                                            f" (scaled by the stage work measured in per-layer spans: {measured})"
                                            if measured else
                                            ", assuming stages do equal work (no stage_work in the headers)"))
+    starved = starved_note(cpu_wait_share(tb))
+    if starved:
+        notes.append(starved)
     step_ms = float(np.nanmedian(ph.window)) if np.isfinite(ph.window).any() else 0.0
     report = Report(findings, tb.world, len(ph.iters), round(step_ms, 3), waited_for, notes)
     return Analysis(tb, ph, waits, report)
