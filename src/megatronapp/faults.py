@@ -97,6 +97,13 @@ def parse(spec: str) -> Fault:
                  spec=spec)
 
 
+class _OpenCompute(threading.local):
+    """Per thread: the already-stretched time of each open compute span (innermost last)."""
+
+    def __init__(self) -> None:
+        self.stack: list[list[float]] = []
+
+
 class Injector:
     """The faults that concern this rank, hooked into span sinks and comm interceptors until `remove()`."""
 
@@ -110,7 +117,7 @@ class Injector:
         self._pauses = [f for f in faults if f.kind == "pause" and f.ranks[0] == rank]
         self._hangs = {f.step for f in faults if f.kind == "hang" and f.ranks[0] == rank}
         self._release = threading.Event()
-        self._local = threading.local()
+        self._open = _OpenCompute()
         self.hung_at: int | None = None
         self.installed_sink = bool(self._slow or self._pauses or self._hangs)
         if self.installed_sink:
@@ -127,7 +134,7 @@ class Injector:
         inner = None
         if cat == "compute":
             inner = [0.0]
-            self._stack().append(inner)
+            self._open.stack.append(inner)
         return time.perf_counter(), inner
 
     def close(self, token: Any) -> None:
@@ -138,18 +145,12 @@ class Injector:
         own = elapsed - (inner[0] if inner is not None else 0.0)
         stretch = sum(factor - 1.0 for factor in self._slow) * max(own, 0.0)
         time.sleep(stretch)
-        stack = self._stack()
+        stack = self._open.stack
         if inner is not None:
             if stack and stack[-1] is inner:
                 stack.pop()
         elif stack:  # a layer: its stretched time is already paid inside the enclosing compute span
             stack[-1][0] += elapsed + stretch
-
-    def _stack(self) -> list[list[float]]:
-        local = self._local
-        if not hasattr(local, "stack"):
-            local.stack = []
-        return local.stack
 
     def step(self, iteration: int, begin: bool) -> None:
         if not begin:

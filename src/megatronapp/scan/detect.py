@@ -287,8 +287,7 @@ def rank_findings(tb: Table, ph: Phases, th: Thresholds) -> list[Finding]:
     is far smaller than compute's on a busy machine, so a pause or a late arrival stands out there first."""
     out = _rank_view(tb, ph, th, ph.self_time, host=False)
     seen = {(f.kind, f.ranks) for f in out}
-    out += [f for f in _rank_view(tb, ph, th, ph.data + ph.gap, host=True) if (f.kind, f.ranks) not in seen]
-    return out
+    return out + [f for f in _rank_view(tb, ph, th, ph.data + ph.gap, host=True) if (f.kind, f.ranks) not in seen]
 
 
 def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool) -> list[Finding]:
@@ -869,7 +868,8 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     # job traced per layer). A declared model goes first: measured units are noisy by 15-25% per rank on a busy
     # host (a healthy real pp4 run got a false wait-structure finding from them in 1 of 5 repeats, FLOPs in
     # none), and a lone stage's own slowness is judged by its layers either way (layer_findings).
-    layer_excl = exclusive_time(tb, tb.cat == _LAYER)
+    is_layer = tb.cat == _LAYER
+    layer_excl = exclusive_time(tb, is_layer) if is_layer.any() else None  # coarse traces: no layer pass
     declared = _stage_work(traces)
     measured = None if declared else measured_stage_work(tb, ph, layer_excl, th.floor_q)
     work = declared or measured

@@ -94,6 +94,28 @@ def loo_median(keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
 _NO_LONE = object()  # floor_findings called without stage information: lone stages are left to structure.py
 
 
+def op_floors(tb: Table, excl: np.ndarray, iters: np.ndarray, q: float) -> tuple | None:
+    """The compute ops of the judged iterations, by kind: (rank, exclusive ms, iteration index and kind id per op;
+    kind keys; per rank x kind, the q-floor in ms and the repeats per iteration). A kind is an op name and chunk
+    (microbatches and iterations are its repeats); one with fewer than 3 repeats on a rank has no floor there.
+    None when there is no compute op."""
+    m = (tb.cat == _COMPUTE) & np.isin(tb.it, iters)
+    if not m.any() or len(iters) == 0:
+        return None
+    W, n_it = tb.world, len(iters)
+    rank, x = tb.rank[m], excl[m].astype(float) / MS
+    iti = np.searchsorted(iters, tb.it[m])
+    ukind, kind = np.unique(tb.name[m] * 1_000 + np.maximum(tb.chunk[m], 0), return_inverse=True)
+    K = len(ukind)
+    keys, fl, cnt = group_quantile(rank * K + kind, x, q)
+    floor = np.full((W, K), np.nan)
+    count = np.zeros((W, K))
+    enough = cnt >= 3
+    floor.ravel()[keys[enough]] = fl[enough]
+    count.ravel()[keys[enough]] = cnt[enough] / n_it
+    return rank, x, iti, kind, ukind, floor, count
+
+
 def floor_findings(tb: Table, excl: np.ndarray, iters: np.ndarray, th: Thresholds,
                    stage_work: dict[int, float] | None | object = _NO_LONE) -> list[Finding]:
     """Slow-compute ranks: compute-op floors above those of the ranks doing the same work (>= 1 peer).
@@ -108,22 +130,12 @@ def floor_findings(tb: Table, excl: np.ndarray, iters: np.ndarray, th: Threshold
     victim)."""
     lone_ok = stage_work is not _NO_LONE
     work_of = stage_work if isinstance(stage_work, dict) else {}
-    m = (tb.cat == _COMPUTE) & np.isin(tb.it, iters)
-    if not m.any() or len(iters) == 0:
+    ops = op_floors(tb, excl, iters, th.floor_q)
+    if ops is None:
         return []
-    W, n_it = tb.world, len(iters)
+    rank, x, iti, kind, ukind, floor, count = ops
+    W, n_it, K = tb.world, len(iters), len(ukind)
     stage = tb.coords[:, 1]
-    rank, x = tb.rank[m], excl[m].astype(float) / MS
-    iti = np.searchsorted(iters, tb.it[m])
-    # An op type: same name and chunk on the same stage (microbatches and iterations are its repeats).
-    ukind, kind = np.unique(tb.name[m] * 1_000 + np.maximum(tb.chunk[m], 0), return_inverse=True)
-    K = len(ukind)
-    keys, fl, cnt = group_quantile(rank * K + kind, x, th.floor_q)
-    floor = np.full((W, K), np.nan)
-    count = np.zeros((W, K))
-    enough = cnt >= 3
-    floor.ravel()[keys[enough]] = fl[enough]
-    count.ravel()[keys[enough]] = cnt[enough] / n_it
     per_it = np.full(W * K * n_it, np.inf)
     np.minimum.at(per_it, (rank * K + kind) * n_it + iti, x)
     per_it = np.where(np.isinf(per_it), np.nan, per_it).reshape(W, K, n_it)

@@ -29,14 +29,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatronapp.scan.evidence import group_quantile
+from megatronapp.scan.evidence import _coord, op_floors
 from megatronapp.scan.findings import Finding, Thresholds
 from megatronapp.scan.format import CAT_INDEX
 
 if TYPE_CHECKING:
     from megatronapp.scan.detect import Phases, Table
 
-_LAYER, _COMPUTE = CAT_INDEX["layer"], CAT_INDEX["compute"]
+_LAYER = CAT_INDEX["layer"]
 _INDEX = re.compile(r"\.\d+$")
 _MIN_ITERATIONS = 4  # per rank: iterations with layer spans (a floor per iteration)
 MS = 1e6
@@ -47,14 +47,14 @@ def layer_kind(name: str) -> str:
     return _INDEX.sub("", name)
 
 
-def _layer_floors(tb: Table, ph: Phases, layer_excl: np.ndarray) -> tuple[np.ndarray, np.ndarray, str]:
+def _layer_floors(tb: Table, ph: Phases, layer_excl: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, str]:
     """(per rank x iteration: the fastest layer of the most common kind, ms (NaN: none); per iteration: how
     many such layers a rank runs (its median count); that kind)."""
     W, n_it = tb.world, len(ph.iters)
     per_it = np.full((W, max(n_it, 1)), np.nan)
     count = np.zeros((W, max(n_it, 1)))
     m = (tb.cat == _LAYER) & np.isin(tb.it, ph.iters) & (tb.dur > 0)
-    if not m.any():
+    if layer_excl is None or not m.any():  # None: the trace has no layer spans
         return per_it, np.zeros(W), ""
     kinds = np.array([layer_kind(n) for n in tb.names], dtype=object)
     kind = kinds[tb.name[m]]
@@ -70,21 +70,19 @@ def _layer_floors(tb: Table, ph: Phases, layer_excl: np.ndarray) -> tuple[np.nda
     return per_it, np.median(count, axis=1), best
 
 
-def measured_stage_work(tb: Table, ph: Phases, layer_excl: np.ndarray, q: float = 0.1) -> dict[int, float] | None:
+def measured_stage_work(tb: Table, ph: Phases, layer_excl: np.ndarray | None,
+                        q: float = 0.1) -> dict[int, float] | None:
     """Relative work of each pipeline stage (mean 1.0) in measured layer units, or None when the traces cannot
     say: fewer than three ranks with layer spans of one kind, or a stage none of whose ranks has them."""
     per_it, _, _ = _layer_floors(tb, ph, layer_excl)
     if not np.isfinite(per_it).any():
         return None  # no layer spans (a coarse trace): nothing to measure by
-    n_it = len(ph.iters)
-    c = (tb.cat == _COMPUTE) & np.isin(tb.it, ph.iters)
-    if not c.any() or n_it == 0:
+    ops = op_floors(tb, ph.excl, ph.iters, q)
+    if ops is None:
         return None
-    # Each rank's compute at floor speed per iteration: every op kind (name, chunk) at its q-floor, times its
-    # repeats per iteration.
-    op = tb.name[c].astype(np.int64) * 1_000 + np.maximum(tb.chunk[c], 0)
-    keys, floor, cnt = group_quantile(tb.rank[c].astype(np.int64) * (1 << 32) + op, ph.excl[c].astype(float), q)
-    at_floor = np.bincount((keys >> 32).astype(np.int64), floor * cnt / n_it, tb.world) / MS
+    # Each rank's compute at floor speed per iteration: every op kind at its q-floor, times its repeats.
+    floor, count = ops[5], ops[6]
+    at_floor = np.nansum(floor * count, axis=1)
     stage = tb.coords[:, 1]
     units: dict[int, list[float]] = {}
     for r in np.unique(tb.rank):
@@ -100,7 +98,7 @@ def measured_stage_work(tb: Table, ph: Phases, layer_excl: np.ndarray, q: float 
     return {s: round(w / mean, 6) for s, w in sorted(work.items())}
 
 
-def layer_findings(tb: Table, ph: Phases, layer_excl: np.ndarray, th: Thresholds) -> list[Finding]:
+def layer_findings(tb: Table, ph: Phases, layer_excl: np.ndarray | None, th: Thresholds) -> list[Finding]:
     """Slow ranks alone in their stage, by their fastest layer per iteration against the other stages'."""
     stage = tb.coords[:, 1]
     present = np.zeros(tb.world, bool)
@@ -131,8 +129,7 @@ def layer_findings(tb: Table, ph: Phases, layer_excl: np.ndarray, th: Thresholds
               "layer_floor_ms": round(float(np.nanmedian(per_it[r])), 4),
               "other_stages_layer_floor_ms": round(float(np.nanmedian(ref)), 4),
               "iterations": [int(t) for t, h in zip(ph.iters[ok], high) if h]}
-        out.append(Finding("slow-compute", (int(r),), [{"rank": int(r), "dp": int(tb.coords[r, 0]),
-                                                         "pp": int(stage[r]), "tp": int(tb.coords[r, 2])}],
+        out.append(Finding("slow-compute", (int(r),), [_coord(tb, r)],
                            f"{factor:.2f}x the other stages' time for the same layer at its fastest "
                            f"(+{excess:.1f} ms per iteration in its layers alone)", round(factor, 3), round(excess, 3),
                            round(conf, 3), ev))
