@@ -21,6 +21,7 @@ from megatronapp.scan.detect import (
     match_p2p,
     phases,
 )
+from megatronapp.scan.evidence import excursion_noise
 from megatronapp.scan.findings import Finding
 from megatronapp.scan.format import RankWriter, read_dir
 from megatronapp.scan.perturb import Perturbation, declare_stage_work, perturb, shift_clocks
@@ -228,6 +229,12 @@ def test_heterogeneous_stages_compare_work_beyond_the_cost_model(tmp_path):
 REAL = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "scan_real"
 
 
+def _real_quiet(layout):
+    traces, problems = read_dir(REAL.parent / "scan_real_quiet" / layout)
+    assert problems == [] and traces
+    return traces
+
+
 def _real(layout):
     traces, problems = read_dir(REAL / layout)
     assert problems == [] and traces
@@ -299,6 +306,24 @@ def test_a_pause_is_judged_against_jitter_relative_to_peers_not_the_machines_sha
     # -7..+11 ms in between, but the raw per-rank jitter (56 ms) hid them.
     report = detect(perturb(_real("tp2pp2dp2"), [Perturbation("pause", (6,), ms=100)]))
     assert _named(report) == {("transient-pause", (6,))}, report.to_text()
+
+
+def test_a_pairs_one_off_is_judged_against_the_jitter_of_a_difference():
+    # pp2dp2: each stage is a pair, and a rank's excess is its value minus its one peer's, so the peer's
+    # downward swings add to the rank's upward ones (CI: a healthy 2-rank FSDP run read +13.3 ms over its peer in
+    # 2 of 8 iterations against 4.1 ms of upward jitter and was reported as a pause). On the quiet recording both
+    # swings are ~6 ms: a pause of 3.3x the upward jitter alone (iterations 0 and 5) stays inside 3x the
+    # difference's; 1.6x that is named, in both paused iterations.
+    traces = _real_quiet("pp2dp2")
+    tb = join(traces)
+    st = phases(tb).self_time
+    up = excursion_noise(st, np.ones(tb.world, bool))
+    assert 0.7 < excursion_noise(-st, np.ones(tb.world, bool)) / up < 1.4  # a symmetric jitter, as said
+    quiet = detect(perturb(traces, [Perturbation("pause", (1,), ms=3.3 * up, every=5)]))
+    assert not quiet.findings, quiet.to_text()
+    loud = detect(perturb(traces, [Perturbation("pause", (1,), ms=5.3 * up, every=5)]))
+    assert _named(loud) == {("transient-pause", (1,))}, loud.to_text()
+    assert loud.findings[0].evidence["iterations"] == [0, 5]
 
 
 @pytest.mark.parametrize("link, ms", [((1, 3), 10), ((4, 6), 20)])

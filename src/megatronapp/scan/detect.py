@@ -303,13 +303,21 @@ def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool
     sizes = np.bincount(groups[groups >= 0], minlength=int(groups.max(initial=0)) + 1)
     big_stage = (groups >= 0) & (sizes[np.maximum(groups, 0)] >= 3)
     noise = excursion_noise(np.where(big_stage[:, None], resid, st), present)
+    # A pair's one-off is judged on the DIFFERENCE of two ranks: one's upward swing plus the other's downward
+    # swing in the same iteration, two independent jitters that add in quadrature. The own-value noise above
+    # holds only the upward half (CI: a healthy 2-rank FSDP run, upward jitter 4.1 ms, read +13.3 ms against
+    # its peer in 2 of 8 iterations and passed the 3x bar as a pause). Persistent findings take a median over
+    # most iterations, where the peer's swings cancel; they keep the plain noise.
+    pair = (groups >= 0) & (sizes[np.maximum(groups, 0)] == 2)
+    spread = np.where(pair, math.hypot(noise, excursion_noise(-st, present)), noise)[:, None]
+    one_off = np.maximum(th.transient_abs_ms, th.transient_noise * spread)
     ref, exc, z = robust_excess(st, groups, th.scale_floor, noise / 2)
     n_it = st.shape[1]
     zmin = th.z_for(th.z, int(present.sum()) * n_it)  # every (rank, iteration) cell is one comparison
     with np.errstate(invalid="ignore"):
         rel = exc / ref
         base = (z >= zmin) & (rel >= th.rel) & (exc >= max(th.abs_ms, th.persistent_noise * noise))
-        big = (z >= zmin) & (rel >= th.transient_rel) & (exc >= max(th.transient_abs_ms, th.transient_noise * noise))
+        big = (z >= zmin) & (rel >= th.transient_rel) & (exc >= one_off)
     out = []
     for r in np.flatnonzero((base | big).any(axis=1)):
         hit = np.flatnonzero(base[r])
@@ -342,7 +350,7 @@ def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool
                                    "before reaching the collectives (data / untraced time)", round(factor, 3),
                                    round(excess, 3), round(conf, 3), ev))
             continue
-        if len(hb) == 1 and exc[r, hb[0]] < 2 * max(th.transient_abs_ms, th.transient_noise * noise):
+        if len(hb) == 1 and exc[r, hb[0]] < 2 * one_off[r, 0]:
             continue  # a one-off on a busy machine needs twice the margin of a repeated pattern
         if not len(hb):
             continue  # a small, rare excess: noise
