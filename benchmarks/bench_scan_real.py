@@ -10,7 +10,9 @@ Each run's trace files are kept (--keep, default /tmp/megascan_real_runs), so `-
 runs again with the current detector (a detector change is then compared on identical runs, not new noise).
 Run: python -m benchmarks.bench_scan_real [--repeats 5] [--only NAME,...] [--steps 8] [--reanalyse]
 (--only re-measures those scenarios and keeps the stored rows of the others.) Two scenarios are a pure pipeline
-(pp = 4, one rank per stage) traced per layer, judged by measured stage work and layer floors.
+(pp = 4, one rank per stage) traced per layer, judged by measured stage work and layer floors; four are no engine
+run but a plain FSDP2 or DDP job on 2 ranks traced through `scan.instrument()` (benchmarks/anyjob.py, the job of
+tests/test_scan_anyjob.py), healthy or with rank 1 slowed 3x.
 """
 from __future__ import annotations
 
@@ -42,10 +44,16 @@ SCENARIOS: dict[str, tuple[int, tuple[str, ...], tuple[str, tuple[int, ...]] | N
     "8 ranks DP-peer link +20 ms": (8, ("slow-link=1-3:20",), ("slow-link", (1, 3))),
     "pure pp4 healthy (per layer)": (4, (), None),
     "pure pp4 last stage 1.3x (per layer)": (4, ("slow-compute=3:1.3",), ("slow-compute", (3,))),
+    "FSDP2 healthy (instrument)": (2, (), None),
+    "FSDP2 slow rank 3x (instrument)": (2, ("slow-compute=1:3",), ("slow-compute", (1,))),
+    "DDP healthy (instrument)": (2, (), None),
+    "DDP slow rank 3x (instrument)": (2, ("slow-compute=1:3",), ("slow-compute", (1,))),
 }
 # Scenarios of another shape: a pure pipeline (one rank per stage) traced per layer (scan/layercost.py).
 SHAPE = {name: ((1, 4, 1), "full") for name in SCENARIOS if name.startswith("pure pp4")}
 KIND_OF = {"slow-compute": "slow-compute", "slow-link": "slow-link", "pause": "transient-pause"}
+# Scenarios that are no engine run: a plain PyTorch job traced through scan.instrument() (benchmarks/anyjob.py).
+PLAIN = {name: ("fsdp" if name.startswith("FSDP2") else "ddp") for name in SCENARIOS if "(instrument)" in name}
 
 
 def one_run(name: str, steps: int, out: Path) -> dict:
@@ -54,6 +62,8 @@ def one_run(name: str, steps: int, out: Path) -> dict:
     from megatronapp.train.trainer import train
 
     world, inject, _ = SCENARIOS[name]
+    if name in PLAIN:
+        return _plain_run(name, out)
     (tp, pp, dp), granularity = SHAPE.get(name, (LAYOUTS[world], "coarse"))
     cfg = RunConfig(model=ModelConfig(family="gpt2", hidden_size=64, num_layers=4, num_heads=4, max_seq_len=32),
                     parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, microbatches=4, schedule="1f1b"),
@@ -65,6 +75,20 @@ def one_run(name: str, steps: int, out: Path) -> dict:
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     train(cfg)
+    return {**analysed(out / "trace"), "wall_s": round(time.perf_counter() - t0, 1),
+            "load_avg": [round(load0, 2), round(os.getloadavg()[0], 2)]}
+
+
+def _plain_run(name: str, out: Path) -> dict:
+    """One traced training of benchmarks/anyjob.py (FSDP2 or DDP, 2 ranks), its traces moved to out/trace."""
+    from benchmarks.anyjob import job
+    from megatronapp.launch import spawn
+
+    run = "slow" if SCENARIOS[name][2] else "healthy"
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    spawn(job, SCENARIOS[name][0], str(out), PLAIN[name], (run,))
+    (out / run).rename(out / "trace")
     return {**analysed(out / "trace"), "wall_s": round(time.perf_counter() - t0, 1),
             "load_avg": [round(load0, 2), round(os.getloadavg()[0], 2)]}
 
@@ -114,8 +138,10 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def docs_body(res: dict) -> str:
-    lines = ["`python -m benchmarks.bench_scan_real` (tests/test_scan_real.py's scenarios, each repeated in fresh "
-             f"processes, interleaved; {res['steps']} traced steps of a tiny GPT-2, 4 microbatches, gloo on the "
+    lines = ["`python -m benchmarks.bench_scan_real` (the real-run scenarios of tests/test_scan_real.py and "
+             "tests/test_scan_anyjob.py, each repeated in fresh processes, interleaved; engine runs: "
+             f"{res['steps']} traced steps of a tiny GPT-2, 4 microbatches; `(instrument)` runs: a 3-layer MLP "
+             "under FSDP2 or DDP traced by `scan.instrument()`, 8 steps of 4 microbatches; gloo on the "
              "shared 2-core machine). Detected: the top finding is the injected fault (kind and ranks); for a "
              "healthy run the rate is the share of repeats with no finding. Load average: 1-minute, at start and "
              "end of the repeats (other engineers' jobs: realistic noise).", "",
