@@ -326,6 +326,21 @@ def test_a_pairs_one_off_is_judged_against_the_jitter_of_a_difference():
     assert loud.findings[0].evidence["iterations"] == [0, 5]
 
 
+def test_p2p_link_floors_are_judged_against_the_noise_of_their_own_pipeline_direction():
+    # tp2pp2dp2 beside 10 CPU hogs: activations go into a stage mid-work (wide transfer times), gradients come back
+    # to a waiting one (tight). Judged against the tight direction's low-end spread, healthy link 1->5, whose
+    # fastest transfer never once found its receiver ready, read 24x its peers' and was named (as were two
+    # healthy 8-rank real runs of bench_scan_real, 4x). Per direction it is not, and real delays still are.
+    loaded, _ = read_dir(REAL.parent / "scan_real_loaded" / "tp2pp2dp2")
+    assert not [f for f in detect(loaded).findings if f.kind == "slow-link"], detect(loaded).to_text()
+    slow = detect(perturb(loaded, [Perturbation("slow-link", (1, 5), ms=10)]))
+    assert ("slow-link", (1, 5)) in _named(slow), slow.to_text()
+    quiet = _real_quiet("tp2pp2dp2")
+    for link, ms in (((0, 4), 3), ((2, 6), 5)):
+        report = detect(perturb(quiet, [Perturbation("slow-link", link, ms=ms)]))
+        assert _named(report) == {("slow-link", link)}, report.to_text()
+
+
 @pytest.mark.parametrize("link, ms", [((1, 3), 10), ((4, 6), 20)])
 def test_a_slow_dp_pair_is_judged_against_the_other_stages_dp_groups(link, ms):
     # The two stages all-reduce gradients 3% apart in size; split by exact size, each stage's two DP groups

@@ -4,8 +4,9 @@ The tracer records, for every host-timed work span, the time its thread waited i
 schedstat, trace format 2). Detection already takes that time out of compute. What it cannot take out is the
 same delay inside a TRANSFER or a wait: a receive ends when its thread runs again, so on a host where ranks wait
 for a CPU most of the time every transfer carries the scheduler (measured: beside 10 CPU-spinning processes,
-ranks waited 61-87% of their work time and a healthy tp2pp2dp2 link's fastest transfer read 24x its peers'; on
-the quiet recordings, 4-8 ranks on 2 cores, 23-48%, links were judged right). Not judging links into such ranks
+ranks waited 61-87% of their work time and a healthy tp2pp2dp2 link's fastest transfer read 24x its peers', named
+until link floors were judged per pipeline direction; on the quiet recordings, 4-8 ranks on 2 cores, 23-48%,
+links were judged right). Not judging links into such ranks
 was tried and not kept: it also lost every real +10-20 ms link of that recording (recall 0.75 -> 0.625). So the
 report says it instead: above half ("more often off the CPU than on"), the operator's first fault is the
 oversubscribed host, and link findings into those ranks are to be confirmed (`megatronapp diagnose`).
