@@ -711,7 +711,8 @@ def _cross_stage_links(tb: Table, th: Thresholds, si: np.ndarray, pair: np.ndarr
     # stage mid-work (median 10-20 ms, 10th percentile 0.7-2.2 ms above the floor) while gradients came back to
     # a waiting stage (median ~1 ms, 0.03-0.3 ms); mixed, the tight gradient links set the bar for the loose
     # activation ones, and an activation link that never once found its receiver ready (fastest 1.0 ms, others
-    # 0.25 ms, its reverse direction 0.22 ms) was named at confidence 1.00 in 2 of 15 healthy-link runs.
+    # 0.25 ms, its reverse direction 0.22 ms) was named at confidence 1.00 in 2 of bench_scan_real's 20 8-rank
+    # runs. (Interleaved schedules' wrap-around sends, last stage to first, count as 'up': an approximation.)
     stage = tb.coords[:, 1]
     down = stage[uu // tb.world] < stage[uu % tb.world]
     typical = np.where(down, float(np.median(low[down])) if down.any() else 0.0,
