@@ -58,12 +58,19 @@ PLAIN = {name: ("fsdp" if name.startswith("FSDP2") else "ddp") for name in SCENA
 
 def one_run(name: str, steps: int, out: Path) -> dict:
     """Train, trace and analyse one scenario in THIS process; returns the findings as plain values."""
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    (_plain_run if name in PLAIN else _engine_run)(name, steps, out)
+    return {**analysed(out / "trace"), "wall_s": round(time.perf_counter() - t0, 1),
+            "load_avg": [round(load0, 2), round(os.getloadavg()[0], 2)]}
+
+
+def _engine_run(name: str, steps: int, out: Path) -> None:
+    """One traced training of the engine (a tiny GPT-2) with the scenario's drills; traces in out/trace."""
     from megatronapp.config import ModelConfig, ParallelConfig, RunConfig, TraceConfig, TrainConfig
     from megatronapp.train.trainer import train
 
     world, inject, _ = SCENARIOS[name]
-    if name in PLAIN:
-        return _plain_run(name, out)
     (tp, pp, dp), granularity = SHAPE.get(name, (LAYOUTS[world], "coarse"))
     cfg = RunConfig(model=ModelConfig(family="gpt2", hidden_size=64, num_layers=4, num_heads=4, max_seq_len=32),
                     parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, microbatches=4, schedule="1f1b"),
@@ -72,25 +79,17 @@ def one_run(name: str, steps: int, out: Path) -> dict:
                     trace=TraceConfig(enabled=True, dir=str(out / "trace"), interval=steps, iterations=steps,
                                       granularity=granularity),
                     inject=list(inject))
-    load0 = os.getloadavg()[0]
-    t0 = time.perf_counter()
     train(cfg)
-    return {**analysed(out / "trace"), "wall_s": round(time.perf_counter() - t0, 1),
-            "load_avg": [round(load0, 2), round(os.getloadavg()[0], 2)]}
 
 
-def _plain_run(name: str, out: Path) -> dict:
-    """One traced training of benchmarks/anyjob.py (FSDP2 or DDP, 2 ranks), its traces moved to out/trace."""
+def _plain_run(name: str, steps: int, out: Path) -> None:
+    """One traced training of benchmarks/anyjob.py (FSDP2 or DDP, 2 ranks, its own 8 steps); traces in out/trace."""
     from benchmarks.anyjob import job
     from megatronapp.launch import spawn
 
     run = "slow" if SCENARIOS[name][2] else "healthy"
-    load0 = os.getloadavg()[0]
-    t0 = time.perf_counter()
     spawn(job, SCENARIOS[name][0], str(out), PLAIN[name], (run,))
     (out / run).rename(out / "trace")
-    return {**analysed(out / "trace"), "wall_s": round(time.perf_counter() - t0, 1),
-            "load_avg": [round(load0, 2), round(os.getloadavg()[0], 2)]}
 
 
 def analysed(trace_dir: Path) -> dict:

@@ -715,8 +715,10 @@ def _cross_stage_links(tb: Table, th: Thresholds, si: np.ndarray, pair: np.ndarr
     # runs. (Interleaved schedules' wrap-around sends, last stage to first, count as 'up': an approximation.)
     stage = tb.coords[:, 1]
     down = stage[uu // tb.world] < stage[uu % tb.world]
-    typical = np.where(down, float(np.median(low[down])) if down.any() else 0.0,
-                       float(np.median(low[~down])) if (~down).any() else 0.0)
+    typical = np.zeros(len(uu))
+    for way in (down, ~down):
+        if way.any():
+            typical[way] = np.median(low[way])
     noise = np.maximum(low, typical) * _FLOOR_NOISE
     ukind = kind[np.unique(unit, return_index=True)[1]]
     zmin = th.z_for(th.link_z, len(uu))
