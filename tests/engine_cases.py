@@ -1,6 +1,7 @@
 """Shared machinery for engine equivalence tests: run configs on real ranks, stitch shards, compare with one process.
 
-Each case trains two optimizer steps. The ranks record the loss of both steps, every gradient of step 1 and every
+Each case trains two optimizer steps, then evaluates the held-out split (forward only). The ranks record the loss
+of both steps and the validation loss, every gradient of step 1 and every
 parameter after step 2; the test stitches tensor-parallel shards (along `partition_dim`) and pipeline stages back
 into full tensors and compares them with the same training done in one process.
 """
@@ -38,6 +39,7 @@ def run_case(cfg_dict: dict[str, Any], rank: int) -> dict[str, Any]:
     from megatronapp.train.trainer import Trainer
 
     cfg = RunConfig.from_dict(copy.deepcopy(cfg_dict))
+    cfg.train.eval_interval = 1  # builds the held-out split (the loop here is our own: it only sets evaluate up)
     comm.reset()
     tr = Trainer(cfg, rank)
     tr.attach_plugins()  # e.g. a case's fault injection
@@ -57,12 +59,13 @@ def _two_steps(tr) -> dict[str, Any]:
             grads[name] = (p.grad.detach().clone(), getattr(p, "partition_dim", None)
                            if getattr(p, "tensor_parallel", False) else None)
     rec2 = tr.train_step()
+    val_loss = tr.evaluate(1)  # after it, the parameters below must still be step 2's (no update)
     params = {name: (p.detach().clone(), getattr(p, "partition_dim", None)
                      if getattr(p, "tensor_parallel", False) else None)
               for chunk in tr.chunks for name, p in chunk.named_parameters()}
     c = tr.topo.coord
     return {"coord": (c.dp, c.pp, c.tp), "losses": [rec1["loss"], rec2["loss"]], "grad_norm": rec1["grad_norm"],
-            "grads": grads, "params": params}
+            "val_loss": val_loss, "grads": grads, "params": params}
 
 
 def worker(rank: int, world: int, cases: list[dict[str, Any]], outdir: str) -> None:
@@ -120,6 +123,9 @@ def compare(results: list[dict[str, Any]], ref: dict[str, Any], label: str,
     for step in range(2):
         got, want = last["losses"][step], ref["losses"][step]
         assert abs(got - want) < 1e-5, f"{label}: step {step + 1} loss {got} != single-process {want}"
+    for r in results:  # every rank knows the validation loss
+        assert abs(r["val_loss"] - ref["val_loss"]) < 1e-5, \
+            f"{label}: validation loss {r['val_loss']} != single-process {ref['val_loss']} on rank at {r['coord']}"
     for r in results:
         assert abs(r["grad_norm"] - ref["grad_norm"]) < 1e-4 * max(1.0, ref["grad_norm"]), \
             f"{label}: grad norm {r['grad_norm']} != {ref['grad_norm']} on rank at {r['coord']}"

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from megatronapp.config import RunConfig
-from megatronapp.data.dataset import BatchSource, build_batch_source
+from megatronapp.data.dataset import BatchSource, build_batch_source, build_valid_source
 from megatronapp.data.prefetch import DataWorkerError
+from megatronapp.data.tokenizer import ByteTokenizer
 from megatronapp.launch import spawn
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.consolidate import load_model
@@ -41,8 +42,10 @@ def _resume_worker(rank: int, world: int, root: str) -> None:
     root_p = Path(root)
     layout = {"parallel.tp": 2, "parallel.pp": 2, "parallel.schedule": "1f1b", "train.steps": 6}
     # a run that saves at step 3 and goes on; a second run resumes from that step-3 checkpoint
+    # the straight run also evaluates (steps 3 and 6): the resumed run, which does not, must still match it
     run_rank(rank, world, _cfg(root_p / "straight", **{**layout, "train.save_interval": 3,
-                                                        "train.tensorboard": str(root_p / "straight" / "tb")}))
+                                                        "train.tensorboard": str(root_p / "straight" / "tb"),
+                                                        "train.eval_interval": 3, "train.eval_iters": 2}))
     resumed = _cfg(root_p / "resumed", **layout)
     resumed["train"]["resume"] = str(root_p / "straight" / "checkpoints" / "step_00000003")
     run_rank(rank, world, resumed)
@@ -106,7 +109,7 @@ def test_resume_is_bit_exact_and_modes_train(tmp_path):
             "time/wait_s"} <= set(events.Tags()["scalars"])
     for key, tag in TAGS.items():
         got = [(e.step, e.value) for e in events.Scalars(tag)]
-        assert got == [(r["step"], pytest.approx(r[key], rel=1e-6, abs=1e-12)) for r in straight], tag
+        assert got == [(r["step"], pytest.approx(r[key], rel=1e-6, abs=1e-12)) for r in straight if key in r], tag
     # one reader per TP group (tp=2 x pp=2, NCCL rules): TP rank 0 reads, its peer gets the same rows by
     # broadcast; prefetched or not, every rank's executor got exactly the batch of each step
     src, _ = build_batch_source(RunConfig.from_dict(_cfg(tmp_path / "x")), 0)
@@ -141,6 +144,17 @@ def test_resume_is_bit_exact_and_modes_train(tmp_path):
     with torch.no_grad():
         loss = float(model(ids, labels=labels))
     assert 0 < loss < straight[0]["loss"]
+    # validation: forward only over the held-out split on tp2 x pp2, equal to the consolidated model's loss on the
+    # same two batches; in metrics.jsonl at the evaluated steps, summary.json (last and best), the loss plot
+    assert [r["step"] for r in straight if "val_loss" in r] == [3, 6]
+    valid = build_valid_source(RunConfig.from_dict(_cfg(tmp_path / "x")), 0, ByteTokenizer())
+    with torch.no_grad():
+        want = sum(float(model(*valid.get(i)[:1], labels=valid.get(i)[1])) for i in range(2)) / 2
+    assert straight[5]["val_loss"] == pytest.approx(want, abs=1e-5)
+    summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    assert summary["val_loss"] == straight[5]["val_loss"]
+    assert summary["best_val_loss"] == min(straight[2]["val_loss"], straight[5]["val_loss"])
+    assert (tmp_path / "straight" / "loss.png").stat().st_size > 0
     # MegaScope serves the same sharded checkpoint (consolidated into one model)
     from megatronapp.scope.cli import _from_checkpoint
 

@@ -31,6 +31,8 @@ _TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "hf": ("train", "hf_checkpoint"), "peak_tflops": ("train", "peak_tflops"),
     "data_prefetch": ("train", "data_prefetch"), "tensorboard": ("train", "tensorboard"),
     "log_interval": ("train", "log_interval"),
+    "eval_interval": ("train", "eval_interval"), "eval_iters": ("train", "eval_iters"),
+    "valid_data": ("train", "valid_data"),
     "async_save": ("train", "async_save"), "keep_checkpoints": ("train", "keep_checkpoints"),
     "family": ("model", "family"), "layers": ("model", "num_layers"), "hidden": ("model", "hidden_size"),
     "heads": ("model", "num_heads"), "kv_heads": ("model", "num_kv_heads"), "ffn_hidden": ("model", "ffn_hidden_size"),
@@ -123,6 +125,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-prefetch", type=int, metavar="N",
                    help="batches built N steps ahead by a background worker (default 2; 0: off)")
     g.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard event files to DIR (lead rank)")
+    g.add_argument("--eval-interval", type=int, metavar="N", help="validation loss every N steps and at the end "
+                   "(forward only; val_loss in metrics.jsonl, summary.json, TensorBoard; default 0: none)")
+    g.add_argument("--eval-iters", type=int, metavar="K", help="held-out batches per validation (default 1)")
+    g.add_argument("--valid-data", metavar="PATH", help="held-out .txt/.jsonl for validation (default: the "
+                   "embedded corpus's held-out split; required with --data)")
     g = p.add_argument_group("modules")
     g.add_argument("--trace", action="store_true", default=None, help="MegaScan: trace every rank")
     g.add_argument("--trace-dir")

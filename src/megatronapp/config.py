@@ -175,6 +175,11 @@ class TrainConfig:
     peak_tflops: float | None = None  # MFU denominator; None: measured at start-up
     data_prefetch: int = 2  # steps of batches built ahead by a background worker (0: build in the step)
     tensorboard: str | None = None  # directory for TensorBoard event files (None: none written)
+    # validation: loss on a held-out split every eval_interval steps (0: never) over eval_iters batches;
+    # valid_data None: the embedded corpus's held-out text (required with train.data)
+    eval_interval: int = 0
+    eval_iters: int = 1
+    valid_data: str | None = None
     progress: bool = True
 
 
@@ -290,6 +295,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
                           "optimizer state; drop --zero 1 or --fbd")
     if p.fbd:
         _validate_fbd(p)
+    _validate_eval(cfg)
     if world_size is not None and p.fbd and world_size != p.total_ranks:
         raise ConfigError(f"world size {world_size} != {p.total_ranks} ranks = dp*pp*tp = {p.world_size} backward + "
                           f"fbd_forward_instances*fbd_forward_pp*fbd_forward_tp = {p.total_ranks - p.world_size} "
@@ -388,6 +394,19 @@ def _validate_fbd(p: ParallelConfig) -> None:
         raise ConfigError(f"parallel.schedule={p.schedule!r} does not apply with parallel.fbd: the backward side "
                           f"runs each microbatch's recompute and backward in order; use 1f1b (or interleaved-1f1b "
                           f"with --vpp)")
+
+
+def _validate_eval(cfg: RunConfig) -> None:
+    t = cfg.train
+    if t.eval_interval < 0 or t.eval_iters < 1:
+        raise ConfigError(f"train.eval_interval={t.eval_interval} must be >= 0 (0: no validation) and "
+                          f"train.eval_iters={t.eval_iters} >= 1")
+    if t.eval_interval and cfg.parallel.fbd:
+        raise ConfigError("train.eval_interval (--eval-interval) is not supported with parallel.fbd yet: MegaFBD "
+                          "runs its own loop; drop --eval-interval or --fbd")
+    if t.eval_interval and t.data is not None and t.valid_data is None:
+        raise ConfigError(f"train.eval_interval={t.eval_interval} with train.data={t.data!r} needs a held-out "
+                          f"file: pass --valid-data PATH (text training never reads)")
 
 
 def plugin_entries(cfg: RunConfig) -> list[str]:

@@ -45,29 +45,9 @@ def demo_recipe(steps: int, out: str) -> TrainConfig:
 
 def loss_curve(metrics: Path, png: Path) -> Path:
     """Plot the per-step loss of a run's metrics.jsonl (and its 10-step median) into `png`."""
-    import json
-    import statistics
+    from megatronapp.train.plot import loss_curve as plot
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    steps, losses = [r["step"] for r in recs], [r["loss"] for r in recs]
-    med = [statistics.median(losses[max(0, i - 9):i + 1]) for i in range(len(losses))]
-    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=120)
-    ax.plot(steps, losses, lw=0.8, label="loss")
-    ax.plot(steps, med, lw=1.5, label="median of 10 steps")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/byte)")
-    ax.set_title("make demo: gpt2-tiny, tp2 x pp2, embedded corpus")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
-    return png
+    return plot(metrics, png, "make demo: gpt2-tiny, tp2 x pp2, embedded corpus")
 
 
 def train_part(out: Path, steps: int) -> Path:

@@ -131,6 +131,18 @@ def generate(seed: int = SEED, target_chars: int = TARGET_CHARS) -> str:
     return "\n".join(paragraphs) + "\n"
 
 
+# The held-out split: the same grammar from another seed, so validation measures what the model learned of the
+# grammar, on paragraphs training never reads (the training text is untouched by it).
+VALID_SEED = SEED + 1
+VALID_CHARS = 40_000
+
+
+@functools.lru_cache(maxsize=1)
+def embedded_validation() -> str:
+    """The embedded corpus's held-out split (about 40 KB), for validation loss; training never reads it."""
+    return generate(VALID_SEED, VALID_CHARS)
+
+
 @functools.lru_cache(maxsize=1)
 def embedded_corpus() -> str:
     """The default training text (about 400 KB, ASCII), identical on every call and every machine."""

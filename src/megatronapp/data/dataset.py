@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from megatronapp.config import ConfigError, RunConfig
-from megatronapp.data.corpus import embedded_corpus
+from megatronapp.data.corpus import embedded_corpus, embedded_validation
 from megatronapp.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -142,3 +142,19 @@ def build_batch_source(cfg: RunConfig, dp_rank: int) -> tuple[BatchSource, ByteT
                           f"parallel.dp={cfg.parallel.dp}")
     source = BatchSource(tokens, t.seq_len, t.global_batch_size, dp_rank, cfg.parallel.dp, t.seed)
     return source, tok
+
+
+def build_valid_source(cfg: RunConfig, dp_rank: int, tok: ByteTokenizer | HFTokenizer) -> BatchSource:
+    """The held-out split's batches (train.valid_data, or the embedded corpus's held-out text), cut like training
+    batches: global_batch_size windows of seq_len per evaluation batch, dealt to DP ranks the same way."""
+    t = cfg.train
+    try:
+        text = embedded_validation() if t.valid_data is None else load_text(t.valid_data)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"train.valid_data: {e}") from None
+    tokens = tok.encode_tensor(text)
+    if tokens.numel() < t.seq_len + 1:
+        where = "the embedded held-out text" if t.valid_data is None else t.valid_data
+        raise ConfigError(f"train.valid_data: {where} has {tokens.numel()} tokens, fewer than one window of "
+                          f"train.seq_len+1 = {t.seq_len + 1}; give more text or lower train.seq_len")
+    return BatchSource(tokens, t.seq_len, t.global_batch_size, dp_rank, cfg.parallel.dp, t.seed)

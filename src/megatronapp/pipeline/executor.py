@@ -228,6 +228,44 @@ class PipelineExecutor:
         return StepResult([losses[i] for i in sorted(losses)], order, view.peak_inflight, wait_total, view,
                           peak_buffers, view.peak_pending_w_bytes)
 
+    def forward_only(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+        """Evaluation: forward every microbatch through every chunk, no graph, no backward; returns the
+        per-microbatch losses on the stage holding the last virtual stage (else an empty list).
+
+        Whatever the training schedule, every stage runs its forwards in (microbatch, chunk) order: a task's
+        input comes from the previous virtual stage, which runs the same microbatch's earlier chunk, so by
+        induction every wait is answered (no policy, no TP broadcast of choices: TP peers run the same fixed
+        order). Messages use the training channels and headers with a step number of their own."""
+        if len(microbatches) != self.m:
+            raise ValueError(f"expected {self.m} microbatches, got {len(microbatches)}")
+        links = self.links
+        if links is not None:
+            expected = sum(self.m for c in range(self.vpp) if not self._first(c))
+            links.start(self.steps, {"F": expected, "B": 0}, self.vpp)
+        self.steps += 1
+        losses: list[float] = []
+        with torch.no_grad():
+            for mb, (ids, labels) in enumerate(microbatches):
+                for c in range(self.vpp):
+                    if self._first(c):
+                        x = ids
+                    else:
+                        key = ("F", c, mb)
+                        links.wait_for(key, self.timeout_s, lambda k=key: f"evaluation: stage {self.stage} "
+                                       f"waits for the activation of chunk {k[1]}, microbatch {k[2]}")
+                        links.drain_new()
+                        x = links.take(key)
+                    last = self._last(c)
+                    with tracing.span("eval_forward", "compute", chunk=c, microbatch=mb):
+                        out = self.chunks[c](x, labels=labels if last else None)
+                    if last:
+                        losses.append(float(out))
+                    else:
+                        links.send("F", self._next_chunk(c), mb, out)
+        if links is not None:
+            links.finish()
+        return losses
+
     def _forward(self, t: Task, microbatches, stash, losses, loss_scale) -> None:
         ids, labels = microbatches[t.microbatch]
         if self._first(t.chunk):

@@ -13,6 +13,7 @@ from typing import Any
 # metrics.jsonl key -> TensorBoard tag
 TAGS: dict[str, str] = {
     "loss": "loss",
+    "val_loss": "validation/loss",  # only on the steps that evaluated (--eval-interval)
     "lr": "lr",
     "grad_norm": "grad_norm",
     "tokens_per_s": "throughput/tokens_per_s",

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megatronapp import tracing
 from megatronapp.config import FBD_TRAIN, RunConfig, micro_batch_size, plugin_entries, validate
-from megatronapp.data.dataset import build_batch_source, split_microbatches
+from megatronapp.data.dataset import build_batch_source, build_valid_source, split_microbatches
 from megatronapp.data.prefetch import Prefetcher
 from megatronapp.model.transformer import TransformerChunk, sync_sequence_parallel_grads
 from megatronapp.parallel import comm
@@ -133,6 +133,8 @@ class Trainer:
         else:
             self.optimizer = build_optimizer(self.params, t, tp_group=self.topo.tp_group)
         self.data, self.tokenizer = build_batch_source(cfg, self.topo.coord.dp)
+        # the held-out split (`--eval-interval`): read only by evaluate(), never by a training step
+        self.valid = build_valid_source(cfg, self.topo.coord.dp, self.tokenizer) if t.eval_interval else None
         self.prefetcher: Prefetcher | None = None  # started by the first step, at that step (resume included)
         self.mbs = micro_batch_size(cfg)
         seq = t.seq_len // p.tp if p.sequence_parallel else t.seq_len
@@ -183,6 +185,21 @@ class Trainer:
                 "data_s": data_s, "wait_s": result.wait_s, "peak_inflight": result.peak_inflight,
                 "peak_recv_buffers": result.peak_recv_buffers}
 
+    def evaluate(self, iters: int | None = None) -> float:
+        """Mean loss of the first `iters` (default train.eval_iters) batches of the held-out split: forward only
+        on every stage, no gradient, no weight or optimizer change; the same fixed batches at every call, so
+        successive values are comparable. Every rank returns it."""
+        if self.valid is None:
+            raise RuntimeError("evaluate() needs a held-out split: set train.eval_interval (--eval-interval)")
+        iters = self.cfg.train.eval_iters if iters is None else iters
+        losses: list[float] = []
+        for i in range(iters):
+            with tracing.span("data", "data"):
+                mbs = self._batch(self.valid, i)
+            with self.autocast, tracing.span("evaluate", "compute"):
+                losses.append(global_loss(self.executor.forward_only(mbs), self.topo, self.device))
+        return sum(losses) / len(losses)
+
     # -- data -----------------------------------------------------------------------------------------------
     def _read(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This DP rank's (ids, labels) of `step`: from the prefetch worker, or built now with data_prefetch=0."""
@@ -195,8 +212,8 @@ class Trainer:
             self.prefetcher = Prefetcher(self.data.get, step, depth, pin_memory=self.device.type == "cuda")
         return self.prefetcher.get(step)
 
-    def _batch(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """The step's microbatches on this rank's device.
+    def _batch(self, source: Any = None, index: int = 0) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """The step's microbatches on this rank's device (or, with `source`, that source's batch `index`).
 
         Only the first pipeline stage embeds ids and only the last computes the loss (the executor reads ids
         in chunk v=0 and labels in the last chunk, both of which live on those stages even when interleaved),
@@ -215,13 +232,14 @@ class Trainer:
         if 0 < topo.coord.pp < topo.pp - 1:
             return [(None, None)] * m
         tp = topo.tp_group
+        read = (lambda: self._read(self.step)) if source is None else (lambda: source.get(index))
         if tp.size == 1:  # nobody to share with: no staging tensor, no broadcast
-            ids, labels = self._read(self.step)
+            ids, labels = read()
             return split_microbatches(ids.to(self.device, non_blocking=True),
                                       labels.to(self.device, non_blocking=True), m)
         both = torch.empty((2, self.data.local_batch, cfg.train.seq_len), dtype=torch.long, device=self.device)
         if tp.ranks[0] == self.rank:
-            ids, labels = self._read(self.step)
+            ids, labels = read()
             both[0].copy_(ids, non_blocking=True)  # pinned by the prefetch worker on CUDA
             both[1].copy_(labels, non_blocking=True)
         comm.broadcast(both, tp.ranks[0], tp)
@@ -330,6 +348,8 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
             tps = tokens_per_step / rec["step_time"]
             rec.update(step=tr.step, tokens_per_s=tps, mfu=mfu(tps, flops_tok, peak, world),
                        mem_bytes=peak_memory_bytes(tr.device))
+            if t.eval_interval and (tr.step % t.eval_interval == 0 or tr.step == t.steps):
+                rec["val_loss"] = tr.evaluate()  # every rank: a forward-only pass of the whole pipeline
             if tr.step <= logged:
                 rec["replayed"] = True
             history.append(rec)
@@ -372,9 +392,18 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
         "checkpoint": str(ckpt_dir), "out": str(tr.out), "world_size": world,
         "losses": [h["loss"] for h in history], "save_stall_s": tr.save_stalls, "mfu_denominator": peak_what,
     }
+    evals = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
+    if evals:
+        summary.update(val_loss=evals[-1][1], best_val_loss=min(v for _, v in evals),
+                       best_val_step=min(evals, key=lambda e: e[1])[0], val_losses=evals)
     if lead:
-        progress.close({k: v for k, v in summary.items() if k not in ("losses", "save_stall_s", "mfu_denominator")})
+        progress.close({k: v for k, v in summary.items()
+                        if k not in ("losses", "save_stall_s", "mfu_denominator", "val_losses")})
         (tr.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if evals:  # both curves, beside metrics.jsonl
+            from megatronapp.train.plot import loss_curve
+
+            summary["loss_plot"] = str(loss_curve(tr.out / "metrics.jsonl", tr.out / "loss.png"))
         if result_path:
             Path(result_path).write_text(json.dumps(summary))
     return summary
