@@ -96,6 +96,11 @@ def test_dp2_zero_resumes_bit_exactly_and_holds_half_the_optimizer_state(tmp_pat
     for name, t in full.items():
         src = states[1]["chunks"][0][name]
         assert torch.equal(t, src[:t.shape[0]] if name in VOCAB_WEIGHTS else src), name
+    # and it exports to Hugging Face (the model only: optimizer shards are left behind)
+    from megatronapp.train.export import export_hf
+    from tests.test_export import assert_exported_matches
+
+    assert_exported_matches(a, export_hf(a, tmp_path / "hf"), "Snow is white.")
 
 
 def _assert_equal(x, y, where: str) -> None:

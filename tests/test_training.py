@@ -155,6 +155,20 @@ def test_resume_is_bit_exact_and_modes_train(tmp_path):
     assert summary["val_loss"] == straight[5]["val_loss"]
     assert summary["best_val_loss"] == min(straight[2]["val_loss"], straight[5]["val_loss"])
     assert (tmp_path / "straight" / "loss.png").stat().st_size > 0
+    # exported to Hugging Face, the tp2 x pp2 checkpoint loads in transformers with the engine's logits, and its
+    # loss on the held-out batches is the run's last validation loss
+    from transformers import AutoModelForCausalLM
+
+    from megatronapp.train.export import export_hf
+    from tests.test_export import assert_exported_matches
+
+    hf = export_hf(a, tmp_path / "hf")
+    assert_exported_matches(a, hf, "Today is Monday, so")
+    hf_model = AutoModelForCausalLM.from_pretrained(hf).eval()
+    with torch.no_grad():
+        hf_loss = sum(float(torch.nn.functional.cross_entropy(hf_model(valid.get(i)[0]).logits.flatten(0, 1),
+                                                              valid.get(i)[1].flatten())) for i in range(2)) / 2
+    assert hf_loss == pytest.approx(straight[5]["val_loss"], abs=1e-4)
     # MegaScope serves the same sharded checkpoint (consolidated into one model)
     from megatronapp.scope.cli import _from_checkpoint
 

@@ -313,6 +313,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from megatronapp.train.checkpoint import CheckpointError
+    from megatronapp.train.export import export_hf
+
+    try:
+        out = export_hf(args.checkpoint, args.hf)
+    except (CheckpointError, FileNotFoundError) as e:
+        print(f"megatronapp export: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} to {out} (config.json, model.safetensors, tokenizer.json); load it with "
+          f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatronapp",
@@ -330,6 +344,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train on local ranks (spawned) or as one rank of a torchrun job.")
     add_train_args(p)
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("export", help="write a checkpoint (any layout) as a Hugging Face directory",
+                       description="Consolidate a checkpoint of any tp/pp/vpp/dp/ZeRO layout and write it as a "
+                                   "transformers GPT-2 or Llama directory: config.json, model.safetensors, "
+                                   "tokenizer.json and tokenizer_config.json.")
+    p.add_argument("checkpoint", metavar="CKPT", help="a step directory, .../checkpoints/latest, a run directory "
+                   "or a Hugging Face directory")
+    p.add_argument("--hf", required=True, metavar="OUT", help="the directory to write")
+    p.set_defaults(func=cmd_export)
     for module in ("scan", "dpp", "scope", "resilience"):
         try:
             mod = importlib.import_module(f"megatronapp.{module}.cli")

@@ -32,6 +32,15 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, 
     return torch.cat(parts, dim=1).reshape((num_heads + 2 * num_kv_heads) * d, *rest)
 
 
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `fuse_qkv`: the fused, group-ordered qkv (weight or bias) -> separate q, k and v."""
+    g, rest = num_heads // num_kv_heads, qkv.shape[1:]
+    d = qkv.shape[0] // (num_heads + 2 * num_kv_heads)
+    x = qkv.reshape(num_kv_heads, (g + 2) * d, *rest)
+    return (x[:, :g * d].reshape(num_heads * d, *rest), x[:, g * d:(g + 1) * d].reshape(num_kv_heads * d, *rest),
+            x[:, (g + 1) * d:].reshape(num_kv_heads * d, *rest))
+
+
 def attention_mask(q_start: int, q_len: int, k_len: int, window: int | None,
                    device: torch.device | None = None) -> torch.Tensor:
     """Boolean [q_len, k_len], True where query at absolute position q_start+i may see key j.

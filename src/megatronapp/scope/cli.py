@@ -40,6 +40,66 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="where a model served by one process runs (default cpu; cuda: the current GPU)")
     s.set_defaults(func=cmd_serve)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+    g = subparsers.add_parser("generate", help="continue a prompt with a trained or exported model, streaming",
+                              description="Generate text from a megatronapp checkpoint (any layout) or a Hugging "
+                                          "Face directory, printing tokens as they come. Uses MegaScope's "
+                                          "generation (scope/generate.py) with nothing captured.")
+    g.add_argument("source", metavar="CKPT_OR_HF_DIR",
+                   help="a checkpoint (step directory, .../checkpoints/latest or a run directory) or an HF directory")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=1.0, help="0 (or --greedy): always the likeliest token")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens holding this mass")
+    g.add_argument("--greedy", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream a continuation of --prompt to stdout; the prompt first, then each new token as it is placed."""
+    from pydantic import ValidationError
+
+    from megatronapp.scope.generate import generate
+    from megatronapp.scope.protocol import Generate
+    from megatronapp.train.checkpoint import CheckpointError
+
+    try:
+        req = Generate(type="generate", prompts=[args.prompt], max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
+                       seed=args.seed)
+    except ValidationError as e:
+        bad = "; ".join(f"--{'-'.join(map(str, x['loc'])).replace('_', '-')}: {x['msg']}" for x in e.errors())
+        print(f"megatronapp generate: {bad}", file=sys.stderr)
+        return 2
+    src = Path(args.source)
+    hf = src.is_dir() and (src / "config.json").is_file() and not (src / "meta.json").is_file()
+    try:
+        sm = load_model(argparse.Namespace(hf=str(src) if hf else None, checkpoint=None if hf else str(src)))
+    except (CheckpointError, FileNotFoundError) as e:
+        print(f"megatronapp generate: {e}", file=sys.stderr)
+        return 2
+    new: list[int] = []
+    shown = [0]
+    sys.stdout.write(args.prompt)
+
+    def emit(msg: dict) -> None:
+        for row in msg.get("next", []):
+            if row["new"]:
+                new.append(row["id"])
+        text = sm.tokenizer.decode(new).rstrip("\ufffd")  # a character still missing bytes waits for them
+        sys.stdout.write(text[shown[0]:])
+        sys.stdout.flush()
+        shown[0] = max(shown[0], len(text))
+
+    try:
+        generate(sm, req, emit)
+    except ValueError as e:  # the request does not fit the model (prompt too long, ids out of vocabulary)
+        print(f"\nmegatronapp generate: {e}", file=sys.stderr)
+        return 2
+    tail = sm.tokenizer.decode(new)[shown[0]:]
+    sys.stdout.write(tail + "\n")
+    return 0
 
 
 def load_model(args: argparse.Namespace) -> ScopeModel:

@@ -71,13 +71,19 @@ def token_text(tokenizer: Any, tid: int) -> str:
 
 def _sample(logits: torch.Tensor, req: Generate, gen: torch.Generator) -> torch.Tensor:
     """Next token per row from finite-or-(-inf) logits [b, v]: argmax when greedy or temperature 0, else top-k
-    sampling; a row whose scaled distribution is not finite (huge logits over a small temperature) takes its argmax."""
+    and top-p (nucleus) sampling; a row whose scaled distribution is not finite (huge logits over a small
+    temperature) takes its argmax."""
     if req.greedy or req.temperature == 0.0:
         return logits.argmax(dim=-1)
     scaled = logits.float() / req.temperature
     if 0 < req.top_k < scaled.shape[-1]:
         kth = scaled.topk(req.top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if req.top_p < 1.0:  # keep the most likely tokens until their mass reaches top_p (the first always stays)
+        ordered, order = scaled.sort(dim=-1, descending=True)
+        p = ordered.softmax(dim=-1)
+        drop = (p.cumsum(dim=-1) - p) >= req.top_p
+        scaled = scaled.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
     probs = scaled.softmax(dim=-1)
     ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
     if not bool(ok.all()):

@@ -80,6 +80,7 @@ class Generate(_Msg):
     max_new_tokens: int = Field(32, ge=1, le=MAX_NEW_TOKENS)
     temperature: float = Field(1.0, ge=0.0, le=10.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0, le=100_000)  # 0: no top-k filter
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)  # nucleus: smallest set with this mass; 1: off
     greedy: bool = False
     seed: int = Field(0, ge=0, le=2**62)
     report_top: int = Field(5, ge=1, le=20)  # candidates reported per step
