@@ -33,7 +33,7 @@ from megatronapp.parallel.grad_norm import clip_grad_norm
 from megatronapp.pipeline.executor import PipelineExecutor
 from megatronapp.pipeline.partition import stage_chunks
 from megatronapp.train import checkpoint as ckpt
-from megatronapp.train import plugins
+from megatronapp.train import plugins, reshard
 from megatronapp.train.async_checkpoint import AsyncSaver
 from megatronapp.train.checkpoint_read import read_state
 from megatronapp.train.metrics import MetricsLog, Progress, mfu, mfu_denominator, peak_memory_bytes, read_metrics
@@ -296,14 +296,9 @@ class Trainer:
         self.snapshot_barrier()  # loading overwrites the state a save in flight may still be copying
         meta = ckpt.load_meta(d)
         saved = meta.get("config", {}).get("parallel", {})
-        now = dataclasses.asdict(self.cfg.parallel)
-        for key in ("tp", "pp", "dp", "vpp"):
-            if saved.get(key) != now[key]:
-                raise ckpt.CheckpointError(f"checkpoint {d} was saved with parallel.{key}={saved.get(key)}, "
-                                           f"this run has {now[key]}; resume with the same layout")
-        if saved.get("zero", 0) != now["zero"]:  # sharded and whole optimizer states do not convert
-            raise ckpt.CheckpointError(f"checkpoint {d} was saved with parallel.zero={saved.get('zero', 0)}, this run "
-                                       f"has {now['zero']}; resume with the same parallel.zero (--zero)")
+        if reshard.layout_changed(saved, dataclasses.asdict(self.cfg.parallel)):  # another tp/pp/vpp/dp/zero
+            reshard.load(self, d)
+            return
         # plain DP: one reader per DP group broadcasts to its replicas; ZeRO-1 slices differ, each rank reads its own
         state = read_state(d, self.topo, sharded=bool(self.cfg.parallel.zero), device=self.device)
         for chunk, sd in zip(self.chunks, state["chunks"]):
