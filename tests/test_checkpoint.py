@@ -52,6 +52,8 @@ def test_malicious_pickle_is_refused_without_running(tmp_path):
     meta = ckpt.load_meta(d)
     meta["files"].pop("rank00000.pt")  # as if the attacker also fixed the checksum: refusal must not rely on it
     (d / "meta.json").write_text(__import__("json").dumps(meta))
+    sealed = __import__("hashlib").sha256((d / "meta.json").read_bytes()).hexdigest()
+    (d / ckpt.MARKER).write_text(__import__("json").dumps({"meta_sha256": sealed}))  # and resealed meta.json
     with pytest.raises(ckpt.CheckpointError, match="rank00000.pt was refused.*run code"):
         ckpt.load_rank(d, 0)
     with pytest.raises(ckpt.CheckpointError, match="refused"):

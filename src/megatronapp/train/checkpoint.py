@@ -33,6 +33,7 @@ import torch
 from megatronapp.config import ConfigError
 
 MARKER = "COMPLETE"
+META_MAX_BYTES = 64 << 20  # a meta.json holds a config and one checksum per rank: far below this
 
 
 class CheckpointError(RuntimeError):
@@ -146,8 +147,10 @@ def finalize(root: Path, step: int, meta: dict[str, Any], keep: int = 0) -> Path
     missing = [rank_file(r) for r in range(world) if rank_file(r) not in files]
     if missing:
         raise CheckpointError(f"checkpoint step {step}: {', '.join(missing)} were not written; not marking it complete")
-    _atomic_write_bytes(tmp / "meta.json", json.dumps({**meta, "files": files}, indent=2, default=str).encode())
-    _atomic_write_bytes(tmp / MARKER, b"ok\n")
+    meta_bytes = json.dumps({**meta, "files": files}, indent=2, default=str).encode()
+    _atomic_write_bytes(tmp / "meta.json", meta_bytes)
+    # the marker seals meta.json as meta.json seals the rank files (older checkpoints hold "ok": not checked)
+    _atomic_write_bytes(tmp / MARKER, json.dumps({"meta_sha256": hashlib.sha256(meta_bytes).hexdigest()}).encode())
     fsync_dir(tmp)
     if final.exists():  # a replayed step saved again after a restart: swap, never mix the two
         trash = root / f".trash.{final.name}.{_run_id()}"
@@ -251,11 +254,31 @@ def resolve(path: str | Path, verify_files: bool = False, warn: bool = True) -> 
     return newest
 
 
-def load_meta(d: Path) -> dict[str, Any]:
+def _sealed_sha(d: Path) -> str | None:
+    """The checksum of meta.json that the marker holds (None: a marker of an older format, or none)."""
     try:
-        return json.loads((d / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{d / 'meta.json'} is unreadable: {e}") from None
+        sealed = json.loads((d / MARKER).read_bytes()[:4096])
+    except (OSError, ValueError):
+        return None
+    return sealed.get("meta_sha256") if isinstance(sealed, dict) else None
+
+
+def load_meta(d: Path) -> dict[str, Any]:
+    """meta.json of a step directory, checked against the marker's checksum when the marker holds one."""
+    path = d / "meta.json"
+    try:
+        if path.stat().st_size > META_MAX_BYTES:
+            raise CheckpointError(f"{path} has {path.stat().st_size} bytes, over {META_MAX_BYTES}: not a meta.json")
+        data = path.read_bytes()
+        sealed = _sealed_sha(d)
+        if sealed is not None and hashlib.sha256(data).hexdigest() != sealed:
+            raise CheckpointError(f"{path} fails its checksum (altered or corrupt): resume from another step")
+        meta = json.loads(data)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable: {str(e)[:200]}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return meta
 
 
 def load_rank(d: Path, rank: int) -> dict[str, Any]:
