@@ -50,3 +50,19 @@ def test_a_heartbeat_of_the_wrong_types_is_named_and_skipped(tmp_path, capsys):
     # what the driver does with what is left: judge a hang without a TypeError
     failure = watch.judge_hang(beats, 4, {r: f"r{r}" for r in range(4)}, 50.0, 10.0, 5.0, None)
     assert failure.kind == "hang" and failure.rank == 0
+
+
+def test_a_rank_behind_its_started_peers_is_judged_by_the_hang_timeout():
+    """Rank 1 was stopped during a restarted attempt's start-up (no heartbeat); rank 0 finished start-up and waits
+    in step 1. The hang timeout (10 s) applies, not the 300 s start-up allowance."""
+    clock = watch.ProgressClock(2, hang_timeout_s=10.0, startup_timeout_s=300.0)
+    waiting = _beat(0, step=0, phase="step 1", step_time_s=None)
+    clock.update({0: waiting})
+    clock.last_progress -= 12.0
+    assert clock.overdue({0: waiting}) is not None
+    # rank 1 beats but has not begun (stuck after its heartbeat started): still behind
+    assert clock.overdue({0: waiting, 1: _beat(1, step=0, phase="start", step_time_s=None)}) is not None
+    # every rank in its first step (warm-up), or none begun yet: the start-up allowance still covers it
+    both = {0: waiting, 1: _beat(1, step=0, phase="step 1", step_time_s=None)}
+    assert clock.overdue(both) is None
+    assert clock.overdue({0: _beat(0, step=0, phase="start", step_time_s=None)}) is None

@@ -163,8 +163,17 @@ class ProgressClock:
             len(beats) == self.world and all(b.get("step_time_s") is not None for b in beats.values()))
         # ranks past their last step stop beating and make no progress while they exit: not a hang
         finishing = len(beats) == self.world and all(b.get("phase") == "shutdown" for b in beats.values())
+        # Start-up judged by progress: once a rank has finished its start-up (it began a step: groups built,
+        # model loaded), a rank that is still silent or has not begun is behind its peers, who wait for it in
+        # their first collective; it is judged by the hang timeout. The long allowance only covers a start-up
+        # no rank has finished, or a first step every rank has begun (warm-up). Safe against slow imports: a
+        # rank beats only after the trainer's process groups are built, a rendezvous of every rank, so what a
+        # peer that is behind still has to do is local (model build, its own checkpoint read).
+        begun = [r for r, b in beats.items() if b.get("step_time_s") is not None
+                 or str(b.get("phase", "")).startswith("step ")]
+        behind = bool(begun) and len(begun) < self.world
         timeout = self.timeout()
-        limit = timeout if started and not finishing else max(timeout, self.startup_timeout_s)
+        limit = timeout if (started or behind) and not finishing else max(timeout, self.startup_timeout_s)
         idle = time.time() - self.last_progress
         return idle if idle > limit else None
 
