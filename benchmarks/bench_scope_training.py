@@ -64,10 +64,10 @@ def docs_block(runs: dict) -> str:
 class _Reader:
     """A browser stand-in: one WebSocket that reads (and counts) every message the page would get."""
 
-    def __init__(self, port: int):
+    def __init__(self, url: str):
         from websockets.sync.client import connect
 
-        self._conn = connect(f"ws://127.0.0.1:{port}/ws", open_timeout=30, max_size=None)
+        self._conn = connect(url, open_timeout=30, max_size=None)
         self.ws = self._conn.__enter__()  # the websockets API wants a context manager
         self.ws.recv(timeout=30)  # hello: from here on this client counts as a watcher
         self.messages, self.bytes = 0, 0
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                                       progress=False, out="/tmp/megatronapp-bench-scope"))
     tr = Trainer(cfg)
     scope = TrainingScope(free_port(), every=every, announce=lambda _msg: None)
-    reader = _Reader(scope.server.port)
+    reader = _Reader(scope.ws_url)
     times: dict[str, list[float]] = {"off": [], "scope": []}
     # CPU time of this process (the server's thread included) as well as wall time: on a machine shared with
     # other jobs the wall clock mostly measures them, while CPU time still measures the work MegaScope adds

@@ -52,6 +52,8 @@ def test_malicious_pickle_is_refused_without_running(tmp_path):
     meta = ckpt.load_meta(d)
     meta["files"].pop("rank00000.pt")  # as if the attacker also fixed the checksum: refusal must not rely on it
     (d / "meta.json").write_text(__import__("json").dumps(meta))
+    sealed = __import__("hashlib").sha256((d / "meta.json").read_bytes()).hexdigest()
+    (d / ckpt.MARKER).write_text(__import__("json").dumps({"meta_sha256": sealed}))  # and resealed meta.json
     with pytest.raises(ckpt.CheckpointError, match="rank00000.pt was refused.*run code"):
         ckpt.load_rank(d, 0)
     with pytest.raises(ckpt.CheckpointError, match="refused"):
@@ -324,7 +326,9 @@ def test_resume_reads_one_file_per_dp_group_and_continues_bit_for_bit(tmp_path):
     spawn(_dp_resume_worker, 4, str(tmp_path))  # dp=2 x pp=2: DP groups {0, 1} and {2, 3}, readers 0 and 2
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     src = straight / "checkpoints" / "step_00000002"
-    opened = {r: json.loads((tmp_path / f"opened_rank{r}.json").read_text()) for r in range(4)}
+    # reads of the files being committed (rank 0 checks each against its checksum) are not resume reads
+    opened = {r: [f for f in json.loads((tmp_path / f"opened_rank{r}.json").read_text()) if "/.step_" not in f]
+              for r in range(4)}
     assert opened == {0: [str(src / "rank00000.pt")], 1: [], 2: [str(src / "rank00002.pt")], 3: []}
     # the replicas continue exactly as the uninterrupted run: every step's loss, final weights and moments
     assert ({r["step"]: r["loss"] for r in read_metrics(resumed / "metrics.jsonl")}

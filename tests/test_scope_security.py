@@ -109,3 +109,13 @@ def test_training_page_takes_the_token_from_the_environment(monkeypatch):
             assert json.loads(ws.recv(timeout=30))["type"] == "hello"
     finally:
         scope.close()
+
+
+def test_is_loopback_parses_the_address():
+    from megatronapp.scope.security import is_loopback
+
+    for host in ("127.0.0.1", "127.1.2.3", "::1", "localhost", "::ffff:127.0.0.1"):
+        assert is_loopback(host), host
+    for host in ("127.evil.example", "127.0.0.1.nip.io", "0.0.0.0", "10.0.0.1", "", "::", "localhost.evil"):
+        assert not is_loopback(host), host
+    assert resolve_token(None, "127.evil.example", env={}) is not None  # a name off loopback gets a token

@@ -19,7 +19,7 @@ def test_training_scope_publishes_metrics_and_probe_generations():
     scope = TrainingScope(0, every=2, probe="ab", probe_tokens=3, announce=lines.append)
     try:
         assert lines[0].startswith("MegaScope (training) at http://127.0.0.1:")
-        with connect(f"ws://127.0.0.1:{scope.server.port}/ws", open_timeout=30) as ws:
+        with connect(scope.ws_url, open_timeout=30) as ws:
             hello = json.loads(ws.recv(timeout=30))
             assert hello["type"] == "hello" and hello["read_only"] is True
             ws.send(json.dumps({"type": "generate", "prompts": ["x"]}))
@@ -66,7 +66,7 @@ def test_console_pauses_steps_once_and_resumes():
                 return m
 
     try:
-        with connect(f"ws://127.0.0.1:{scope.server.port}/ws", open_timeout=30) as ws:
+        with connect(scope.ws_url, open_timeout=30) as ws:
             hello = json.loads(ws.recv(timeout=30))
             assert hello["training"] == {"type": "train_state", "step": 0, "paused": False, "waiting": False,
                                          "every": 1000}
@@ -108,5 +108,19 @@ def test_probe_is_skipped_while_no_page_watches():
         scope.always = True
         scope.on_step(2, [model], {"loss": 1.0})
         assert scope.app.state.scope_model is not None
+    finally:
+        scope.close()
+
+
+def test_console_on_loopback_needs_the_token():
+    """Any local user could pause a run (and under --supervise a pause becomes a restart): no token, no control."""
+    lines: list[str] = []
+    scope = TrainingScope(0, every=1000, announce=lines.append)
+    try:
+        assert "?token=" in lines[0]
+        with connect(f"ws://127.0.0.1:{scope.server.port}/ws", open_timeout=30) as ws:
+            ws.send(json.dumps({"type": "control", "action": "pause"}))
+            assert json.loads(ws.recv(timeout=30))["code"] == "unauthorized"
+        assert not scope.paused
     finally:
         scope.close()

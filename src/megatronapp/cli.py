@@ -180,7 +180,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if getattr(args, "config", None):
         cfg = load_yaml(args.config)
     elif getattr(args, "resume", None):
-        cfg = _config_of_checkpoint(args.resume)
+        cfg = _config_of_checkpoint(args.resume, args)
     else:
         cfg = RunConfig()
     if getattr(args, "model", None):
@@ -227,16 +227,36 @@ def _check_steps_beyond_checkpoint(path: str, steps: int) -> None:
                           f"--steps with a total above {done} (steps count from the start of the job)")
 
 
-def _config_of_checkpoint(path: str) -> RunConfig:
-    """The run config saved with a checkpoint, so `train --resume DIR` alone continues the same job."""
+# What a checkpoint decides on `train --resume DIR` (docs/resilience.md, "What a checkpoint may decide"): the
+# model, the layout, the optimizer and its schedule, and what fixes the data order. Never plug-ins, fault drills,
+# the console port, tracing or a path: those come from the command line or the user's --config file.
+_STATE_TRAIN_FIELDS = ("steps", "global_batch_size", "seq_len", "lr", "min_lr", "warmup_steps", "optimizer",
+                       "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed", "dtype", "recompute",
+                       "log_interval", "save_interval", "async_save", "data_prefetch", "peak_tflops")
+# Paths a resumed run needs the same as the saved run, so the user names them again (the saved value is only shown)
+_NAMED_AGAIN = {"data": ("--data", None), "tokenizer": ("--tokenizer", "byte")}
+
+
+def _config_of_checkpoint(path: str, args: argparse.Namespace) -> RunConfig:
+    """The state part of the run config saved with a checkpoint, so `train --resume DIR` alone continues the same
+    job; the run writes into the run directory holding the checkpoint the user named, unless --out says otherwise."""
     from megatronapp.train import checkpoint as ckpt
 
     try:
-        saved = ckpt.load_meta(ckpt.resolve(path))["config"]
-    except (ckpt.CheckpointError, KeyError) as e:
-        raise ConfigError(f"--resume {path}: {e}") from None
-    saved["train"]["resume"] = None  # set again from the flag
-    return RunConfig.from_dict(saved)
+        d = ckpt.resolve(path)
+        saved = ckpt.load_meta(d)["config"]
+        cfg = RunConfig.from_dict({"model": saved["model"], "parallel": saved["parallel"],
+                                   "train": {k: saved["train"][k] for k in _STATE_TRAIN_FIELDS
+                                             if k in saved["train"]}})
+    except (ckpt.CheckpointError, KeyError, TypeError) as e:
+        raise ConfigError(f"--resume {path}: {str(e)[:300]}") from None
+    for name, (flag, default) in _NAMED_AGAIN.items():
+        value = saved["train"].get(name, default)
+        if value != default and getattr(args, name, None) is None:
+            raise ConfigError(f"--resume {path}: the checkpoint was trained with train.{name}={str(value)[:200]!r}; "
+                              f"pass {flag} (a checkpoint does not choose the files a resumed run reads)")
+    cfg.train.out = str(d.parent.parent)  # <run>/checkpoints/step_N -> <run>
+    return cfg
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -209,11 +209,11 @@ class RunConfig:
             elif key == "attach":
                 if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                     raise ConfigError(f"attach must be a list of import paths like 'package.module:function', "
-                                      f"got {value!r}")
+                                      f"got {_short(value)}")
                 kwargs[key] = value
             elif key == "inject":
                 if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                    raise ConfigError(f"inject must be a list of fault specs like 'hang=2:10', got {value!r}")
+                    raise ConfigError(f"inject must be a list of fault specs like 'hang=2:10', got {_short(value)}")
                 kwargs[key] = value
             elif key == "scope_port":
                 check_type("scope_port", "int | None", value)
@@ -258,7 +258,34 @@ def check_type(field_name: str, annotation: str, value: Any) -> None:
         hint = ""
         if isinstance(value, str) and "float" in words:
             hint = " (YAML reads 3e-4 as text: write 3.0e-4)"
-        raise ConfigError(f"{field_name} must be {want}, got {value!r} ({type(value).__name__}){hint}")
+        raise ConfigError(f"{field_name} must be {want}, got {_short(value)} ({type(value).__name__}){hint}")
+
+
+MAX_YAML_VALUES = 100_000  # a run config holds a few hundred values; YAML aliases can make a tiny file expand
+
+
+def _short(value: Any) -> str:
+    """A value for an error message: bounded however large (or alias-expanded) it is."""
+    import reprlib
+
+    return reprlib.repr(value)[:200]
+
+
+def _check_expanded_size(data: Any, path: Path) -> None:
+    """Refuse a document whose values, aliases expanded, number more than MAX_YAML_VALUES (a "billion laughs"
+    alias bomb): counted before anything walks or prints it."""
+    seen, stack = 0, [data]
+    while stack:
+        x = stack.pop()
+        seen += 1
+        if seen > MAX_YAML_VALUES:
+            raise ConfigError(f"config file {path} expands to more than {MAX_YAML_VALUES} values (YAML aliases "
+                              f"repeating a value?); write the config out plainly")
+        if isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
 
 
 def load_yaml(path: str | Path) -> RunConfig:
@@ -270,8 +297,9 @@ def load_yaml(path: str | Path) -> RunConfig:
         raise ConfigError(f"config file {p} does not exist")
     try:
         data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
+        raise ConfigError(f"config file {p} is not valid YAML: {str(e)[:300]}") from None
+    _check_expanded_size(data, p)
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a mapping of sections (model, parallel, train, ...)")
     return RunConfig.from_dict(data)

@@ -26,8 +26,13 @@ class DataError(ValueError):
 
 def _read_jsonl(path: Path) -> list[str]:
     docs = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 (byte {e.start} of the line is {raw[e.start]:#04x}); "
+                                f"save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:

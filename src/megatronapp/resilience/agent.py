@@ -76,9 +76,7 @@ class Heartbeat:
         beat = {**self.state, "time": time.time(), "flight": flight,
                 "open_op": flight["open"][0] if flight["open"] else None,
                 "last_op": flight["recent"][-1] if flight["recent"] else None}
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(beat))
-        os.replace(tmp, self.path)
+        decision.write_exclusive(self.path, json.dumps(beat).encode())
 
     def failed(self, _error: BaseException | None = None) -> None:
         self.state["failed"] = True

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,13 +51,30 @@ def rounds_decided(directory: Path) -> int:
     return sum(1 for n in names if _NAME.match(n))
 
 
+def write_exclusive(path: Path, data: bytes) -> None:
+    """Atomically replace `path` in a shared directory: the temporary is created new (O_EXCL, O_NOFOLLOW, a
+    random name), so a planted file or link is never written through, and the rename replaces a link at `path`
+    itself, not what it points to."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write(directory: Path, decision: Decision) -> Path:
     """Write the decision atomically, so a rank never reads half of it."""
     target = path(directory, decision.round)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"round": decision.round, "culprit": decision.culprit, "label": decision.label,
-                               "reason": decision.reason, "time": time.time()}))
-    os.replace(tmp, target)
+    write_exclusive(target, json.dumps({"round": decision.round, "culprit": decision.culprit, "label": decision.label,
+                                        "reason": decision.reason, "time": time.time()}).encode())
     return target
 
 

@@ -7,7 +7,11 @@ the local supervisor reads `/proc/<pid>` (stopped, dead, running), the driver of
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,19 +39,92 @@ def default_hang_timeout(step_times: list[float]) -> float:
     return max(30.0, 10.0 * max(step_times)) if step_times else 30.0
 
 
+BEAT_MAX_BYTES = 4 << 20  # a heartbeat is a few KiB (the flight recorder keeps a bounded window)
+_NUM, _INT, _STR = (int, float), (int,), (str,)
+# Every field a watcher computes with or prints, and the types it may have (None allowed where listed).
+_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "time": (_NUM, False), "step": (_INT, False), "phase": (_STR, False), "phase_since": (_NUM, False),
+    "rank": (_INT, True), "pid": (_INT, True), "label": (_STR, True), "host": (_STR, True), "round": (_INT, True),
+    "start": (_STR, True), "layout": ((list,), True), "failed": ((bool,), True), "checkpoint": (_STR, True),
+    "tokens_per_s": (_NUM, True), "step_time_s": (_NUM, True), "mem_bytes": (_NUM, True),
+    "flight": ((dict,), True), "open_op": ((dict,), True), "last_op": ((dict,), True)}
+_OP_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "op": (_STR, False), "key": (_STR, False), "seq": (_INT, False), "peer": (_INT, True),
+    "ranks": ((list,), False)}
+_reported: set[tuple[str, str]] = set()
+
+
+class BadBeat(ValueError):
+    """A heartbeat file that is not one (wrong type, link, oversized, torn, a field of the wrong type)."""
+
+
+def _typed(value: Any, types: tuple[type, ...], nullable: bool) -> bool:
+    if value is None:
+        return nullable
+    if isinstance(value, bool) and bool not in types:
+        return False
+    return isinstance(value, types) and not (isinstance(value, float) and value != value)  # NaN is no time
+
+
+def check_beat(beat: Any) -> dict[str, Any]:
+    """`beat` if every field the watchers use has its type (and the flight recorder's ops theirs), else BadBeat."""
+    if not isinstance(beat, dict):
+        raise BadBeat(f"holds {type(beat).__name__}, not an object")
+    for name, (types, nullable) in _FIELDS.items():
+        if name in beat and not _typed(beat[name], types, nullable) or name not in beat and not nullable:
+            raise BadBeat(f"field {name!r} is {str(beat.get(name))[:40]!r} ({type(beat.get(name)).__name__})")
+    flight = beat.get("flight")
+    ops = [beat[k] for k in ("open_op", "last_op") if beat.get(k) is not None]
+    if flight is not None:
+        for part in ("open", "recent"):
+            if not isinstance(flight.get(part, []), list):
+                raise BadBeat(f"flight.{part} is not a list")
+            ops += flight.get(part, [])
+        if not isinstance(flight.get("issued", {}), dict) or \
+                not all(_typed(v, _INT, False) for v in flight.get("issued", {}).values()):
+            raise BadBeat("flight.issued is not a map of sequence numbers")
+    for op in ops:
+        if not isinstance(op, dict) or not all(_typed(op.get(k), t, n) for k, (t, n) in _OP_FIELDS.items()) \
+                or not all(_typed(m, _INT, False) for m in op["ranks"]):
+            raise BadBeat(f"a flight-recorder op is malformed: {str(op)[:80]}")
+    return beat
+
+
+def read_beat_file(path: Path) -> dict[str, Any]:
+    """One heartbeat file, opened without following a link (a shared directory may hold planted ones), size-
+    checked before it is read. OSError when it is absent; BadBeat when it is not a heartbeat."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadBeat("not a regular file")
+        if st.st_size > BEAT_MAX_BYTES:
+            raise BadBeat(f"{st.st_size} bytes, over {BEAT_MAX_BYTES}")
+        data = os.read(fd, BEAT_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        return check_beat(json.loads(data))
+    except (ValueError, RecursionError) as e:
+        raise BadBeat(str(e)[:120] if isinstance(e, BadBeat) else f"not JSON ({str(e)[:80]})") from None
+
+
 def read_beats(hb_dir: Path, world: int) -> dict[int, dict[str, Any]]:
-    """The newest heartbeat of every rank that has one; a torn or foreign file counts as no heartbeat."""
+    """The newest heartbeat of every rank that has one. A torn file counts as no heartbeat; a link, or a file
+    that is not a heartbeat, is named once on stderr and skipped: never a crash of the watcher."""
     out = {}
     for r in range(world):
+        path = hb_dir / f"rank{r:05d}.json"
         try:
-            beat = json.loads((hb_dir / f"rank{r:05d}.json").read_text())
-        except (OSError, ValueError):
-            continue
-        # the fields the watchers compute with; a file without them (foreign, or written by another version) is
-        # no heartbeat rather than a crash of the watcher
-        if isinstance(beat, dict) and isinstance(beat.get("time"), (int, float)) and \
-                isinstance(beat.get("step"), int) and isinstance(beat.get("phase", ""), str):
-            out[r] = beat
+            out[r] = read_beat_file(path)
+        except BadBeat as e:
+            if (str(path), str(e)) not in _reported and len(_reported) < 10_000:
+                _reported.add((str(path), str(e)))
+                print(f"megatronapp: skipping heartbeat {path}: {e}", file=sys.stderr, flush=True)
+        except OSError as e:
+            if e.errno == errno.ELOOP and (str(path), "link") not in _reported:  # O_NOFOLLOW met a symlink
+                _reported.add((str(path), "link"))
+                print(f"megatronapp: skipping heartbeat {path}: a symbolic link", file=sys.stderr, flush=True)
     return out
 
 
@@ -86,8 +163,17 @@ class ProgressClock:
             len(beats) == self.world and all(b.get("step_time_s") is not None for b in beats.values()))
         # ranks past their last step stop beating and make no progress while they exit: not a hang
         finishing = len(beats) == self.world and all(b.get("phase") == "shutdown" for b in beats.values())
+        # Start-up judged by progress: once a rank has finished its start-up (it began a step: groups built,
+        # model loaded), a rank that is still silent or has not begun is behind its peers, who wait for it in
+        # their first collective; it is judged by the hang timeout. The long allowance only covers a start-up
+        # no rank has finished, or a first step every rank has begun (warm-up). Safe against slow imports: a
+        # rank beats only after the trainer's process groups are built, a rendezvous of every rank, so what a
+        # peer that is behind still has to do is local (model build, its own checkpoint read).
+        begun = [r for r, b in beats.items() if b.get("step_time_s") is not None
+                 or str(b.get("phase", "")).startswith("step ")]
+        behind = bool(begun) and len(begun) < self.world
         timeout = self.timeout()
-        limit = timeout if started and not finishing else max(timeout, self.startup_timeout_s)
+        limit = timeout if (started or behind) and not finishing else max(timeout, self.startup_timeout_s)
         idle = time.time() - self.last_progress
         return idle if idle > limit else None
 

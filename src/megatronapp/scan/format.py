@@ -52,6 +52,12 @@ class TraceFormatError(ValueError):
     """A file that is not a MegaScan trace at all (bad magic or unreadable header)."""
 
 
+# Sizes a header or group table may claim, checked before anything is allocated from them: a 120-byte file must
+# not make a reader build a tuple of 1e11 ranks or a missing-file list of 1e10 names.
+MAX_WORLD = 1 << 20
+MAX_DIMS = 8  # entries of coord/topo
+
+
 def rank_file(trace_dir: str | Path, rank: int) -> Path:
     """Path of one rank's trace file in a trace directory."""
     return Path(trace_dir) / f"rank{rank:05d}.mst"
@@ -248,12 +254,25 @@ def _unpack_members(ranks: Any, cache: dict) -> tuple[int, ...]:
     """The GRPS form back to a tuple; equal groups read from many files share one tuple (memory at scale)."""
     if isinstance(ranks, dict):
         start, stop, step = (int(x) for x in ranks["range"])
+        if step == 0 or not 0 <= start < MAX_WORLD or len(range(start, stop, step)) > MAX_WORLD:
+            raise ValueError(f"group range {[start, stop, step]} is not a group of at most {MAX_WORLD} ranks")
         key = (start, stop, step)
         got = cache.get(key)
         if got is None:
             got = cache[key] = tuple(range(start, stop, step))
         return got
     return tuple(map(int, ranks))
+
+
+def _json_object(payload: bytes, p: Path, what: str) -> dict:
+    """A JSON object block, or TraceFormatError naming the file (never a raw traceback)."""
+    try:
+        obj = json.loads(payload)
+    except (ValueError, RecursionError) as e:
+        raise TraceFormatError(f"{p.name}: the {what} is not valid JSON ({str(e)[:80]})") from None
+    if not isinstance(obj, dict):
+        raise TraceFormatError(f"{p.name}: the {what} is not a JSON object")
+    return obj
 
 
 def _jsonable(o: Any) -> Any:
@@ -318,7 +337,14 @@ def read_rank(path: str | Path, shared: dict | None = None) -> RankTrace:
             spans.append(np.frombuffer(payload, dtype=dtype))
             nrec += length // dtype.itemsize
         elif tag == b"STRS":
-            names.extend(json.loads(payload))
+            try:
+                new = json.loads(payload)
+            except ValueError:
+                new = None
+            if not isinstance(new, list) or not all(isinstance(n, str) for n in new):
+                problems.append(f"{p.name}: malformed string table at byte {body - _BLOCK.size}; rest ignored")
+                break
+            names.extend(new)
         elif tag == b"GRPS":
             try:
                 groups.extend((str(g), _unpack_members(rs, shared)) for g, rs in json.loads(payload))
@@ -326,9 +352,12 @@ def read_rank(path: str | Path, shared: dict | None = None) -> RankTrace:
                 problems.append(f"{p.name}: malformed group table at byte {body - _BLOCK.size}; rest ignored")
                 break
         elif tag == b"HEAD":
-            header = json.loads(payload)
+            header = _json_object(payload, p, "header")
         else:
-            footer = json.loads(payload)
+            try:
+                footer = _json_object(payload, p, "footer")
+            except TraceFormatError as e:
+                problems.append(str(e))
     if header is None:
         raise TraceFormatError(f"{p.name}: header missing or corrupt; the file cannot be attributed to a rank")
     if footer is None and not problems:
@@ -346,10 +375,17 @@ def read_rank(path: str | Path, shared: dict | None = None) -> RankTrace:
         cols = {c: v[~bad] for c, v in cols.items()}
     try:
         rank, world = int(header["rank"]), int(header["world"])
+        if len(header["coord"]) > MAX_DIMS or len(header["topo"]) > MAX_DIMS:
+            raise ValueError("coord/topo too long")
         coord = tuple(int(x) for x in header["coord"])
         topo = tuple(int(x) for x in header["topo"])
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         raise TraceFormatError(f"{p.name}: header lacks rank/world/coord/topo") from None
+    if not 0 < world <= MAX_WORLD or not 0 <= rank < world:
+        raise TraceFormatError(f"{p.name}: header claims rank {str(header['rank'])[:20]} of world "
+                               f"{str(header['world'])[:20]}; a world holds 1 to {MAX_WORLD} ranks")
+    if any(m >= world or m < 0 for _, members in groups for m in members):
+        raise TraceFormatError(f"{p.name}: its group table names a rank outside its world of {world}")
     is_open = cols["dur"] == OPENED
     if is_open.any():
         opened = {c: v[is_open] for c, v in cols.items()}

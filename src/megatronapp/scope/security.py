@@ -15,6 +15,7 @@ policy to WebSockets) and a DNS-rebinding page can even read HTTP answers under 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import secrets
 import socket
@@ -29,8 +30,16 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 def is_loopback(host: str) -> bool:
-    """True when binding `host` is reachable from this machine only."""
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
+    """True when binding `host` is reachable from this machine only: `localhost`, or an address that parses as a
+    loopback one (`127.evil.example` is a name, resolved by DNS to anything, not a loopback address)."""
+    if host == "localhost":
+        return True
+    try:
+        addr = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    mapped = getattr(addr, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return addr.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def resolve_token(given: str | None, host: str, insecure: bool = False, env: dict[str, str] | None = None,

@@ -22,12 +22,14 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from megatronapp.scope import protocol
+from megatronapp.scope.gate import uvicorn_config
 from megatronapp.scope.generate import ScopeModel, generate
 from megatronapp.scope.protocol import Generate, ProtocolError
 from megatronapp.scope.security import Guard, GuardMiddleware, check_bind, page_url, token_ok
 
 STATIC = Path(__file__).resolve().parent / "static"
 MAX_ERRORS = 20  # a client that keeps sending bad messages is disconnected
+MAX_SESSIONS = 64  # WebSocket sessions at once; more are closed with 1013 (try again later)
 
 
 class SlowClient(Exception):
@@ -60,6 +62,9 @@ def create_app(sm: ScopeModel | None, token: str | None = None, queue_size: int 
 
     @app.websocket("/ws")
     async def ws_endpoint(ws: WebSocket) -> None:
+        if len(app.state.sessions) >= MAX_SESSIONS:
+            await ws.close(code=1013, reason="MegaScope is busy: too many pages open")
+            return
         session = _Session(ws, app, token, queue_size, send_timeout_s, max_message_bytes)
         app.state.sessions.add(session)
         try:
@@ -272,7 +277,7 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(64)
+    sock.listen(128)
     sock.set_inheritable(True)
     return sock
 
@@ -285,7 +290,7 @@ class ServerThread:
 
         self.sock = bind_socket(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws_max_size=4 * 1024 * 1024))
+        self.server = uvicorn.Server(uvicorn_config(app))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property
@@ -321,5 +326,5 @@ def serve(sm: ScopeModel, host: str = "127.0.0.1", port: int = 0, token: str | N
                  f"drive the model")
     announce(f"MegaScope serving {sm.name} at {page_url(host, sock.getsockname()[1], token)}")
     app = create_app(sm, token, guard=guard or Guard(bind_host=host))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws_max_size=4 * 1024 * 1024))
+    server = uvicorn.Server(uvicorn_config(app))
     server.run(sockets=[sock])

@@ -10,11 +10,15 @@ rank 0 holds only a part of the model and cannot run it alone: the page then sho
 gradient norm) only.
 
 The page is also a console (`control` messages, behind the same token as the page): pause after the current
-step, run one step, resume, and change the sampling interval. A pause blocks the trainer's step-end hook on rank 0,
-so the run stops between optimizer steps with nothing half done; other ranks wait in their next collective.
+step, run one step, resume, and change the sampling interval. The console always needs a token, on loopback too
+(given, $MEGASCOPE_TOKEN, or a random one printed in the URL): any local user could otherwise pause the run, and
+under `--supervise` a pause is later judged a hang that restarts the job. A pause blocks the trainer's step-end
+hook on rank 0, so the run stops between optimizer steps with nothing half done; other ranks wait in their next
+collective.
 """
 from __future__ import annotations
 
+import secrets
 import threading
 from typing import Any
 
@@ -45,12 +49,20 @@ class TrainingScope:
         self.paused, self.allowed, self.waiting = False, 0, False
         self._cond = threading.Condition()
         self._closed = False
-        token = resolve_token(token, host, insecure)  # $MEGASCOPE_TOKEN, or a random one off loopback
+        token = resolve_token(token, host, insecure) or secrets.token_urlsafe(24)  # on loopback too: see above
         check_bind(host, token, insecure)
+        self.token = token
         self.app = create_app(None, token=token, read_only=True, guard=Guard(bind_host=host))
         self.app.state.control = self.control
         self.server = ServerThread(self.app, host, port).start()
         announce(f"MegaScope (training) at {page_url(host, self.server.port, token)}")
+
+    @property
+    def ws_url(self) -> str:
+        """The console's WebSocket address, token included (tests, scripts)."""
+        from urllib.parse import quote
+
+        return f"ws://127.0.0.1:{self.server.port}/ws?token={quote(self.token, safe='')}"
 
     def control(self, action: str, every: int | None) -> dict[str, Any]:
         """Apply a console action (pause | resume | step | every | status); the new state, as the page sees it."""

@@ -131,10 +131,11 @@ class AsyncSaver:
         self._pending: int | None = None
         self._buffers: Any = None  # the previous snapshot: its memory is reused once its save is done
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> float:
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], attempt: str | None = None) -> float:
         """Snapshot `state` and write it in the background; returns the seconds this call held up training
         (waiting for a previous save included). With `overlap_copy` the copy runs in the background too, and the
-        caller must call `snapshot_barrier()` before it changes any tensor of `state`."""
+        caller must call `snapshot_barrier()` before it changes any tensor of `state`. `attempt`: the save attempt
+        id every rank agreed on (checkpoint.temp_dir)."""
         t0 = time.perf_counter()
         self.wait()
         snap, copies = snapshot_plan(state, self._buffers)
@@ -145,8 +146,8 @@ class AsyncSaver:
         else:
             copier.finish()
         self._pending = step
-        self._thread = threading.Thread(target=self._write, args=(step, snap, meta, copier), name=f"ckpt-{step}",
-                                        daemon=True)  # a crashed run must not wait for its last save
+        self._thread = threading.Thread(target=self._write, args=(step, snap, meta, copier, attempt),
+                                        name=f"ckpt-{step}", daemon=True)  # a crashed run must not wait for it
         self._thread.start()
         return time.perf_counter() - t0
 
@@ -160,18 +161,19 @@ class AsyncSaver:
         copier.finish()
         return time.perf_counter() - t0
 
-    def _write(self, step: int, snap: dict[str, Any], meta: dict[str, Any], copier: _Copier) -> None:
+    def _write(self, step: int, snap: dict[str, Any], meta: dict[str, Any], copier: _Copier,
+               attempt: str | None) -> None:
         try:
             copier.finish()
-            ckpt.save_rank(self.root, step, self.rank, snap)
+            ckpt.save_rank(self.root, step, self.rank, snap, attempt)
             if self.rank == 0:
-                self._await_files(step)
-                ckpt.finalize(self.root, step, meta, keep=self.keep)
+                self._await_files(step, attempt)
+                ckpt.finalize(self.root, step, meta, keep=self.keep, attempt=attempt)
         except BaseException as e:  # noqa: BLE001 - raised on the training thread by wait()
             self._error = e
 
-    def _await_files(self, step: int) -> None:
-        tmp = ckpt.temp_dir(self.root, step)
+    def _await_files(self, step: int, attempt: str | None) -> None:
+        tmp = ckpt.temp_dir(self.root, step, attempt)
         deadline = time.monotonic() + self.finalize_timeout_s
         while not all((tmp / f"{ckpt.rank_file(r)}.sum").is_file() for r in range(self.world)):
             if time.monotonic() > deadline:

@@ -3,9 +3,11 @@
     <out>/checkpoints/step_00000050/rank00000.pt ... meta.json COMPLETE
     <out>/checkpoints/latest          (text: name of the newest complete step directory)
 
-A step is written into a temporary directory (`.step_00000050.<run id>`): every rank writes its file there and
-fsyncs it, then rank 0 writes `meta.json` (with every file's size and SHA-256), the marker, fsyncs the directory
-and renames it into place. A crash at any moment leaves either no `step_N` or a complete one, never a directory
+A step is written into a temporary directory (`.step_00000050.<attempt>`, the attempt id every rank of one launch
+agreed on at its first save, so files of an earlier attempt at the same step are never in it): every rank writes
+its file there and fsyncs it, then rank 0 checks every file on disk against the size and SHA-256 its rank wrote,
+writes `meta.json` (with those checksums), the marker (with meta.json's checksum), fsyncs the directory and
+renames it into place. A crash at any moment leaves either no `step_N` or a complete one, never a directory
 marked complete that holds shards of two saves. A directory without COMPLETE is never loaded.
 
 Files hold tensors and plain values only and are read with `torch.load(weights_only=True)`: loading a checkpoint
@@ -33,6 +35,7 @@ import torch
 from megatronapp.config import ConfigError
 
 MARKER = "COMPLETE"
+META_MAX_BYTES = 64 << 20  # a meta.json holds a config and one checksum per rank: far below this
 
 
 class CheckpointError(RuntimeError):
@@ -52,8 +55,10 @@ def _run_id() -> str:
     return os.environ.get("MEGATRONAPP_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "job"
 
 
-def temp_dir(root: Path, step: int) -> Path:
-    return root / f".{step_dir(root, step).name}.{_run_id()}"
+def temp_dir(root: Path, step: int, attempt: str | None = None) -> Path:
+    """The step's temporary directory for save attempt `attempt` (None: the launcher's run id, for callers that
+    save from one process and cannot meet an earlier attempt's files)."""
+    return root / f".{step_dir(root, step).name}.{attempt or _run_id()}"
 
 
 def fsync_dir(path: Path) -> None:
@@ -124,9 +129,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # -- saving ------------------------------------------------------------------------------------------------
-def save_rank(root: Path, step: int, rank: int, state: dict[str, Any]) -> Path:
-    """Write this rank's durable file of checkpoint `step` into the step's temporary directory."""
-    d = temp_dir(root, step)
+def save_rank(root: Path, step: int, rank: int, state: dict[str, Any], attempt: str | None = None) -> Path:
+    """Write this rank's durable file of checkpoint `step` into the attempt's temporary directory."""
+    d = temp_dir(root, step, attempt)
     d.mkdir(parents=True, exist_ok=True)
     path = d / rank_file(rank)
     info = write_durable(state, path)
@@ -134,23 +139,35 @@ def save_rank(root: Path, step: int, rank: int, state: dict[str, Any]) -> Path:
     return path
 
 
-def finalize(root: Path, step: int, meta: dict[str, Any], keep: int = 0) -> Path:
-    """Rank 0, after every rank saved (the caller waits for them): checksums into meta.json, the marker, then
-    rename the directory into place and point `latest` at it. Keeps the newest `keep` steps (0: all)."""
-    tmp, final = temp_dir(root, step), step_dir(root, step)
+def finalize(root: Path, step: int, meta: dict[str, Any], keep: int = 0, attempt: str | None = None) -> Path:
+    """Rank 0, after every rank saved (the caller waits for them): every file checked on disk against what its
+    rank wrote, checksums into meta.json, the marker, then rename the directory into place and point `latest` at
+    it. Keeps the newest `keep` steps (0: all)."""
+    tmp, final = temp_dir(root, step, attempt), step_dir(root, step)
     files = {}
     for s in sorted(tmp.glob("*.pt.sum")):
-        files[s.name.removesuffix(".sum")] = json.loads(s.read_text())
+        name = s.name.removesuffix(".sum")
+        try:
+            info = json.loads(s.read_bytes()[:4096])
+            ok = (tmp / name).stat().st_size == info["bytes"] and _sha256(tmp / name) == info["sha256"]
+        except (OSError, ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:  # torn on disk, or not the file this .sum was computed for
+            raise CheckpointError(f"checkpoint step {step}: {name} on disk does not match the checksum its rank "
+                                  f"wrote; not marking it complete")
+        files[name] = info
         s.unlink()
     world = int(meta.get("world_size", len(files)))
     missing = [rank_file(r) for r in range(world) if rank_file(r) not in files]
     if missing:
         raise CheckpointError(f"checkpoint step {step}: {', '.join(missing)} were not written; not marking it complete")
-    _atomic_write_bytes(tmp / "meta.json", json.dumps({**meta, "files": files}, indent=2, default=str).encode())
-    _atomic_write_bytes(tmp / MARKER, b"ok\n")
+    meta_bytes = json.dumps({**meta, "files": files}, indent=2, default=str).encode()
+    _atomic_write_bytes(tmp / "meta.json", meta_bytes)
+    # the marker seals meta.json as meta.json seals the rank files (older checkpoints hold "ok": not checked)
+    _atomic_write_bytes(tmp / MARKER, json.dumps({"meta_sha256": hashlib.sha256(meta_bytes).hexdigest()}).encode())
     fsync_dir(tmp)
     if final.exists():  # a replayed step saved again after a restart: swap, never mix the two
-        trash = root / f".trash.{final.name}.{_run_id()}"
+        trash = root / f".trash.{final.name}.{attempt or _run_id()}"
         os.replace(final, trash)
         os.replace(tmp, final)
         shutil.rmtree(trash, ignore_errors=True)
@@ -159,14 +176,14 @@ def finalize(root: Path, step: int, meta: dict[str, Any], keep: int = 0) -> Path
     fsync_dir(root)
     _atomic_write_bytes(root / "latest", (final.name + "\n").encode())
     fsync_dir(root)
-    _clean(root, keep)
+    _clean(root, keep, attempt)
     return final
 
 
-def _clean(root: Path, keep: int) -> None:
-    """Remove temporary directories of other (dead) launches and, with `keep`, all but the newest steps."""
+def _clean(root: Path, keep: int, attempt: str | None = None) -> None:
+    """Remove temporary directories of other (failed) attempts and, with `keep`, all but the newest steps."""
     for d in root.glob(".step_*"):
-        if not d.name.endswith("." + _run_id()):
+        if not d.name.endswith("." + (attempt or _run_id())):
             shutil.rmtree(d, ignore_errors=True)
     if keep > 0:
         complete = [d for d in sorted(root.glob("step_*")) if is_complete(d)]
@@ -251,11 +268,31 @@ def resolve(path: str | Path, verify_files: bool = False, warn: bool = True) -> 
     return newest
 
 
-def load_meta(d: Path) -> dict[str, Any]:
+def _sealed_sha(d: Path) -> str | None:
+    """The checksum of meta.json that the marker holds (None: a marker of an older format, or none)."""
     try:
-        return json.loads((d / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{d / 'meta.json'} is unreadable: {e}") from None
+        sealed = json.loads((d / MARKER).read_bytes()[:4096])
+    except (OSError, ValueError):
+        return None
+    return sealed.get("meta_sha256") if isinstance(sealed, dict) else None
+
+
+def load_meta(d: Path) -> dict[str, Any]:
+    """meta.json of a step directory, checked against the marker's checksum when the marker holds one."""
+    path = d / "meta.json"
+    try:
+        if path.stat().st_size > META_MAX_BYTES:
+            raise CheckpointError(f"{path} has {path.stat().st_size} bytes, over {META_MAX_BYTES}: not a meta.json")
+        data = path.read_bytes()
+        sealed = _sealed_sha(d)
+        if sealed is not None and hashlib.sha256(data).hexdigest() != sealed:
+            raise CheckpointError(f"{path} fails its checksum (altered or corrupt): resume from another step")
+        meta = json.loads(data)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable: {str(e)[:200]}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return meta
 
 
 def load_rank(d: Path, rank: int) -> dict[str, Any]:

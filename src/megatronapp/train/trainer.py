@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import secrets
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -153,6 +154,7 @@ class Trainer:
         self.saver = AsyncSaver(self.out / "checkpoints", self.rank, self.topo.world_size,
                                 keep=t.keep_checkpoints, overlap_copy=True) if t.async_save else None
         self.save_stalls: list[float] = []  # seconds each save held up training
+        self.attempt: str | None = None  # this launch's save attempt id, agreed by every rank at its first save
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.dtype == "bf16"
                          else nullcontext())
         if t.resume:
@@ -263,16 +265,18 @@ class Trainer:
                  # which dimension each TP shard splits, so `consolidate` can rebuild full tensors
                  "partition_dims": [{n: q.partition_dim for n, q in c.named_parameters()
                                      if getattr(q, "tensor_parallel", False)} for c in self.chunks]}
+        if self.attempt is None:
+            self.attempt = agree_attempt(self.topo, self.device)
         if self.saver is not None:
             self.finish_saves()  # at most one save in flight
-            self.saver.save(self.step, state, meta)
+            self.saver.save(self.step, state, meta, attempt=self.attempt)
             self.save_stalls.append(time.perf_counter() - t0)
             return ckpt.step_dir(root, self.step)
-        ckpt.save_rank(root, self.step, self.rank, state)
+        ckpt.save_rank(root, self.step, self.rank, state, self.attempt)
         comm.barrier(self.topo.groups["world"])
         d = ckpt.step_dir(root, self.step)
         if self.rank == 0:
-            d = ckpt.finalize(root, self.step, meta, keep=self.cfg.train.keep_checkpoints)
+            d = ckpt.finalize(root, self.step, meta, keep=self.cfg.train.keep_checkpoints, attempt=self.attempt)
         comm.barrier(self.topo.groups["world"])
         self.save_stalls.append(time.perf_counter() - t0)
         self.hooks.fire("checkpoint_saved", self.step, d)
@@ -306,6 +310,16 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         ckpt.set_rng_state(state["rng"])
         self.step = state["step"]
+
+
+def agree_attempt(topo: topology_mod.Topology, device: torch.device) -> str:
+    """A random id every rank of this launch agrees on (the largest of their draws), naming the temporary
+    directories of its saves: files an earlier attempt left at the same step are never in them. Not
+    TORCHELASTIC_RUN_ID, which is `none` under static rendezvous and survives torchrun restarts; not drawn from
+    torch's RNG, whose state the checkpoint saves. A launch saves each step at most once."""
+    draw = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=device)
+    comm.all_reduce(draw, topo.groups["world"], op="max", label="checkpoint_attempt")
+    return f"{int(draw):016x}"
 
 
 def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str | None = None) -> dict[str, Any]:
