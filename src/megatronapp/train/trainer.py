@@ -160,8 +160,11 @@ class Trainer:
         self.save_stalls: list[float] = []  # seconds each save held up training
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.dtype == "bf16"
                          else nullcontext())
+        self.load_s = 0.0  # seconds the resume load took (the recovery benchmark splits a restart with it)
         if t.resume:
+            t_load = time.perf_counter()
             self.load(ckpt.resolve(t.resume))
+            self.load_s = time.perf_counter() - t_load
 
     # -- plug-ins -------------------------------------------------------------------------------------------
     def attach_plugins(self) -> None:

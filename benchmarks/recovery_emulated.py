@@ -1,0 +1,106 @@
+"""Recovery from a `kill -9` on 8 emulated devices: seconds from the kill to training again, split in parts.
+
+A supervised job (`megatronapp train --supervise`, tp2 x pp2 x dp2 = 8 ranks, `--emulate-device`, a checkpoint
+every 2 steps) runs until every rank has finished step 3; this benchmark then sends SIGKILL to one rank (its pid
+from its heartbeat) and reads the parts of the recovery from the run's own records:
+  detection   kill -> the supervisor sees the rank's exit (the failure's `noticed_at`)
+  stop        -> the job's other ranks are stopped (the failure's `detected_at`; includes a 0.5 s settle wait so
+                 the victims of a dead rank report too)
+  restart     -> every rank of the new attempt has started, joined its process groups and built its model
+                 (each rank's heartbeat `started_at` minus its `load_s`)
+  load        the checkpoint load inside that (the slowest rank's `load_s`)
+  first step  -> every rank has finished a step again (the supervisor's `recovery_s` after detection)
+Several drills, each a fresh job; medians with a bootstrap 95% interval over drills.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import stats
+
+RESULTS = Path(__file__).resolve().parent / "results" / "recovery_emulated.json"
+SPEC = "tflops=0.0005"
+VICTIM = 5
+FLAGS = ["--nproc", "8", "--tp", "2", "--pp", "2", "--dp", "2", "--steps", "8", "--save-interval", "2",
+         "--layers", "2", "--hidden", "64", "--global-batch", "4", "--microbatches", "2", "--seq-len", "32",
+         "--no-progress", "--peak-tflops", "1", "--supervise", "--no-diagnose-on-restart",
+         "--heartbeat-interval", "0.5", "--emulate-device", SPEC]
+PARTS = ("detection", "stop", "restart", "load", "first_step")
+
+
+def _beats(hb: Path) -> dict[int, dict[str, Any]]:
+    out = {}
+    for f in hb.glob("rank*.json"):
+        try:
+            out[int(f.stem[4:])] = json.loads(f.read_text())
+        except (ValueError, OSError):
+            continue  # a heartbeat being rewritten: read it next time
+    return out
+
+
+def drill(timeout_s: float = 600.0) -> dict[str, Any]:
+    """One supervised job, one kill -9 after step 3; the parts of its recovery in seconds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        hb = out / ".heartbeat"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        proc = subprocess.Popen([sys.executable, "-m", "megatronapp", "train", *FLAGS, "--out", str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.time() + timeout_s
+        killed_at = None
+        while killed_at is None:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the job ended or stalled before the kill: {proc.communicate()[1][-2000:]}")
+            beats = _beats(hb)
+            if len(beats) == 8 and min(b.get("step", 0) for b in beats.values()) >= 3:
+                killed_at = time.time()
+                os.kill(beats[VICTIM]["pid"], signal.SIGKILL)
+            time.sleep(0.05)
+        _, err = proc.communicate(timeout=max(1.0, deadline - time.time()))
+        if proc.returncode != 0:
+            raise RuntimeError(f"the supervised job failed (exit {proc.returncode}): {err[-2000:]}")
+        events = [json.loads(line) for line in (out / "resilience.jsonl").read_text().splitlines()]
+        final = _beats(hb)  # the heartbeats of the attempt that recovered (the directory is reset per attempt)
+        emulation = json.loads((out / "summary.json").read_text()).get("emulation", {})
+    failure = next(e for e in events if e["event"] == "failure")
+    recovered = next(e for e in events if e["event"] == "recovered")
+    built = max(b["started_at"] - b["load_s"] for b in final.values())
+    started = max(b["started_at"] for b in final.values())
+    again = failure["detected_at"] + recovered["recovery_s"]
+    parts = {"detection": failure["noticed_at"] - killed_at, "stop": failure["detected_at"] - failure["noticed_at"],
+             "restart": built - failure["detected_at"], "load": max(b["load_s"] for b in final.values()),
+             "first_step": again - started}
+    return {**parts, "total": again - killed_at, "signal": failure.get("signal"), "rank_named": failure["rank"],
+            "host_share": emulation.get("host_share"), "load_avg": os.getloadavg()[0]}
+
+
+def main(repeats: int) -> None:
+    t0 = time.perf_counter()
+    drills = []
+    for i in range(repeats):
+        d = drill()
+        drills.append(d)
+        print(f"drill {i + 1}: " + ", ".join(f"{k} {d[k]:.2f} s" for k in (*PARTS, "total"))
+              + f"; rank {d['rank_named']} named ({d['signal']}), host share {d['host_share']}, load "
+                f"{d['load_avg']:.1f}", flush=True)
+    summary = {}
+    for k in (*PARTS, "total"):
+        values = [d[k] for d in drills]
+        lo, hi = stats.bootstrap_ci(values)
+        summary[k] = {"median_s": statistics.median(values), "ci95": [lo, hi]}
+    result = {"spec": SPEC, "flags": FLAGS, "victim": VICTIM, "drills": drills, "summary": summary,
+              "dominant": max(PARTS, key=lambda k: summary[k]["median_s"]), "wall_s": time.perf_counter() - t0,
+              "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    print(" | ".join(f"{k} {v['median_s']:.2f} s [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}]"
+                     for k, v in summary.items()) + f"; dominant: {result['dominant']}")
