@@ -62,7 +62,8 @@ def docs_body(res: dict[str, Any]) -> str:
     sync, dcp_s = inverse(res["ours_over_sync"]), inverse(res["ours_over_dcp_ratio"])
     lo = sync["ci95"][0] or 0.0
     verdict = ("met (the whole interval above 20x)" if lo >= 20 else
-               "**not met** by the whole interval" if sync["ratio"] >= 20 else "**not met**")
+               f"met by the median, not by the whole interval (its low end is {lo:.1f}x: more rounds, or a quieter "
+               "machine, would tell)" if sync["ratio"] >= 20 else "**not met**")
     dcp_lo, dcp_hi = dcp_s["ci95"]
     dcp = ("ours stalls less (interval above 1)" if (dcp_lo or 0.0) > 1 else
            "**ours stalls more**" if dcp_hi is not None and dcp_hi < 1 else "within noise (interval holds 1)")
