@@ -263,6 +263,11 @@ def docs_body(result: dict[str, Any]) -> str:
          "rate; their gains are GEMM fusion, fewer launches and kernels that skip masked blocks), the data "
          "pipeline beyond ~1.0 (our embedded corpus builds a batch in under a millisecond)."), "",
         trace_note(), "",
+        ("Rows marked not quotable ran while this shared 2-core machine was overloaded by other jobs (host time "
+         "above half the device time: the host, not the emulated device, set the pace); their ratios are kept "
+         "but mean nothing for the accelerator regime. Re-measure one layout with `--layout tp` (or `pp`) on a "
+         "quieter machine: a re-run of tp=2 x dp=2 at load 150-500 came out further out of the regime (host "
+         "share 2.9-4.7) and was not kept."), "",
         (f"Recorded {result['timestamp']}, torch {result['torch']}, load average at the end "
          f"{tuple(round(x, 2) for x in result['load_avg_at_end'])} (2 cores shared with other jobs), "
          f"{result['wall_s']} s. Raw step times: `benchmarks/results/ablation_emulated.json`."),

@@ -118,6 +118,10 @@ def docs_body(res: dict[str, Any]) -> str:
                      for k, v in s.items())
     loads = [d["load_avg"] for d in res["drills"]]
     shares = [d["host_share"] for d in res["drills"] if d["host_share"] is not None]
+    regime = ("" if shares and max(shares) <= 0.5 else
+              ": **not in the accelerator regime** (above 0.5 the host, not the device, sets the pace), so these "
+              "drills time this overloaded host's process start-up and steps, not an accelerator job's; detection "
+              "and stop do not depend on the regime")
     return f"""**Recovery on emulated devices** (`python -m benchmarks.bench_recovery --emulated`): a supervised \
 tp2 x pp2 x dp2 job (8 ranks, `--emulate-device {res['spec']}`, a checkpoint every 2 steps); after every rank has \
 finished step 3 the benchmark sends `kill -9` to rank {res['victim']}. Seconds from the kill, per part, median over \
@@ -134,5 +138,5 @@ up to the total); first step: until every rank has finished a step again. \
 Dominant: **{res['dominant'].replace('_', ' ')}**. \
 Load average {min(loads):.1f}-{max(loads):.1f} on 2 cores shared with other jobs: restart is mostly 8 Python \
 processes importing torch on those cores, which a machine with a core per rank does in parallel. Host share of \
-the recovered run (worst rank, host over device time): {', '.join(f'{x:.2f}' for x in shares) or 'n/a'}. \
+the recovered run (worst rank, host over device time): {', '.join(f'{x:.2f}' for x in shares) or 'n/a'}{regime}. \
 Recorded {res['timestamp']}; raw drills: `benchmarks/results/recovery_emulated.json`."""
