@@ -49,6 +49,7 @@ from megatronapp.train.async_checkpoint import AsyncSaver
 RESULTS = Path(__file__).resolve().parent / "results" / "checkpoint_stall.json"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 BLOCK = "checkpoint-stall"
+EMULATED_HOST_SHARE = 0.02  # the host's work in an emulated step, as a share of its device time
 TARGET = 20.0  # the issue's target: at least 20x less stall than the synchronous save
 MAX_STEPS = 400  # a cycle ends by then even if a save is still in flight (recorded as left_after_cycle_s)
 
@@ -93,11 +94,28 @@ def train_step(state: dict[str, Any], iters: int, barrier) -> None:
             t.add_(1e-3)
 
 
-def plain_cycle(state: dict[str, Any], iters: int, steps: int) -> float:
+def emulated_step(state: dict[str, Any], step_s: float, host_iters: int, barrier) -> float:
+    """A step on an emulated accelerator: the host launches the step's work (a little matmul work standing for
+    kernel launches and Python), the device computes, and the host only waits -- sleeping, so its cores are
+    free -- until the step's device time `step_s` has passed since it started. The optimizer update still
+    changes every tensor in place (on a GPU, device work: it counts against the device time), after the barrier."""
+    t0 = time.perf_counter()
+    compute(host_iters)
+    barrier()
+    for part in ("model", "exp_avg", "exp_avg_sq"):
+        for t in state[part].values():
+            t.add_(1e-3)
+    host = time.perf_counter() - t0
+    if step_s > host:
+        time.sleep(step_s - host)
+    return host
+
+
+def plain_cycle(step, steps: int) -> float:
     """Wall seconds of `steps` training steps without a save."""
     t0 = time.perf_counter()
     for _ in range(steps):
-        train_step(state, iters, lambda: None)
+        step(lambda: None)
     return time.perf_counter() - t0
 
 
@@ -181,9 +199,17 @@ class OursInline(Ours):
 METHODS = (Sync, Dcp, Ours, OursInline)
 
 
-def run(mib: int, rounds: int, steps: int, step_s: float) -> dict[str, Any]:
+def run(mib: int, rounds: int, steps: int, step_s: float, emulated: bool = False) -> dict[str, Any]:
     state = make_state(mib)
-    iters = calibrate(step_s)
+    # emulated: the host's share of a step is a few launches' worth of matmul work (~2% of the device time)
+    iters = calibrate(step_s * (EMULATED_HOST_SHARE if emulated else 1.0))
+    host_s: list[float] = []  # emulated: the host wall time of every step (launch work, barrier wait, update)
+    if emulated:
+        def step(barrier) -> None:
+            host_s.append(emulated_step(state, step_s, iters, barrier))
+    else:
+        def step(barrier) -> None:
+            train_step(state, iters, barrier)
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=os.environ.get("CKPT_BENCH_DIR")))
     methods = [cls(work / cls.__name__.lower()) for cls in METHODS]
     keys = ("stall_s", "plain_step_s", "call_s", "call_thread_cpu_s", "left_after_cycle_s", "cycle_steps",
@@ -201,7 +227,7 @@ def run(mib: int, rounds: int, steps: int, step_s: float) -> dict[str, Any]:
                 for m in order.sample(methods, len(methods)):
                     plain_first = order.random() < 0.5
                     if plain_first:
-                        plain = plain_cycle(state, iters, steps)
+                        plain = plain_cycle(step, steps)
                     state["step"] = r
                     t0, c0 = time.perf_counter(), time.thread_time()
                     m.save(r, state)
@@ -209,7 +235,7 @@ def run(mib: int, rounds: int, steps: int, step_s: float) -> dict[str, Any]:
                     m.barrier_s = 0.0
                     n = 0  # steps while the save is in flight: every cost of its background work lands in them
                     while n < steps or (not m.done() and n < MAX_STEPS):
-                        train_step(state, iters, m.barrier)
+                        step(m.barrier)
                         n += 1
                     cycle = time.perf_counter() - t0
                     t1 = time.perf_counter()
@@ -217,7 +243,7 @@ def run(mib: int, rounds: int, steps: int, step_s: float) -> dict[str, Any]:
                     left = time.perf_counter() - t1
                     os.sync()  # untimed: no method's dirty pages are written back during another's cycles
                     if not plain_first:
-                        plain = plain_cycle(state, iters, steps)
+                        plain = plain_cycle(step, steps)
                     if r:
                         plain_n = plain * n / steps
                         for key, v in zip(keys, (cycle - plain_n, plain / steps, call, call_cpu, left, n,
@@ -236,7 +262,18 @@ def run(mib: int, rounds: int, steps: int, step_s: float) -> dict[str, Any]:
     # median per-round difference (peer - ours) instead
     vs_dcp, vs_inline = (_diff(rec[p.name]["stall_s"], ours) for p in (Dcp, OursInline))
     lo, hi = vs_sync["ci95"]
-    return {"state_mib": mib, "rounds": rounds, "steps_per_cycle": steps, "step_s_target": step_s,
+    return {"emulated": emulated,
+            "host_share": {"median": statistics.median(host_s) / step_s,
+                           "p90": sorted(host_s)[int(0.9 * (len(host_s) - 1))] / step_s,
+                           "over_1": sum(h > step_s for h in host_s), "steps": len(host_s)} if emulated else None,
+            # ours' stall can be near 0, where a ratio over it is unstable: the ratios are formed ours over peer and
+            # inverted when reported (an interval end at or below 0 becomes "no upper bound")
+            "ours_over_dcp_ratio": _ratio_of_medians(ours, rec[Dcp.name]["stall_s"]) if emulated else None,
+            "sync_blocked_over_ours": (_ratio_of_medians(rec[Sync.name]["blocked_s"], rec[Ours.name]["blocked_s"])
+                                       if emulated else None),
+            "dcp_blocked_over_ours": (_ratio_of_medians(rec[Dcp.name]["blocked_s"], rec[Ours.name]["blocked_s"])
+                                      if emulated else None),
+            "state_mib": mib, "rounds": rounds, "steps_per_cycle": steps, "step_s_target": step_s,
             "matmul_iters_per_step": iters, "torch_threads": torch.get_num_threads(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "per_method": rec,
             "summary": summary, "ours_over_sync": vs_sync, "ours_blocked_over_sync": blocked_vs_sync,
@@ -254,7 +291,8 @@ def _ratio_of_medians(ours: list[float], peer: list[float]) -> dict[str, Any]:
 
     pairs = list(zip(ours, peer))
     lo, hi = stats.bootstrap_ci(pairs, stat)
-    return {"ratio": stat(pairs), "ci95": [lo, hi], "n": len(pairs)}
+    return {"ratio": stat(pairs), "ci95": [lo, hi], "n": len(pairs), "ours_median_s": statistics.median(ours),
+            "peer_median_s": statistics.median(peer)}
 
 
 def _diff(peer: list[float], ours: list[float]) -> dict[str, Any]:
@@ -327,6 +365,33 @@ made our stall come out at -2 s in a first run. On a GPU stage 1 is a pinned D2H
 measured: no GPU was lent)."""
 
 
+QUICK = {"mib": 64, "rounds": 6, "steps": 2, "step_s": 0.3}
+EMU_RESULTS = RESULTS.with_name("checkpoint_stall_emulated.json")
+EMU_BLOCK = "checkpoint-stall-emulated"
+
+
+def emulated_main(args: argparse.Namespace) -> None:
+    """--emulated: the same cycles with steps on an emulated accelerator; --quick prints one JSON line last."""
+    from benchmarks.checkpoint_stall_emulated import docs_body as emu_docs
+    from benchmarks.checkpoint_stall_emulated import quick_line
+    from benchmarks.checkpoint_stall_emulated import table as emu_table
+
+    if args.from_json:
+        stats.write_block(DOCS, EMU_BLOCK, emu_docs(json.loads(EMU_RESULTS.read_text())))
+        return
+    torch.set_num_threads(os.cpu_count() or 1)
+    size = QUICK if args.quick else {"mib": args.mib, "rounds": args.rounds, "steps": args.steps,
+                                     "step_s": args.step_s}
+    res = run(size["mib"], size["rounds"], size["steps"], size["step_s"], emulated=True)
+    print(emu_table(res))
+    if args.quick:
+        print(json.dumps(quick_line(res)))
+        return
+    if not args.no_docs:
+        EMU_RESULTS.write_text(json.dumps(res, indent=1) + "\n")
+        stats.write_block(DOCS, EMU_BLOCK, emu_docs(res))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256, help="checkpoint state size per rank")
@@ -335,7 +400,15 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=0.5, help="compute per step, calibrated at start")
     ap.add_argument("--no-docs", action="store_true", help="print only; leave the JSON and the docs alone")
     ap.add_argument("--from-json", action="store_true", help="rewrite the docs section from the saved result")
+    ap.add_argument("--emulated", action="store_true",
+                    help="steps on an emulated accelerator (host launches, then sleeps out the device time)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"with --emulated: {QUICK['mib']} MiB, {QUICK['rounds']} rounds; prints one JSON line "
+                         "last, writes nothing")
     args = ap.parse_args()
+    if args.emulated:
+        emulated_main(args)
+        return
     if args.from_json:
         stats.write_block(DOCS, BLOCK, docs_body(json.loads(RESULTS.read_text())))
         return

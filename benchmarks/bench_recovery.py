@@ -6,6 +6,7 @@ The job runs twice, side by side in one invocation: restarting at once (`--no-di
 diagnostics on the job's 4 ranks before the restart (the default); the difference is what diagnosing costs.
 
     python -m benchmarks.bench_recovery [--hang-timeout 5]
+    python -m benchmarks.bench_recovery --emulated [--repeats 3]   (8 emulated ranks, kill -9, split recovery)
 """
 from __future__ import annotations
 
@@ -29,7 +30,15 @@ FLAGS = ["--nproc", "4", "--tp", "2", "--pp", "2", "--steps", "8", "--save-inter
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hang-timeout", type=float, default=5.0)
+    ap.add_argument("--emulated", action="store_true",
+                    help="8 ranks on emulated devices, kill -9 of one rank mid-run (benchmarks/recovery_emulated.py)")
+    ap.add_argument("--repeats", type=int, default=3, help="with --emulated: drills, each a fresh job")
     args = ap.parse_args()
+    if args.emulated:
+        from benchmarks import recovery_emulated
+
+        recovery_emulated.main(args.repeats)
+        return
     plain = _run(args.hang_timeout, ["--no-diagnose-on-restart"])
     diagnosed = _run(args.hang_timeout, [])
     result = {"hang_timeout_s": args.hang_timeout, **plain,

@@ -141,6 +141,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="fault drill, repeatable: slow-compute=RANK:FACTOR, slow-link=A-B:MS, pause=RANK:MS:EVERY, "
                         "hang=RANK:STEP, slow-wire=A-B:FACTOR, jitter=A-B:lognormal:SIGMA")
     g.add_argument("--scope-port", type=int, help="MegaScope: serve the live page while training")
+    g.add_argument("--emulate-device", metavar="SPEC",
+                   help="emulated accelerators: each task computes, then its rank sleeps out the modelled device "
+                        "time; SPEC e.g. tflops=0.001,jitter=lognormal:0.5,speed=1:0.5 (README, 'Emulated devices')")
     g = p.add_argument_group("resilience (--supervise)")
     g.add_argument("--supervise", action="store_true",
                    help="run under a driver: heartbeats, crash and hang detection naming the cause, automatic "
@@ -208,6 +211,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg.scope_port = args.scope_port
     if getattr(args, "attach", None):
         cfg.attach = list(cfg.attach) + list(args.attach)
+    if getattr(args, "emulate_device", None):
+        cfg.emulate_device = args.emulate_device
     if getattr(args, "resume", None):
         _check_steps_beyond_checkpoint(args.resume, cfg.train.steps)
     return cfg

@@ -192,6 +192,8 @@ class RunConfig:
     inject: list[str] = field(default_factory=list)  # fault injection specs, see megatronapp.faults
     scope_port: int | None = None
     attach: list[str] = field(default_factory=list)  # plug-ins by import path "pkg.mod:fn" (train/plugins.py)
+    # Emulated devices (parallel/device_emulation.py): "tflops=T,jitter=lognormal:S,speed=RANKS:FACTOR,..."
+    emulate_device: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -215,11 +217,11 @@ class RunConfig:
                 if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                     raise ConfigError(f"inject must be a list of fault specs like 'hang=2:10', got {_short(value)}")
                 kwargs[key] = value
-            elif key == "scope_port":
-                check_type("scope_port", "int | None", value)
+            elif key in ("scope_port", "emulate_device"):
+                check_type(key, "int | None" if key == "scope_port" else "str | None", value)
                 kwargs[key] = value
             else:
-                known = sorted([*sections, "inject", "scope_port", "attach"])
+                known = sorted([*sections, "inject", "scope_port", "attach", "emulate_device"])
                 raise ConfigError(f"unknown config section {key!r}; known: {known}")
         return RunConfig(**kwargs)
 
@@ -395,6 +397,10 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
                           f"prefetching off)")
     if cfg.trace.granularity not in ("coarse", "full"):
         raise ConfigError(f"trace.granularity={cfg.trace.granularity!r}: choose coarse or full")
+    if cfg.emulate_device is not None:
+        from megatronapp.parallel.device_emulation import check_spec  # it imports this file
+
+        check_spec(cfg.emulate_device, world_size or p.total_ranks)
 
 
 # The modules' entry points, switched on by their own flags. Strings, not imports: the engine never imports a

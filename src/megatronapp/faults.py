@@ -2,7 +2,8 @@
 
 Specs (one per `--inject`):
   slow-compute=RANK:FACTOR   compute spans on RANK take FACTOR times longer (sleep (FACTOR-1)*elapsed at close),
-                             and so do the layer spans inside them: a slow device is slow at every op it runs
+                             and so do the layer spans inside them: a slow device is slow at every op it runs;
+                             with --emulate-device, RANK's device time is multiplied by FACTOR instead
   slow-link=A-B:DELAY_MS     each send between A and B, and each collective holding both, waits DELAY_MS on A and B
   pause=RANK:MS:EVERY        RANK pauses MS milliseconds at the start of every EVERY-th iteration
   hang=RANK:STEP             RANK blocks at the start of iteration STEP until the injector is removed
@@ -25,7 +26,7 @@ from typing import Any
 
 from megatronapp import tracing
 from megatronapp.config import ConfigError
-from megatronapp.parallel import comm
+from megatronapp.parallel import comm, device_emulation
 
 KINDS = {
     "slow-compute": "slow-compute=RANK:FACTOR (e.g. slow-compute=5:1.3)",
@@ -111,6 +112,11 @@ class Injector:
         self.rank = rank
         self.faults = faults
         self._slow = [f.factor for f in faults if f.kind == "slow-compute" and f.ranks[0] == rank]
+        emulated = device_emulation.active()
+        if emulated is not None and self._slow:  # a slow emulated device: its device time grows, not host time
+            for factor in self._slow:
+                emulated.slow_down(factor)
+            self._slow = []
         self._links = [f for f in faults if f.kind == "slow-link" and rank in f.ranks]
         self._wires = [f for f in faults if f.kind in ("slow-wire", "jitter") and rank in f.ranks]
         self._rng = random.Random(rank)  # jitter draws: reproducible per rank

@@ -134,6 +134,21 @@ def _op_delayed(name: str, group: Group, t: torch.Tensor | None, peer: int | Non
     return op, delay
 
 
+def _op_due(name: str, group: Group, t: torch.Tensor | None, label: str = "") -> tuple[CommOp, float]:
+    """A collective's record, and the monotonic time before which it may not complete: an interceptor's delay
+    is the time its bytes take on a modelled wire (parallel/link_model.py); 0.0 when none asked for one."""
+    rec, delay = _op_delayed(name, group, t, label=label)
+    return rec, (time.monotonic() + delay) if delay > 0 else 0.0
+
+
+def _hold(due: float) -> None:
+    """Block until `due` (a modelled wire still carrying the op's bytes); at once when `due` is 0 or past."""
+    if due:
+        left = due - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+
+
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -141,9 +156,10 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", label: str = "") 
     """In-place all-reduce over `group`; a no-op for a group of one. `label` names the op for order checks."""
     if group.size == 1:
         return t
-    rec = _op("all_reduce", group, t, label=label)
+    rec, due = _op_due("all_reduce", group, t, label=label)
     with tracing.span("all_reduce", "comm", **rec.meta()):
         dist.all_reduce(t, op=_REDUCE_OPS[op], group=group.pg)
+        _hold(due)
     _flight.done(rec)
     return t
 
@@ -152,10 +168,10 @@ def all_reduce_async(t: torch.Tensor, group: Group, op: str = "sum", label: str 
     """Start an in-place all-reduce; wait on the returned handle."""
     if group.size == 1:
         return Handle(None, None)
-    rec = _op("all_reduce", group, t, label=label)
+    rec, due = _op_due("all_reduce", group, t, label=label)
     sp = tracing.open_span("all_reduce", "comm", **rec.meta())
     return Handle(dist.all_reduce(t, op=_REDUCE_OPS[op], group=group.pg, async_op=True), sp,
-                  nccl=_backend(group) == "nccl", op=rec)
+                  nccl=_backend(group) == "nccl", op=rec, due=due)
 
 
 def reduce_scatter_inplace_async(t: torch.Tensor, group: Group, label: str = "") -> Handle:
@@ -163,7 +179,7 @@ def reduce_scatter_inplace_async(t: torch.Tensor, group: Group, label: str = "")
     equal slices) holds the sum; the other slices are left undefined. A no-op for a group of one."""
     if group.size == 1:
         return Handle(None, None)
-    rec = _op("reduce_scatter", group, t, label=label)
+    rec, due = _op_due("reduce_scatter", group, t, label=label)
     sp = tracing.open_span("reduce_scatter", "comm", **rec.meta())
     if _backend(group) == "gloo" and _strict is None:
         # gloo's reduce-scatter costs about twice its all-reduce (measured: 16 MiB, 2 ranks, 14 vs 8 ms of CPU);
@@ -175,29 +191,30 @@ def reduce_scatter_inplace_async(t: torch.Tensor, group: Group, label: str = "")
         mine = t.chunk(group.size)[group.rank_in(dist.get_rank())]
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in 2.13
         work = scatter(mine, t, group=group.pg, async_op=True)
-    return Handle(work, sp, keep=t, nccl=_backend(group) == "nccl", op=rec)
+    return Handle(work, sp, keep=t, nccl=_backend(group) == "nccl", op=rec, due=due)
 
 
 def all_gather_inplace_async(t: torch.Tensor, group: Group, label: str = "") -> Handle:
     """Start filling the flat `t` from every member's own slice (slice i from member i), in place."""
     if group.size == 1:
         return Handle(None, None)
-    rec = _op("all_gather", group, t, label=label)
+    rec, due = _op_due("all_gather", group, t, label=label)
     sp = tracing.open_span("all_gather", "comm", **rec.meta())
     mine = t.chunk(group.size)[group.rank_in(dist.get_rank())]
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     work = gather(t, mine, group=group.pg, async_op=True)
-    return Handle(work, sp, keep=t, nccl=_backend(group) == "nccl", op=rec)
+    return Handle(work, sp, keep=t, nccl=_backend(group) == "nccl", op=rec, due=due)
 
 
 def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Concatenate every member's `t` along `dim`, in group-rank order."""
     if group.size == 1:
         return t
-    rec = _op("all_gather", group, t)
+    rec, due = _op_due("all_gather", group, t)
     parts = [torch.empty_like(t) for _ in range(group.size)]
     with tracing.span("all_gather", "comm", **rec.meta()):
         dist.all_gather(parts, t.contiguous(), group=group.pg)
+        _hold(due)
     _flight.done(rec)
     return torch.cat(parts, dim=dim)
 
@@ -206,7 +223,7 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Sum over the group, then keep this member's slice of `dim`."""
     if group.size == 1:
         return t
-    rec = _op("reduce_scatter", group, t)
+    rec, due = _op_due("reduce_scatter", group, t)
     chunks = [c.contiguous() for c in t.chunk(group.size, dim=dim)]
     out = torch.empty_like(chunks[0])
     with tracing.span("reduce_scatter", "comm", **rec.meta()):
@@ -217,6 +234,7 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
             out.copy_(full.chunk(group.size, dim=dim)[group.rank_in(dist.get_rank())])
         else:
             dist.reduce_scatter(out, chunks, group=group.pg)
+        _hold(due)
     _flight.done(rec)
     return out
 
@@ -225,12 +243,12 @@ def all_gather_async(t: torch.Tensor, group: Group, label: str = "") -> tuple[li
     """Start gathering every member's `t`; once the handle is waited on, the list holds them in group-rank order."""
     if group.size == 1:
         return [t], Handle(None, None)
-    rec = _op("all_gather", group, t, label=label)
+    rec, due = _op_due("all_gather", group, t, label=label)
     parts = [torch.empty_like(t) for _ in range(group.size)]
     sp = tracing.open_span("all_gather", "comm", **rec.meta())
     t = t.contiguous()
     work = dist.all_gather(parts, t, group=group.pg, async_op=True)
-    return parts, Handle(work, sp, keep=t, nccl=_backend(group) == "nccl", op=rec)
+    return parts, Handle(work, sp, keep=t, nccl=_backend(group) == "nccl", op=rec, due=due)
 
 
 def reduce_scatter_async(t: torch.Tensor, group: Group, dim: int = 0,
@@ -239,26 +257,28 @@ def reduce_scatter_async(t: torch.Tensor, group: Group, dim: int = 0,
     `dim` of the sum."""
     if group.size == 1:
         return t, Handle(None, None)
-    rec = _op("reduce_scatter", group, t, label=label)
+    rec, due = _op_due("reduce_scatter", group, t, label=label)
     sp = tracing.open_span("reduce_scatter", "comm", **rec.meta())
     nccl = _backend(group) == "nccl"
     if _backend(group) == "gloo":  # no reduce_scatter in gloo: all-reduce a copy, the slice is a view of it
         full = t.contiguous().clone()
         work = dist.all_reduce(full, group=group.pg, async_op=True)
-        return full.chunk(group.size, dim=dim)[group.rank_in(dist.get_rank())], Handle(work, sp, keep=full, op=rec)
+        return (full.chunk(group.size, dim=dim)[group.rank_in(dist.get_rank())],
+                Handle(work, sp, keep=full, op=rec, due=due))
     chunks = [c.contiguous() for c in t.chunk(group.size, dim=dim)]
     out = torch.empty_like(chunks[0])
     work = dist.reduce_scatter(out, chunks, group=group.pg, async_op=True)
-    return out, Handle(work, sp, keep=t, nccl=nccl, op=rec)
+    return out, Handle(work, sp, keep=t, nccl=nccl, op=rec, due=due)
 
 
 def broadcast(t: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     """In-place broadcast from global rank `src`."""
     if group.size == 1:
         return t
-    rec = _op("broadcast", group, t, label=f"src {src}")
+    rec, due = _op_due("broadcast", group, t, label=f"src {src}")
     with tracing.span("broadcast", "comm", src=src, **rec.meta()):
         dist.broadcast(t, src=src, group=group.pg)
+        _hold(due)
     _flight.done(rec)
     return t
 
@@ -321,11 +341,13 @@ class Handle:
     """An outstanding async op. `is_completed()` never blocks; `wait()` completes it (on NCCL: orders the current
     stream after it) and closes its span. Safe to use from several threads."""
 
-    __slots__ = ("work", "span", "keep", "error", "desc", "_event", "_driven", "_closed", "_lock", "_nccl", "_op")
+    __slots__ = ("work", "span", "keep", "error", "desc", "_event", "_driven", "_closed", "_lock", "_nccl", "_op",
+                 "_due")
 
     def __init__(self, work: object, sp: object, keep: torch.Tensor | None = None, driven: bool = False,
-                 nccl: bool = False, op: CommOp | None = None):
+                 nccl: bool = False, op: CommOp | None = None, due: float = 0.0):
         self._op = op  # the flight recorder's record, completed with the handle
+        self._due = due  # a modelled wire: the op is not complete before this monotonic time (0: no wire)
         self.work, self.span, self.keep = work, sp, keep  # keep: the buffer must live until the op completes
         self._nccl = nccl  # NCCL works answer is_completed() themselves, and wait() does not block the host
         self.error: BaseException | None = None
@@ -377,6 +399,10 @@ class Handle:
 
     def is_completed(self) -> bool:
         """Has the op completed? (Starts a watcher on backends whose works cannot tell without blocking.)"""
+        if self._due and time.monotonic() < self._due:
+            if not self._driven and not self._nccl and self.work is not None:
+                self._watch()  # gloo: learn the real completion meanwhile
+            return False
         if self._event.is_set():
             return True
         if not self._driven:
@@ -407,6 +433,7 @@ class Handle:
                 self._set_done()
         if self.error is not None:
             raise RuntimeError(f"communication failed: {self.error}") from self.error
+        _hold(self._due)
         if self.work is not None and self._driven and self._nccl:
             self.work.wait()  # NCCL: order the current stream after the op
         self.keep = None
@@ -420,7 +447,7 @@ class Handle:
 
     @property
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._event.is_set() and not (self._due and time.monotonic() < self._due)
 
 
 def wait_until(pred: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:

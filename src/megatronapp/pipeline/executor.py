@@ -19,13 +19,14 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from megatronapp import tracing
 from megatronapp.parallel import comm, weight_grad
+from megatronapp.parallel.device_emulation import EmulatedDevice
 from megatronapp.parallel.topology import Topology
 from megatronapp.pipeline.p2p import StageLinks
 from megatronapp.pipeline.schedules import StaticPolicy
@@ -69,7 +70,8 @@ class PipelineExecutor:
     def __init__(self, chunks: Sequence[nn.Module], topo: Topology, policy: Policy, *, microbatches: int,
                  act_shape: tuple[int, ...], act_dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_inflight: int | None = None,
-                 grad_sync: GradSync | None = None, timeout_s: float = 600.0, pp_overlap: bool = True):
+                 grad_sync: GradSync | None = None, timeout_s: float = 600.0, pp_overlap: bool = True,
+                 emulated: EmulatedDevice | None = None):
         self.chunks, self.topo, self.policy = list(chunks), topo, policy
         self.m, self.act_shape, self.act_dtype = microbatches, act_shape, act_dtype
         self.device, self.max_inflight, self.grad_sync = torch.device(device), max_inflight, grad_sync
@@ -79,6 +81,13 @@ class PipelineExecutor:
         self.timeout_s = timeout_s
         self.links = StageLinks(topo, act_shape, act_dtype, self.device, overlap=pp_overlap) if topo.pp > 1 else None
         self.steps = 0
+        self.emulated = emulated  # --emulate-device: each task sleeps out its modelled device time
+
+    def _device(self, kind: str, t: Task) -> Any:
+        """Context of task `t`'s compute on an emulated device (a no-op on a real one)."""
+        if self.emulated is None:
+            return contextlib.nullcontext()
+        return self.emulated.task(kind, t.chunk, t.microbatch)
 
     # -- geometry ---------------------------------------------------------------------------------------
     def _v(self, chunk: int) -> int:
@@ -203,7 +212,8 @@ class PipelineExecutor:
                     work = wstash.pop((task.chunk, task.microbatch))
                     view.pending_w -= 1
                     view.pending_w_bytes -= work.nbytes
-                    with tracing.span("weight_grad", "compute", chunk=task.chunk, microbatch=task.microbatch):
+                    with tracing.span("weight_grad", "compute", chunk=task.chunk, microbatch=task.microbatch), \
+                            self._device("W", task):
                         weight_grad.run(work)
                 else:
                     self._backward(task, stash)
@@ -273,7 +283,7 @@ class PipelineExecutor:
         else:
             x = self.links.take(("F", t.chunk, t.microbatch)).requires_grad_(True)
         last = self._last(t.chunk)
-        with tracing.span("forward", "compute", chunk=t.chunk, microbatch=t.microbatch):
+        with tracing.span("forward", "compute", chunk=t.chunk, microbatch=t.microbatch), self._device("F", t):
             out = self.chunks[t.chunk](x, labels=labels if last else None)
         if last:
             losses[t.microbatch] = float(out.detach())
@@ -287,7 +297,8 @@ class PipelineExecutor:
         for a later W task instead of being done now."""
         x, out = stash.pop((t.chunk, t.microbatch))
         work = None
-        with tracing.span("backward", "compute", chunk=t.chunk, microbatch=t.microbatch):
+        with tracing.span("backward", "compute", chunk=t.chunk, microbatch=t.microbatch), \
+                self._device("B" if split else "BW", t):
             with weight_grad.defer() if split else contextlib.nullcontext() as work:
                 if self._last(t.chunk):
                     torch.autograd.backward(out)

@@ -49,7 +49,7 @@ class Heartbeat:
             "rank": trainer.rank, "pid": os.getpid(), "coord": dataclasses.asdict(trainer.topo.coord),
             "label": trainer.topo.coord.label(), "step": trainer.step, "phase": "start",
             "phase_since": time.time(), "tokens_per_s": None, "step_time_s": None, "mem_bytes": None,
-            "checkpoint": None}
+            "checkpoint": None, "started_at": time.time(), "load_s": getattr(trainer, "load_s", 0.0)}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 

@@ -111,8 +111,9 @@ class Attempt:
         while True:
             job.wait(0.2)
             if job.exits():
+                noticed = time.time()
                 time.sleep(0.5)  # let the victims of a dead rank fail too, so the cause is told from them
-                return self._exit_failure(job)
+                return self._exit_failure(job, noticed)
             if not job.running():
                 if not result.is_file():
                     return Failure("exit", 0, self.labels[0], "the ranks exited without a result", -1, time.time())
@@ -150,12 +151,13 @@ class Attempt:
                 failure = Failure("straggler", r, self.labels[r], msg, -1, time.time())
         return failure
 
-    def _exit_failure(self, job: launch.LocalJob) -> Failure:
+    def _exit_failure(self, job: launch.LocalJob, noticed: float | None = None) -> Failure:
         cause = launch.first_failure(job.exits())
         job.stop()
         step = self.beats().get(cause.rank, {}).get("step", -1)
         sig = launch.signal_name(cause.signum) if cause.signum else None
-        return Failure("exit", cause.rank, self.labels[cause.rank], cause.message, step, time.time(), signal=sig)
+        return Failure("exit", cause.rank, self.labels[cause.rank], cause.message, step, time.time(), signal=sig,
+                       noticed_at=noticed)
 
     def _settle(self, beats: dict[int, dict[str, Any]], job: launch.LocalJob,
                 stale_after: float) -> dict[int, dict[str, Any]]:

@@ -32,6 +32,7 @@ class Failure:
     tree: str = ""
     signal: str | None = None
     waits: list[dict[str, Any]] = field(default_factory=list)
+    noticed_at: float | None = None  # an exit: when the driver saw it (detected_at is after the job was stopped)
 
 
 def default_hang_timeout(step_times: list[float]) -> float:

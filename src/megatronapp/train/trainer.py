@@ -13,6 +13,7 @@ import json
 import math
 import os
 import secrets
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -26,7 +27,7 @@ from megatronapp.config import FBD_TRAIN, RunConfig, micro_batch_size, plugin_en
 from megatronapp.data.dataset import build_batch_source, build_valid_source, split_microbatches
 from megatronapp.data.prefetch import Prefetcher
 from megatronapp.model.transformer import TransformerChunk, sync_sequence_parallel_grads
-from megatronapp.parallel import comm
+from megatronapp.parallel import comm, device_emulation
 from megatronapp.parallel import topology as topology_mod
 from megatronapp.parallel.data_parallel import GradReducer
 from megatronapp.parallel.distributed_optimizer import DistributedOptimizer, optimizer_state_bytes
@@ -108,7 +109,7 @@ def finish_step(chunks: list[torch.nn.Module], topo: topology_mod.Topology, opti
     set_lr(optimizer, lr)
     if before_update is not None:
         before_update()
-    with tracing.span("optimizer", "optimizer"):
+    with tracing.span("optimizer", "optimizer"), device_emulation.optimizer_task():
         optimizer.step()
     return global_loss(losses, topo, device), grad_norm, lr
 
@@ -142,12 +143,18 @@ class Trainer:
         if not p.zero:
             self.reducer = GradReducer(self.chunks, self.topo.dp_group, p.grad_bucket_mb, overlap=p.dp_overlap)
         self.policy = make_policy(cfg)
+        self.emulated = None  # --emulate-device: this rank's modelled accelerator
+        if cfg.emulate_device:
+            c = self.topo.coord
+            self.emulated = device_emulation.install(cfg, self.rank, c.dp, c.pp, sum(q.numel() for q in self.params))
+        else:
+            device_emulation.deactivate()  # a previous run in this process must not leak into this one
         self.executor = PipelineExecutor(self.chunks, self.topo, self.policy, microbatches=p.microbatches,
                                          act_shape=(self.mbs, seq, cfg.model.hidden_size), device=self.device,
                                          # bf16 runs send bf16 activations and gradients, as Megatron does
                                          act_dtype=torch.bfloat16 if t.dtype == "bf16" else torch.float32,
                                          max_inflight=p.dpp_max_inflight, grad_sync=self.reducer,
-                                         pp_overlap=p.pp_overlap)
+                                         pp_overlap=p.pp_overlap, emulated=self.emulated)
         self.step = 0
         self.hooks = plugins.Hooks()
         # overlap_copy: the snapshot is copied during the next step; train_step holds the barrier before the update
@@ -157,8 +164,11 @@ class Trainer:
         self.attempt: str | None = None  # this launch's save attempt id, agreed by every rank at its first save
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.dtype == "bf16"
                          else nullcontext())
+        self.load_s = 0.0  # seconds the resume load took (the recovery benchmark splits a restart with it)
         if t.resume:
+            t_load = time.perf_counter()
             self.load(ckpt.resolve(t.resume))
+            self.load_s = time.perf_counter() - t_load
 
     # -- plug-ins -------------------------------------------------------------------------------------------
     def attach_plugins(self) -> None:
@@ -178,6 +188,8 @@ class Trainer:
             mbs = self._batch()
         data_s = time.perf_counter() - t0
         self.reducer.zero_grad()
+        if self.emulated is not None:
+            self.emulated.begin_step(self.step)
         with self.autocast:
             result = self.executor.step(mbs, loss_scale=1.0 / cfg.parallel.microbatches)
         loss, grad_norm, lr = finish_step(self.chunks, topo, self.optimizer, self.reducer, cfg, self.step,
@@ -252,6 +264,8 @@ class Trainer:
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.prefetcher = None
+        if self.emulated is not None:
+            device_emulation.deactivate()
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save(self) -> Path:
@@ -400,14 +414,20 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
         "optimizer_state_bytes": int(state_bytes),
         "checkpoint": str(ckpt_dir), "out": str(tr.out), "world_size": world,
         "losses": [h["loss"] for h in history], "save_stall_s": tr.save_stalls, "mfu_denominator": peak_what,
+        "emulated": bool(cfg.emulate_device),
     }
     evals = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
     if evals:
         summary.update(val_loss=evals[-1][1], best_val_loss=min(v for _, v in evals),
                        best_val_step=min(evals, key=lambda e: e[1])[0], val_losses=evals)
+    if cfg.emulate_device:  # every rank's host-vs-device record, summed into one table (a world collective)
+        summary["emulation"] = _emulation_record(tr, cfg.emulate_device, world, lead)
     if lead:
-        progress.close({k: v for k, v in summary.items()
-                        if k not in ("losses", "save_stall_s", "mfu_denominator", "val_losses")})
+        hidden = ("losses", "save_stall_s", "mfu_denominator", "val_losses", "emulation")
+        shown = {k: v for k, v in summary.items() if k not in hidden}
+        if "emulation" in summary:
+            shown["host_share"] = summary["emulation"]["host_share"]
+        progress.close(shown)
         (tr.out / "summary.json").write_text(json.dumps(summary, indent=2))
         if evals:  # both curves, beside metrics.jsonl
             from megatronapp.train.plot import loss_curve
@@ -416,6 +436,20 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
         if result_path:
             Path(result_path).write_text(json.dumps(summary))
     return summary
+
+
+def _emulation_record(tr: Trainer, spec: str, world: int, lead: bool) -> dict[str, Any]:
+    """summary.json's `emulation` entry: each rank's host, CPU and device time per task kind; warns (lead rank)
+    when a rank left the accelerator regime."""
+    rows = torch.zeros((world, len(device_emulation.KINDS), len(device_emulation.FIELDS)), dtype=torch.float64,
+                       device=tr.device)
+    rows[tr.rank] = torch.tensor(tr.emulated.record() if tr.emulated is not None else 0.0, dtype=torch.float64)
+    comm.all_reduce(rows, tr.topo.groups["world"])
+    record = device_emulation.summarize(spec, rows.tolist())
+    warn = device_emulation.warning(record)
+    if lead and warn:
+        print(f"megatronapp: warning: {warn}", file=sys.stderr)
+    return record
 
 
 def _logged_steps(path: Path) -> int:

@@ -1,0 +1,274 @@
+"""MegaScale's ablation rows on emulated devices with modelled wires (`bench_ablation --emulate-device SPEC`).
+
+On 4 CPU ranks sharing 2 cores, communication and compute fight for the same cores, so overlap can hide only
+waiting. Here every rank has an emulated accelerator (`parallel/device_emulation.py`: each task computes its
+real tensors, then sleeps out its modelled device time, so the host core is free) and every collective and
+P2P send takes its bytes over a modelled link (`parallel/link_model.py`): a fast link inside a TP group
+(NVLink-class) and a slower one across DP and PP (network-class). The link speeds are not a real machine's
+GB/s: our tiny model does ~10^3 FLOPs per gradient byte where a large run does ~10^5, so they are set for a
+realistic *share* of communication in the step (the DP all-reduce of a stage's gradients about a quarter of
+its compute, a TP link 12x faster than the DP/PP link, as NVLink to 400G InfiniBand).
+
+What the emulation can judge, and what not:
+  * DP overlap, PP overlap: yes, that is hiding wire time behind device time, which is what is modelled.
+    Optimistic bound: a task's real compute runs at its start and the device time is slept after it, so all
+    DP buckets of a backward are issued early in it; on a GPU the last bucket is issued at the end of the
+    backward and its all-reduce stays exposed.
+  * TP overlap: no. The TP collectives run inside a task's host compute, which counts against its device time,
+    so with or without chunking they hide behind the device's sleep; on a GPU they serialise with the GEMMs.
+  * data pipeline: yes in principle (batch building is host work the device does not wait for when prefetched),
+    but our embedded corpus builds a batch in well under a millisecond, so it is ~1.0 by construction.
+  * parallel block + sliding window, LAMB's speed: no. Device time is FLOPs over a rate: a fused GEMM or a
+    kernel that skips masked blocks is not faster in that model (MFU counts the same FLOPs); the parallel
+    block's gain is GEMM fusion and fewer launches, a kernel property. LAMB at 4x batch: the bubble and the
+    per-step overheads (optimizer, DP all-reduce) amortised over 4x tokens, which the model does judge.
+  * ZeRO-1: its memory (optimizer state per rank), measured exactly; its speed cost is the parameter
+    all-gather on the DP link, which is modelled.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import stats
+from megatronapp.config import RunConfig, validate
+from megatronapp.launch import spawn
+
+# A device slow enough that the host compute of a task stays a small share of its device time on this loaded
+# 2-core machine (the run reports that share per row; a share above 0.5 leaves the accelerator regime).
+SPEC = "tflops=0.001"
+LINKS_GBPS = {"tp": 0.06, "dp": 0.005, "pp": 0.005, "embd": 0.005}
+EMU_FULL = {"hidden": 128, "layers": 4, "heads": 4, "seq": 64, "global_batch": 16, "microbatches": 4,
+            "warmup": 2, "reps": 12, "bucket_mb": 0.25}
+EMU_QUICK = {"hidden": 128, "layers": 4, "heads": 4, "seq": 64, "global_batch": 16, "microbatches": 4,
+             "warmup": 1, "reps": 12, "bucket_mb": 0.25}
+HOST_SHARE_LIMIT = 0.5  # device_emulation's default host_share: above it a run is not in the accelerator regime
+QUICK_ROWS = ("+ parallel block + sliding window", "+ communication overlap")  # DP+PP overlap off vs on
+
+
+def _fenced_step(trainer) -> float:
+    import torch.distributed as dist
+
+    from megatronapp.parallel import device_emulation
+
+    device_emulation.activate(trainer.emulated)  # the optimizer step is costed on this trainer's device
+    dist.barrier()
+    t0 = time.perf_counter()
+    trainer.train_step()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _host_share(trainer) -> tuple[float, float]:
+    """(host s, device s) of this rank's tasks in the steps after its first."""
+    rows = trainer.emulated.record()
+    return sum(r[1] for r in rows), sum(r[3] for r in rows)
+
+
+def worker(rank: int, world: int, configs: list[dict[str, Any]], links: dict[str, float], warmup: int, reps: int,
+           outdir: str) -> None:
+    """Spawned entry: every row's trainer in these 4 processes, the link model hooked once, rotated steps."""
+    import torch.distributed as dist
+
+    from megatronapp.parallel import comm
+    from megatronapp.parallel.distributed_optimizer import optimizer_state_bytes
+    from megatronapp.parallel.link_model import LinkModel
+    from megatronapp.train.trainer import Trainer
+
+    comm.reset()
+    trainers = []
+    for c in configs:
+        cfg = RunConfig.from_dict(copy.deepcopy(c))
+        validate(cfg, world)
+        trainers.append(Trainer(cfg, rank))
+    wire = LinkModel(links).install()
+    n = len(trainers)
+    times: list[list[float]] = [[] for _ in range(n)]
+    try:
+        for rep in range(warmup + reps):
+            for k in range(n):
+                i = (k + rep) % n
+                dt = _fenced_step(trainers[i])
+                if rep >= warmup:
+                    times[i].append(dt)
+        per_row = []
+        for tr in trainers:
+            host, device = _host_share(tr)
+            t = torch.tensor([host / device if device else 0.0, float(optimizer_state_bytes(tr.optimizer))],
+                             dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the worst rank's host share, the largest state
+            per_row.append(t.tolist())
+    finally:
+        wire.remove()
+        for tr in trainers:
+            tr.close()
+    if rank == 0:
+        Path(outdir, "times.json").write_text(json.dumps({
+            "times": times, "host_share": [r[0] for r in per_row],
+            "optimizer_state_bytes": [int(r[1]) for r in per_row], "wire_busy_s_rank0": wire.busy_s}))
+
+
+def emulated_configs(rows, layout: dict[str, Any], size: dict[str, Any], spec: str, row_configs) -> list[dict]:
+    out = []
+    for c in row_configs(layout, size):
+        c["emulate_device"] = spec
+        c["parallel"]["grad_bucket_mb"] = size["bucket_mb"]
+        out.append(c)
+    return out
+
+
+def summarise(rows, layout: str, configs: list[dict], rec: dict, spec: str, world: int,
+              only: tuple[str, ...] | None = None) -> dict[str, Any]:
+    from megatronapp.parallel.device_emulation import parse_spec
+
+    peak = parse_spec(spec).rate * world
+    names = [r for r in rows if only is None or r[0] in only]
+    out = []
+    for i, ((name, gain, _), c) in enumerate(zip(names, configs)):
+        cfg = RunConfig.from_dict(copy.deepcopy(c))
+        tokens = cfg.train.global_batch_size * cfg.train.seq_len
+        tps = [tokens / t for t in rec["times"][i]]
+        row = {"row": name, "megascale_mfu_gain": gain, "tokens_per_step": tokens,
+               "median_step_s": statistics.median(rec["times"][i]), "tokens_per_s": statistics.median(tps),
+               "mfu": statistics.median(tps) * cfg.model.flops_per_token(cfg.train.seq_len) / peak,
+               "host_share": rec["host_share"][i], "optimizer_state_bytes": rec["optimizer_state_bytes"][i],
+               "step_times_s": rec["times"][i]}
+        if i:
+            prev = out[-1]
+            prev_tps = [prev["tokens_per_step"] / t for t in rec["times"][i - 1]]
+            row["vs_previous"] = stats.summarize_ratios(stats.paired_ratios(tps, prev_tps), lower_is_better=False)
+        out.append(row)
+    return {"layout": layout, "emulated_peak_flops": peak, "rows": out,
+            "wire_busy_s_rank0": rec.get("wire_busy_s_rank0", {})}
+
+
+def run(rows, layouts: dict[str, dict], row_configs, spec: str, quick: bool,
+        reps: int | None = None, only_layout: str | None = None) -> dict[str, Any]:
+    size = dict(EMU_QUICK if quick else EMU_FULL)
+    if reps is not None:
+        size["reps"] = reps
+    only = QUICK_ROWS if quick else None
+    chosen = {"pp=2 x dp=2": layouts["pp=2 x dp=2"]} if quick else layouts
+    if only_layout is not None:
+        chosen = {k: v for k, v in layouts.items() if k.startswith(only_layout)}
+    t0 = time.perf_counter()
+    out = []
+    for name, layout in chosen.items():
+        configs = emulated_configs(rows, layout, size, spec, row_configs)
+        if only is not None:
+            configs = [c for r, c in zip(rows, configs) if r[0] in only]
+        with tempfile.TemporaryDirectory() as tmp:
+            spawn(worker, 4, configs, LINKS_GBPS, size["warmup"], size["reps"], tmp, backend="gloo", threads=1)
+            rec = json.loads(Path(tmp, "times.json").read_text())
+        out.append(summarise(rows, name, configs, rec, spec, 4, only))
+        out[-1].update(recorded=time.strftime("%Y-%m-%dT%H:%M:%S%z"), load_avg_at_end=os.getloadavg())
+    return {"benchmark": "ablation of MegaScale's techniques on emulated devices with modelled wires",
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": round(time.perf_counter() - t0, 1),
+            "spec": spec, "links_gbps": LINKS_GBPS, "size": size, "load_avg_at_end": os.getloadavg(),
+            "torch": torch.__version__, "layouts": out}
+
+
+def quick_line(result: dict[str, Any]) -> dict[str, Any]:
+    """The quick mode's JSON: tokens/s with DP+PP overlap over without, pp2 x dp2, with its interval."""
+    row = next(r for r in result["layouts"][0]["rows"] if r["row"] == "+ communication overlap")
+    v = row["vs_previous"]
+    return {"overlap_ratio": round(v["ratio"], 4), "overlap_ci": [round(x, 4) for x in v["ci95"]],
+            "host_share_max": round(max(r["host_share"] for r in result["layouts"][0]["rows"]), 3)}
+
+
+JUDGED = {"baseline": "-", "+ parallel block + sliding window": "no (kernel property)",
+          "+ communication overlap": "DP, PP: yes; TP: no", "+ data pipeline": "yes (~1.0 by construction)",
+          "+ LAMB, 4x batch": "amortisation only", "+ ZeRO-1 (memory)": "memory: yes"}
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = []
+    for lay in result["layouts"]:
+        busy = ", ".join(f"{k} {v:.2f} s" for k, v in lay["wire_busy_s_rank0"].items())
+        lines += [f"**{lay['layout']}**, emulated (`{result['spec']}` per rank; links "
+                  + ", ".join(f"{k} {v:g} GB/s" for k, v in result["links_gbps"].items())
+                  + f"; rank 0's modelled wire time over the whole run: {busy}; recorded {lay.get('recorded', '?')}, "
+                  f"load average at its end {tuple(round(x, 1) for x in lay.get('load_avg_at_end', ()))})", "",
+                  "| row | MegaScale (MFU points) | emulation judges it | tokens/s | MFU (of emulated peak) "
+                  "| vs previous row [95% CI] | host share (worst rank) | optimizer state / rank |",
+                  "|---|---:|---|---:|---:|---|---:|---:|"]
+        for r in lay["rows"]:
+            vs = stats.fmt(r["vs_previous"]) if "vs_previous" in r else "-"
+            out = " **out of the accelerator regime: not quotable**" if r["host_share"] > HOST_SHARE_LIMIT else ""
+            lines.append(f"| {r['row']} | {r['megascale_mfu_gain']} | {JUDGED.get(r['row'], '?')} "
+                         f"| {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {vs} | {r['host_share']:.2f}{out} "
+                         f"| {r['optimizer_state_bytes'] / 2**20:.2f} MiB |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+TRACE = Path(__file__).resolve().parent / "results" / "overlap_trace_emulated.json"
+
+
+def trace_note() -> str:
+    """Where the DP time goes, from `benchmarks/overlap_trace_emulated.py`'s spans (if it was run)."""
+    if not TRACE.is_file():
+        return "(`python -m benchmarks.overlap_trace_emulated` not run: no trace summary.)"
+    t = json.loads(TRACE.read_text())
+    parts = []
+    for r, v in sorted(t["ranks"].items(), key=lambda x: int(x[0])):
+        off, on = v["overlap off"], v["overlap on"]
+        parts.append(f"rank {r}: {on['issued_during_backward']}/{on['dp_grad_all_reduces']} issued during a "
+                     f"backward with overlap ({off['issued_during_backward']}/{off['dp_grad_all_reduces']} "
+                     f"without), last backward -> optimizer {1e3 * off['median_backward_end_to_optimizer_s']:.0f} "
+                     f"-> {1e3 * on['median_backward_end_to_optimizer_s']:.0f} ms")
+    return ("Where the time goes (`python -m benchmarks.overlap_trace_emulated`: the engine's own spans, as "
+            f"MegaScan records them, of {t['steps']} steps of the pp=2 x dp=2 overlap rows, load "
+            f"{t['load_avg'][0]:.0f}): " + "; ".join(parts) + ". With overlap every DP gradient all-reduce is "
+            "issued while a backward task is on its device, and the gap from the last backward to the optimizer "
+            "shrinks; it does not vanish because a stage's gradients are reduced only after its *final* "
+            "microbatch's backward (they accumulate over microbatches, as in Megatron), and at these link speeds "
+            "a stage's DP wire time is longer than that one backward: the rest stays exposed. Ranks 2 and 3 (the "
+            "last stage) also wait there for stage 0's last backward (the gradient-norm all-reduce spans the "
+            "pipeline), which is the 1F1B drain, not DP.")
+
+
+def docs_body(result: dict[str, Any]) -> str:
+    s = result["size"]
+    return "\n".join([
+        ("`python -m benchmarks.bench_ablation --emulated` runs the same cumulative rows as the CPU-bound table "
+         "below on emulated devices: each of the 4 ranks has a modelled accelerator (`--emulate-device "
+         f"{result['spec']}`: every task computes its real tensors, then the rank sleeps out the task's FLOPs "
+         "at the device rate, so its host core is free) and every collective and P2P send takes its bytes over "
+         "a modelled link (`parallel/link_model.py`, ring byte counts, one wire per group, serialised). Llama "
+         f"hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads, seq {s['seq']}, global batch "
+         f"{s['global_batch']}, {s['microbatches']} microbatches per replica, DP buckets of {s['bucket_mb']} MB; "
+         f"{s['reps']} rotated repetitions after {s['warmup']} warm-up, paired ratios against the row above with a "
+         "bootstrap 95% interval. MFU is against the emulated peak (4 devices at the spec's rate). Host share: "
+         "the worst rank's host wall time over its device time in that row's tasks (the run is in the "
+         "accelerator regime below 0.5)."), "",
+        table(result),
+        ("Link speeds are set for communication's share of the step, not a real machine's GB/s: this model does "
+         "~10^3 FLOPs per gradient byte where a large run does ~10^5, so at real link speeds the wire would be "
+         "free. What the emulation judges: DP and PP overlap (wire time hidden behind device time) -- an "
+         "optimistic bound, since a task's real compute runs at its start and its device time is slept after, "
+         "so every DP bucket of a backward is issued early in it; ZeRO-1's memory (exact) and its parameter "
+         "all-gather on the DP link; LAMB at 4x batch only as the amortisation of the bubble, optimizer and "
+         "all-reduce over 4x tokens. What it cannot: TP overlap (the TP collectives run inside a task's host "
+         "compute, which counts against its device time, so they are hidden with or without chunking; on a GPU "
+         "they serialise with the GEMMs), the parallel block and the sliding window (device time is FLOPs over a "
+         "rate; their gains are GEMM fusion, fewer launches and kernels that skip masked blocks), the data "
+         "pipeline beyond ~1.0 (our embedded corpus builds a batch in under a millisecond)."), "",
+        trace_note(), "",
+        ("Rows marked not quotable ran while this shared 2-core machine was overloaded by other jobs (host time "
+         "above half the device time: the host, not the emulated device, set the pace); their ratios are kept "
+         "but mean nothing for the accelerator regime. Re-measure one layout with `--layout tp` (or `pp`) on a "
+         "quieter machine: a re-run of tp=2 x dp=2 at load 150-500 came out further out of the regime (host "
+         "share 2.9-4.7) and was not kept."), "",
+        (f"Recorded {result['timestamp']}, torch {result['torch']}, load average at the end "
+         f"{tuple(round(x, 2) for x in result['load_avg_at_end'])} (2 cores shared with other jobs), "
+         f"{result['wall_s']} s. Raw step times: `benchmarks/results/ablation_emulated.json`."),
+    ])

@@ -1,0 +1,400 @@
+"""Emulated devices (`--emulate-device SPEC`): put CPU ranks in the accelerator regime.
+
+On a GPU the host launches a task's kernels and then mostly waits for the device; a rank idle in a pipeline
+bubble leaves its GPU idle and nobody else's faster. On a CPU host whose ranks share cores, a rank idle in a
+bubble gives its core to another rank, so schedules that fill bubbles buy nothing there. This module models the
+device: every compute task (forward, backward or its B and W halves, recompute inside backward, optimizer step)
+still computes its real tensors -- losses and gradients are exactly those of a normal run -- and then the rank
+sleeps (its core is free) until the task's modelled device time, measured from the task's start, has passed.
+Host time thus counts against device time, as a GPU's launch overhead hides behind its kernels.
+
+The cost model: device time = FLOPs / rate * jitter / speed * slow.
+  * FLOPs are counted as MFU counts them (`ModelConfig.flops_per_token`: 6N + 12*L*H*Q*T per token): per layer
+    and token a forward is 2n + 4HQT (n: the layer's matmul weights), an input-gradient backward (B) 2n + 8HQT,
+    a weight-gradient backward (W) 2n; the output layer adds 2hV to each. Recompute is work the device does:
+    full recompute adds the layers' forward to B, selective the attention core (4HQT). TP ranks do 1/tp of it.
+    An optimizer step costs OPTIMIZER_FLOPS_PER_PARAM per local parameter (AdamW's element-wise work).
+  * jitter: a multiplier with mean 1 per F, B and W task, a pure function of (seed, step, dp, stage, kind,
+    chunk, microbatch): every schedule compared on one seed sees the same slow tasks (common random numbers),
+    TP peers of a stage draw alike, and `cost_tables` hands the very same draws to `dpp simulate`.
+  * per-rank speed factors for heterogeneous devices, and `--inject slow-compute` (which, with emulation on,
+    multiplies device time instead of stretching host time).
+
+SPEC is comma-separated KEY=VALUE:
+  tflops=T              device rate in TFLOP/s (required), e.g. tflops=0.001
+  jitter=lognormal:S    per-task lognormal multiplier with mean 1 and log-sd S (default none)
+  speed=RANKS:FACTOR    repeatable: the devices of RANKS run at FACTOR times the rate (0.5: twice as slow);
+                        RANKS is one rank (3), a list joined by '+' (1+5) or a range (4-7)
+  seed=N                jitter seed (default 0)
+  host_share=X          warn when a rank's host time exceeds X of its device time (default 0.5)
+e.g. `tflops=0.001,jitter=lognormal:0.5,speed=1:0.5`. Communication stays real.
+
+Honesty: each rank keeps, per task kind, the host wall time (compute before the sleep), host CPU time and
+device time, and counts overruns (tasks whose host time exceeded their device time: the device time was not
+honoured). When a rank's host share exceeds `host_share`, the run is not in the accelerator regime: the trainer
+warns and summary.json says so; benchmarks must not quote such a run.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from megatronapp.config import ConfigError, ModelConfig, RunConfig, micro_batch_size
+from megatronapp.parallel.topology import Coord, rank_of
+from megatronapp.pipeline.partition import stage_chunks
+
+KINDS = ("F", "B", "W", "O")  # forward, backward (input gradients; whole backward unsplit), weight grads, optimizer
+FIELDS = ("count", "host_s", "cpu_s", "device_s", "overruns")
+OPTIMIZER_FLOPS_PER_PARAM = 12.0  # AdamW: moments, bias corrections, sqrt, divide, decay, update
+_KEY_CODE = {"F": 1, "B": 2, "W": 3}
+SPEC_HELP = ("tflops=T[,jitter=lognormal:S][,speed=RANKS:FACTOR ...][,seed=N][,host_share=X], e.g. "
+             "tflops=0.001,jitter=lognormal:0.5,speed=1:0.5")
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A parsed `--emulate-device` SPEC."""
+
+    tflops: float
+    sigma: float = 0.0  # lognormal jitter log-sd; 0: no jitter
+    speed: tuple[tuple[int, float], ...] = ()  # (rank, relative speed)
+    seed: int = 0
+    host_share: float = 0.5
+    text: str = ""
+
+    def speed_of(self, rank: int) -> float:
+        """Relative speed of `rank`'s device (1.0 unless a speed entry names it; the last entry wins)."""
+        factor = 1.0
+        for r, f in self.speed:
+            if r == rank:
+                factor = f
+        return factor
+
+    @property
+    def rate(self) -> float:
+        """FLOP/s of a nominal device."""
+        return self.tflops * 1e12
+
+
+def _bad(text: str, why: str) -> ConfigError:
+    return ConfigError(f"--emulate-device {text!r}: {why}; expected {SPEC_HELP}")
+
+
+def _number(text: str, key: str, value: str, minimum: float, strict: bool = True) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise _bad(text, f"{key} must be a number, got {value!r}") from None
+    if not math.isfinite(x) or x < minimum or (strict and x == minimum):
+        raise _bad(text, f"{key}={value} must be {'>' if strict else '>='} {minimum:g}")
+    return x
+
+
+def _ranks(text: str, part: str) -> list[int]:
+    out = []
+    for item in part.split("+"):
+        a, dash, b = item.partition("-")
+        try:
+            lo = int(a)
+            hi = int(b) if dash else lo
+        except ValueError:
+            raise _bad(text, f"speed ranks {part!r}: use one rank (3), a list (1+5) or a range (4-7)") from None
+        if lo < 0 or hi < lo:
+            raise _bad(text, f"speed ranks {part!r}: ranks must be >= 0 and a range low-high")
+        out += range(lo, hi + 1)
+    return out
+
+
+def parse_spec(text: str) -> DeviceSpec:
+    """Parse SPEC (see the module docstring); raise ConfigError naming the bad part and the expected form."""
+    if not isinstance(text, str) or not text.strip():
+        raise _bad(str(text), "empty spec")
+    values: dict[str, Any] = {"speed": []}
+    for part in text.split(","):
+        key, eq, value = part.strip().partition("=")
+        if not eq or not value:
+            raise _bad(text, f"{part!r} is not KEY=VALUE")
+        if key in values and key != "speed":
+            raise _bad(text, f"{key} given twice")
+        if key == "tflops":
+            values[key] = _number(text, key, value, 0.0)
+        elif key == "jitter":
+            law, colon, s = value.partition(":")
+            if law == "none" and not colon:
+                values[key] = 0.0
+            elif law == "lognormal" and colon:
+                values[key] = _number(text, "jitter sigma", s, 0.0, strict=False)
+            else:
+                raise _bad(text, f"jitter={value}: use lognormal:SIGMA or none")
+        elif key == "speed":
+            ranks, colon, f = value.partition(":")
+            if not colon:
+                raise _bad(text, f"speed={value}: use RANKS:FACTOR, e.g. speed=1:0.5")
+            factor = _number(text, "speed FACTOR", f, 0.0)
+            values["speed"] += [(r, factor) for r in _ranks(text, ranks)]
+        elif key == "seed":
+            try:
+                values[key] = int(value)
+            except ValueError:
+                raise _bad(text, f"seed must be an integer, got {value!r}") from None
+        elif key == "host_share":
+            values[key] = _number(text, key, value, 0.0)
+        else:
+            raise _bad(text, f"unknown key {key!r}")
+    if "tflops" not in values:
+        raise _bad(text, "tflops=T is required")
+    return DeviceSpec(tflops=values["tflops"], sigma=values.get("jitter", 0.0), speed=tuple(values["speed"]),
+                      seed=values.get("seed", 0), host_share=values.get("host_share", 0.5), text=text)
+
+
+def check_spec(text: str, world_size: int) -> DeviceSpec:
+    """Parse SPEC and check that its speed entries name ranks of a world of `world_size`."""
+    spec = parse_spec(text)
+    bad = sorted({r for r, _ in spec.speed if r >= world_size})
+    if bad:
+        raise _bad(text, f"speed names rank {bad[0]}, which does not exist in a world of {world_size} "
+                         f"(ranks 0..{world_size - 1})")
+    return spec
+
+
+# -- FLOPs as MFU counts them --------------------------------------------------------------------------------
+def layer_flops(m: ModelConfig, seq_len: int) -> tuple[float, float, float, float]:
+    """Per token of one layer: (forward, B input-gradient, W weight-gradient, attention core forward) FLOPs.
+    Summed over layers plus the output layer they give `ModelConfig.flops_per_token`."""
+    h, f = m.hidden_size, m.ffn_hidden_size
+    kv = m.num_kv_heads * m.head_dim
+    n = h * (h + 2 * kv) + h * h + (3 if m.family == "llama" else 2) * h * f
+    core = 4.0 * m.num_heads * m.head_dim * seq_len
+    return 2.0 * n + core, 2.0 * n + 2.0 * core, 2.0 * n, core
+
+
+def chunk_flops(cfg: RunConfig, stage: int) -> list[tuple[float, float, float]]:
+    """(F, B, W) FLOPs of one microbatch on each chunk of pipeline `stage`, on one TP rank."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tokens = micro_batch_size(cfg) * t.seq_len
+    fl, bl, wl, core = layer_flops(m, t.seq_len)
+    if t.recompute == "full":
+        bl += fl
+    elif t.recompute == "selective":
+        bl += core
+    head = 2.0 * m.hidden_size * m.vocab_size
+    out = []
+    for c, (start, end) in enumerate(stage_chunks(m.num_layers, p.pp, p.vpp, stage)):
+        layers = end - start
+        last = c * p.pp + stage == p.pp * p.vpp - 1
+        f, b, w = layers * fl, layers * bl, layers * wl
+        if last:
+            f, b, w = f + head, b + head, w + head
+        out.append((f * tokens / p.tp, b * tokens / p.tp, w * tokens / p.tp))
+    return out
+
+
+def jitter(spec: DeviceSpec, step: int, dp: int, stage: int, kind: str, chunk: int, microbatch: int) -> float:
+    """The seeded mean-1 multiplier of one task: a pure function of its identity, not of when it runs."""
+    if spec.sigma <= 0:
+        return 1.0
+    rng = np.random.default_rng([spec.seed, step, dp, stage, _KEY_CODE[kind], chunk, microbatch])
+    s = spec.sigma
+    return float(rng.lognormal(-s * s / 2, s))
+
+
+def stage_speed(spec: DeviceSpec, cfg: RunConfig, stage: int, dp: int = 0) -> float:
+    """Speed of a pipeline stage: its slowest TP rank's (TP peers wait for each other in every collective)."""
+    p = cfg.parallel
+    return min(spec.speed_of(rank_of(Coord(dp=dp, pp=stage, tp=tp), p.tp, p.dp)) for tp in range(p.tp))
+
+
+def cost_tables(spec: DeviceSpec, cfg: RunConfig, step: int, dp: int = 0,
+                slow: dict[int, float] | None = None) -> tuple[list, list, list]:
+    """Device seconds of every F, B and W task of one step ([stage][chunk][microbatch] each), exactly as the
+    emulated ranks of DP replica `dp` will sleep them: the `task_costs` of `dpp.simulator.SimConfig`. `slow`
+    maps a stage to a `--inject slow-compute` factor. An unsplit backward costs B + W."""
+    p = cfg.parallel
+    tables: tuple[list, list, list] = ([], [], [])
+    for stage in range(p.pp):
+        scale = (slow or {}).get(stage, 1.0) / (spec.rate * stage_speed(spec, cfg, stage, dp))
+        flops = chunk_flops(cfg, stage)
+        for k, kind in enumerate("FBW"):
+            tables[k].append([[flops[c][k] * scale * jitter(spec, step, dp, stage, kind, c, mb)
+                               for mb in range(p.microbatches)] for c in range(p.vpp)])
+    return tables
+
+
+# -- the device of one rank ------------------------------------------------------------------------------
+@dataclass
+class _Stats:
+    """Per task kind: count, host wall s, host CPU s, device s, overruns."""
+
+    rows: dict[str, list[float]] = field(default_factory=lambda: {k: [0.0] * len(FIELDS) for k in KINDS})
+
+    def add(self, kind: str, host: float, cpu: float, device: float) -> None:
+        row = self.rows[kind]
+        row[0] += 1
+        row[1] += host
+        row[2] += cpu
+        row[3] += device
+        row[4] += host > device
+
+
+class _Task:
+    """Context of one compute task: times the host, then sleeps out the rest of the device time."""
+
+    __slots__ = ("dev", "kind", "device_s", "t0", "c0")
+
+    def __init__(self, dev: EmulatedDevice, kind: str, device_s: float):
+        self.dev, self.kind, self.device_s = dev, kind, device_s
+
+    def __enter__(self) -> _Task:
+        self.t0, self.c0 = time.perf_counter(), time.thread_time()
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        host = time.perf_counter() - self.t0
+        cpu = time.thread_time() - self.c0
+        if exc_type is not None:
+            return
+        remaining = self.device_s - host
+        if remaining > 0:
+            time.sleep(remaining)
+        self.dev.stats_for_step().add(self.kind, host, cpu, self.device_s)
+
+
+class EmulatedDevice:
+    """The modelled accelerator of one rank: device time per task, and the host-vs-device record."""
+
+    def __init__(self, spec: DeviceSpec, cfg: RunConfig, rank: int, dp: int, stage: int, local_params: int):
+        self.spec, self.rank, self.dp, self.stage = spec, rank, dp, stage
+        self.flops = chunk_flops(cfg, stage)
+        self.speed = spec.speed_of(rank)
+        self.slow = 1.0  # --inject slow-compute
+        self.optimizer_flops = OPTIMIZER_FLOPS_PER_PARAM * local_params
+        self.step = 0
+        self.steps_seen = 0
+        self.first, self.rest = _Stats(), _Stats()  # the first step of a process includes warm-up
+
+    def slow_down(self, factor: float) -> None:
+        """Multiply this rank's device times by `factor` (`--inject slow-compute` on an emulated device)."""
+        self.slow *= factor
+
+    def begin_step(self, step: int) -> None:
+        """Tell the device the optimizer step it is in (the jitter draws depend on it)."""
+        self.step = step
+        self.steps_seen += 1
+
+    def stats_for_step(self) -> _Stats:
+        return self.first if self.steps_seen <= 1 else self.rest
+
+    def seconds(self, flops: float) -> float:
+        """Device seconds of `flops` on this rank, before jitter."""
+        return flops * self.slow / (self.spec.rate * self.speed)
+
+    def task_seconds(self, kind: str, chunk: int, microbatch: int) -> float:
+        """Device seconds of task `kind` ("F", "B", "W", or "BW": an unsplit backward) of (chunk, microbatch)."""
+        f, b, w = self.flops[chunk]
+        spec, step, dp, stage = self.spec, self.step, self.dp, self.stage
+        if kind == "F":
+            flops = f * jitter(spec, step, dp, stage, "F", chunk, microbatch)
+        elif kind == "B":
+            flops = b * jitter(spec, step, dp, stage, "B", chunk, microbatch)
+        elif kind == "W":
+            flops = w * jitter(spec, step, dp, stage, "W", chunk, microbatch)
+        else:
+            flops = (b * jitter(spec, step, dp, stage, "B", chunk, microbatch)
+                     + w * jitter(spec, step, dp, stage, "W", chunk, microbatch))
+        return self.seconds(flops)
+
+    def task(self, kind: str, chunk: int, microbatch: int) -> _Task:
+        """Context manager around one pipeline task's real compute; on exit sleeps until its device time."""
+        return _Task(self, "B" if kind == "BW" else kind, self.task_seconds(kind, chunk, microbatch))
+
+    def optimizer(self) -> _Task:
+        """Context manager around the optimizer step."""
+        return _Task(self, "O", self.seconds(self.optimizer_flops))
+
+    def record(self) -> list[list[float]]:
+        """[kind][field] totals of the steps after the first (all steps if only one ran)."""
+        stats = self.rest if self.steps_seen > 1 else self.first
+        return [list(stats.rows[k]) for k in KINDS]
+
+
+_active: EmulatedDevice | None = None
+
+
+def install(cfg: RunConfig, rank: int, dp: int, stage: int, local_params: int) -> EmulatedDevice:
+    """Build this rank's emulated device from cfg.emulate_device and make it the active one."""
+    global _active
+    _active = EmulatedDevice(parse_spec(cfg.emulate_device or ""), cfg, rank, dp, stage, local_params)
+    return _active
+
+
+def active() -> EmulatedDevice | None:
+    """This process's emulated device, or None when emulation is off."""
+    return _active
+
+
+def deactivate() -> None:
+    global _active
+    _active = None
+
+
+def activate(device: EmulatedDevice | None) -> None:
+    """Make `device` the active one: a process that keeps several trainers (a benchmark running one step of
+    each in turn) switches to the trainer's device before its step, so its optimizer step is costed on it."""
+    global _active
+    _active = device
+
+
+class _NullTask:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NULL = _NullTask()
+
+
+def optimizer_task() -> Any:
+    """The optimizer step on the active emulated device, or a no-op."""
+    return _active.optimizer() if _active is not None else _NULL
+
+
+def summarize(spec_text: str, per_rank: Sequence[Sequence[Sequence[float]]]) -> dict[str, Any]:
+    """summary.json's `emulation` entry from every rank's `record()`: per rank and kind the host, CPU and
+    device seconds, the host share (host over device time) and whether the run stayed in the accelerator
+    regime (every rank's host share at most the spec's host_share)."""
+    spec = parse_spec(spec_text)
+    ranks = []
+    for r, rows in enumerate(per_rank):
+        kinds = {k: dict(zip(FIELDS, (int(v) if i in (0, 4) else round(v, 6) for i, v in enumerate(row))))
+                 for k, row in zip(KINDS, rows) if row[0]}
+        host = sum(row[1] for row in rows)
+        cpu = sum(row[2] for row in rows)
+        device = sum(row[3] for row in rows)
+        ranks.append({"rank": r, "host_share": host / device if device else 0.0,
+                      "cpu_share": cpu / device if device else 0.0,
+                      "overruns": int(sum(row[4] for row in rows)), "tasks": int(sum(row[0] for row in rows)),
+                      "kinds": kinds})
+    worst = max((x["host_share"] for x in ranks), default=0.0)
+    return {"spec": spec_text, "host_share_limit": spec.host_share, "host_share": worst,
+            "in_accelerator_regime": worst <= spec.host_share, "ranks": ranks}
+
+
+def warning(summary: dict[str, Any]) -> str | None:
+    """The warning of a run that left the accelerator regime, or None."""
+    if summary["in_accelerator_regime"]:
+        return None
+    bad = [x for x in summary["ranks"] if x["host_share"] > summary["host_share_limit"]]
+    worst = max(bad, key=lambda x: x["host_share"])
+    return (f"emulated devices: host time is {100 * worst['host_share']:.0f}% of device time on rank "
+            f"{worst['rank']} (limit {100 * summary['host_share_limit']:.0f}%, {len(bad)} rank(s) over it, "
+            f"{worst['overruns']}/{worst['tasks']} of its tasks overran their device time): this run is not in "
+            f"the accelerator regime; lower tflops= so device time dominates, and do not quote its timings")

@@ -1,0 +1,143 @@
+"""Emulated devices (`--emulate-device`): the spec, the cost model, and real ranks that sleep out device time.
+
+The distributed test runs three cases in one launch of 4 gloo ranks (pp 4, 1F1B): a plain run, the same run on
+emulated devices with jitter, and one with `--inject slow-compute` on an emulated device. The emulated losses
+equal the plain ones exactly, and each emulated step lasts what the simulator predicts from the same device
+costs (within 10%), since the device times (50-100 ms per task) dwarf the host's compute on the tiny model.
+"""
+from __future__ import annotations
+
+import copy
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatronapp.config import ConfigError, RunConfig, validate
+from megatronapp.dpp import emulated as dpp_emulated
+from megatronapp.launch import spawn
+from megatronapp.parallel import comm
+from megatronapp.parallel import device_emulation as emu
+from tests import engine_cases as ec
+
+
+def test_spec_parses_every_key_and_refuses_bad_ones():
+    s = emu.parse_spec("tflops=0.001,jitter=lognormal:0.5,speed=1:0.5,speed=4-5:2,speed=2+7:0.25,seed=3,"
+                       "host_share=0.3")
+    assert (s.tflops, s.sigma, s.seed, s.host_share) == (0.001, 0.5, 3, 0.3)
+    assert [s.speed_of(r) for r in range(8)] == [1.0, 0.5, 0.25, 1.0, 2.0, 2.0, 1.0, 0.25]
+    for bad, words in [("", "empty"), ("jitter=lognormal:0.5", "tflops=T is required"), ("tflops=0", "> 0"),
+                       ("tflops=x", "must be a number"), ("tflops=1,gpu=3", "unknown key 'gpu'"),
+                       ("tflops=1,jitter=normal:1", "lognormal"), ("tflops=1,speed=1", "RANKS:FACTOR"),
+                       ("tflops=1,speed=a:1", "speed ranks"), ("tflops=1,tflops=2", "given twice"),
+                       ("tflops=1,seed=1.5", "integer"), ("tflops", "KEY=VALUE")]:
+        with pytest.raises(ConfigError, match=words):
+            emu.parse_spec(bad)
+    with pytest.raises(ConfigError, match="rank 4, which does not exist in a world of 4"):
+        emu.check_spec("tflops=1,speed=4:2", 4)
+    cfg = RunConfig.from_dict({**ec.base_case(**{"parallel.pp": 2}), "emulate_device": "tflops=1,speed=3:2"})
+    with pytest.raises(ConfigError, match="rank 3, which does not exist"):
+        validate(cfg)
+    with pytest.raises(ConfigError, match="emulate_device must be a string"):
+        RunConfig.from_dict({"emulate_device": 3})
+
+
+def test_flops_are_those_mfu_counts_and_recompute_adds_device_work():
+    for family in ("gpt2", "llama"):
+        cfg = RunConfig.from_dict(ec.base_case(family, **{"parallel.pp": 2, "parallel.vpp": 2,
+                                                          "parallel.schedule": "interleaved-1f1b"}))
+        tokens = cfg.train.global_batch_size * cfg.train.seq_len  # all microbatches of the step
+        total = sum(f + b + w for s in range(2) for f, b, w in emu.chunk_flops(cfg, s)) * cfg.parallel.microbatches
+        assert total == pytest.approx(cfg.model.flops_per_token(cfg.train.seq_len) * tokens, rel=1e-12)
+    full = RunConfig.from_dict(ec.base_case(**{"train.recompute": "full"}))
+    plain = RunConfig.from_dict(ec.base_case())
+    (f, b, w), = emu.chunk_flops(plain, 0)
+    (f2, b2, w2), = emu.chunk_flops(full, 0)
+    head = 2 * plain.model.hidden_size * plain.model.vocab_size * 2 * plain.train.seq_len  # 2 samples/microbatch
+    assert (f2, w2) == (f, w) and b2 == pytest.approx(b + f - head)  # the layers' forward, not the head's
+
+
+def test_jitter_is_a_seeded_mean_one_function_of_the_task():
+    spec = emu.parse_spec("tflops=1,jitter=lognormal:0.5,seed=4")
+    draws = [emu.jitter(spec, step, 0, 1, "F", 0, mb) for step in range(40) for mb in range(50)]
+    assert sum(draws) / len(draws) == pytest.approx(1.0, abs=0.05)
+    assert emu.jitter(spec, 3, 0, 1, "B", 1, 2) == emu.jitter(spec, 3, 0, 1, "B", 1, 2)
+    assert emu.jitter(spec, 3, 0, 1, "B", 1, 2) != emu.jitter(spec, 3, 0, 1, "W", 1, 2)
+    assert emu.jitter(emu.parse_spec("tflops=1"), 3, 0, 1, "B", 1, 2) == 1.0
+
+
+def test_a_task_sleeps_out_its_device_time_and_records_the_host_share():
+    cfg = RunConfig.from_dict({**ec.base_case(), "emulate_device": "tflops=4e-4,host_share=0.2"})
+    dev = emu.EmulatedDevice(emu.parse_spec(cfg.emulate_device), cfg, 0, 0, 0, local_params=1000)
+    dev.begin_step(0)
+    want = dev.task_seconds("F", 0, 0)
+    import time
+
+    t0 = time.perf_counter()
+    with dev.task("F", 0, 0):
+        pass
+    assert want * 0.999 <= time.perf_counter() - t0 < want + 2.0  # never early; late only under load
+    dev.slow_down(2.0)
+    assert dev.task_seconds("BW", 0, 1) == pytest.approx(2 * (dev.flops[0][1] + dev.flops[0][2]) / 4e8)
+    with dev.task("W", 0, 0):
+        time.sleep(dev.task_seconds("W", 0, 0) * 1.1)  # the host overran the device
+    rec = emu.summarize(cfg.emulate_device, [dev.record()])
+    assert rec["ranks"][0]["overruns"] == 1 and rec["ranks"][0]["kinds"]["F"]["count"] == 1
+    assert not rec["in_accelerator_regime"] and "not in the accelerator regime" in emu.warning(rec)
+
+
+# -- real ranks --------------------------------------------------------------------------------------------
+def _case(emulate: str | None = None, inject: list[str] | None = None) -> dict:
+    d = ec.base_case(**{"parallel.pp": 4, "train.steps": 3})
+    d["emulate_device"] = emulate
+    d["inject"] = list(inject or [])
+    return d
+
+
+def _tflops_for(case: dict, forward_s: float) -> float:
+    """A device rate that makes one stage's forward of one microbatch last about `forward_s`."""
+    f = emu.chunk_flops(RunConfig.from_dict(case), 0)[0][0]
+    return f / forward_s / 1e12
+
+
+def worker(rank: int, world: int, cases: list[dict], outdir: str) -> None:
+    from megatronapp.train.trainer import Trainer
+
+    for i, case in enumerate(cases):
+        comm.reset()
+        tr = Trainer(RunConfig.from_dict(copy.deepcopy(case)), rank)
+        tr.attach_plugins()
+        try:
+            recs = [tr.train_step() for _ in range(case["train"]["steps"])]
+            out = {"losses": [r["loss"] for r in recs], "times": [r["step_time"] for r in recs],
+                   "params": sum(q.numel() for q in tr.params),
+                   "record": tr.emulated.record() if tr.emulated is not None else None}
+        finally:
+            tr.detach_plugins()
+            tr.close()
+        torch.save(out, Path(outdir) / f"case{i}_rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_emulated_pp4_1f1b_trains_identically_and_lasts_the_modelled_time():
+    plain = _case()
+    tflops = _tflops_for(plain, 0.05)  # host work per task is ~1 ms: device time dominates
+    cases = [plain, _case(f"tflops={tflops:.6g},jitter=lognormal:0.3,seed=5"),
+             _case(f"tflops={tflops:.6g}", ["slow-compute=2:2"])]
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(worker, 4, cases, tmp)
+        got = [[torch.load(Path(tmp) / f"case{i}_rank{r}.pt") for r in range(4)] for i in range(len(cases))]
+    for i in (1, 2):
+        assert got[i][0]["losses"] == got[0][0]["losses"], f"case {i}: emulation changed the losses"
+        cfg = RunConfig.from_dict(cases[i])
+        opt = dpp_emulated.optimizer_seconds(cfg, [got[i][r]["params"] for r in range(4)])
+        for step in (1, 2):  # step 0 includes warm-up
+            want = dpp_emulated.predict(cfg, step).step_time + opt
+            measured = max(got[i][r]["times"][step] for r in range(4))
+            assert measured == pytest.approx(want, rel=0.10), f"case {i} step {step}: {measured} vs {want}"
+        shares = emu.summarize(cases[i]["emulate_device"], [got[i][r]["record"] for r in range(4)])
+        assert shares["ranks"][0]["kinds"]["F"]["count"] == 2 * 4  # steps after the first, 4 microbatches
+    # the slow stage really is the one that stretches the step: its device time doubles
+    assert dpp_emulated.predict(RunConfig.from_dict(cases[2]), 1).busy[2] == pytest.approx(
+        2 * dpp_emulated.predict(RunConfig.from_dict({**cases[2], "inject": []}), 1).busy[2])
