@@ -259,6 +259,8 @@ def test_resume_with_another_layout_is_refused(tmp_path):
     meta = json.loads((d / "meta.json").read_text())
     meta["config"]["parallel"]["tp"] = 2
     (d / "meta.json").write_text(json.dumps(meta))
+    sealed = __import__("hashlib").sha256((d / "meta.json").read_bytes()).hexdigest()
+    (d / ckpt.MARKER).write_text(json.dumps({"meta_sha256": sealed}))  # meta.json is sealed by the marker
     with pytest.raises(ckpt.CheckpointError, match="parallel.tp=2"):
         Trainer(other_cfg)
 
