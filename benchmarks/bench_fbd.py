@@ -239,15 +239,24 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--emulated", action="store_true", help="emulated devices: benchmarks/results/fbd_emulated.json")
+    ap.add_argument("--remeasure", default="", metavar="K:N,...",
+                    help="with --emulated: measure only these MegaFBD runs again into the stored result")
     ap.add_argument("--sim-only", action="store_true", help="recalibrate and re-simulate into the saved results")
     args = ap.parse_args(argv)
     if args.emulated:
-        from benchmarks.bench_fbd_emulated import emulated_runs, emulated_table
+        from benchmarks import stats
+        from benchmarks.bench_fbd_emulated import emulated_runs, emulated_table, remeasure
 
-        result = emulated_runs(steps=3 if args.quick else 5)
+        if args.remeasure:
+            which = [tuple(int(x) for x in item.split(":")) for item in args.remeasure.split(",")]
+            result = remeasure(json.loads(EMU_RESULTS.read_text()), which)
+        else:
+            result = emulated_runs(steps=3 if args.quick else 5)
         print(emulated_table(result))
         if not args.quick:
             EMU_RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+            for doc in ("megafbd.md", "benchmarks.md"):
+                stats.write_block(ROOT / "docs" / doc, "fbd-emulated", emulated_table(result))
         return
     if args.sim_only:
         result = json.loads(RESULTS.read_text())
