@@ -336,10 +336,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def write_docs(result: dict[str, Any]) -> None:
-    """The interval block of docs/benchmarks.md and docs/megadpp.md."""
+    """The interval block of docs/benchmarks.md and docs/megadpp.md (a stored result may carry a later run)."""
+    text = docs_block(result)
+    if result.get("later_run"):
+        text = ("Latest run (current code: a queued task starts where the previous one ended on the device), one "
+                "launch:\n\n" + docs_block(result["later_run"]) + "\n\nFirst run (before that change: a late "
+                "wake-up of the host counted as device time), one launch, all four scenarios:\n\n" + text)
+    if result.get("not_measured"):
+        text += "\n\nNot measured: " + result["not_measured"] + "."
     for doc in (DOCS, ROOT / "docs" / "megadpp.md"):
         try:
-            stats.write_block(doc, BLOCK, docs_block(result))
+            stats.write_block(doc, BLOCK, text)
         except ValueError as e:
             print(e)
 

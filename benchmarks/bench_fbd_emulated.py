@@ -138,9 +138,11 @@ def emulated_table(result: dict[str, Any]) -> str:
         lines.append(f"| {s} | {c['stage_bytes'][s] / 1024:.0f} KiB | {rc['stage_bytes'][s] / 1024:.0f} KiB "
                      f"| {fbd['stage_bytes'][s] / 1024:.0f} KiB |")
     lines.append(f"\n`--recompute full` coupled step: {rc['step_s']:.3f} s ({rc['step_s'] / c['step_s']:.3f} of "
-                 f"plain coupled), host share {rc['host_share']:.2f}; load average at the start "
-                 f"{tuple(round(x, 1) for x in result.get('load_avg_at_start', ()))}, at the end "
-                 f"{tuple(round(x, 1) for x in result['load_avg_at_end'])} (2 cores shared with other jobs). "
+                 f"plain coupled), host share {rc['host_share']:.2f}; load average "
+                 + (f"at the start {tuple(round(x, 1) for x in result['load_avg_at_start'])}, "
+                    if result.get("load_avg_at_start") else "")
+                 + f"at the end {tuple(round(x, 1) for x in result['load_avg_at_end'])} (2 cores shared with other "
+                 f"jobs). "
                  f"Activations: bytes autograd keeps for backward, per backward stage (saved-tensor hooks). "
                  f"Raw: `benchmarks/results/fbd_emulated.json`.")
     return "\n".join(lines)
