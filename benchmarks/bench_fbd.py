@@ -8,8 +8,16 @@ Layouts: backward tp=2 x pp=2 (forward tp=1 x pp=1, one instance) and pp=4 (forw
 microbatches. The coupled run and the FBD run are separate launches (different world sizes), one after the
 other on the same machine; step times are medians of the steps after the first.
 
-Run: python -m benchmarks.bench_fbd           (writes benchmarks/results/fbd.json)
-     python -m benchmarks.bench_fbd --quick   (fewer steps, writes nothing)
+With --emulated (`emulated_runs`) every rank runs on an emulated device (`--emulate-device`, one accelerator per
+rank: each task computes, then its rank sleeps out the modelled device time), backward layout pp=4: the coupled
+1F1B run, the coupled 1F1B run with `--recompute full` (the fair memory baseline: it too keeps only each chunk's
+input), and MegaFBD with forward devices 1x, 2x and 4x slower (`speed=FORWARD_RANKS:1/k`) with one and with the
+balanced number of forward instances; each FBD step is set against `fbd/simulate.fbd_step` fed the same device
+costs (plus the optimizer's device time), each coupled step against `dpp.emulated.predict`.
+
+Run: python -m benchmarks.bench_fbd             (writes benchmarks/results/fbd.json)
+     python -m benchmarks.bench_fbd --quick     (fewer steps, writes nothing)
+     python -m benchmarks.bench_fbd --emulated  (emulated devices; writes benchmarks/results/fbd_emulated.json)
 """
 from __future__ import annotations
 
@@ -33,6 +41,8 @@ from megatronapp.parallel import comm
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "fbd.json"
+EMU_RESULTS = ROOT / "benchmarks" / "results" / "fbd_emulated.json"
+EMU_FORWARD_S = 0.02  # device seconds of a middle virtual stage's forward of one microbatch (2 layers)
 
 
 class SavedBytes:
@@ -106,15 +116,17 @@ def worker(rank: int, world: int, cfg_dict: dict[str, Any], outdir: str) -> None
         with saved.hooks():
             r.train_step()
         times.append(time.perf_counter() - t0)
-    if role != "coupled":
-        r.close()
+    r.close()
     stage = r.topo.coord.pp if role != "forward" else None
+    emulated = r.emulated.record() if getattr(r, "emulated", None) is not None else None
+    params = sum(q.numel() for q in getattr(r, "params", []))
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "role": role, "stage": stage, "peak_saved_bytes": saved.peak, "step_times": times}))
+        {"rank": rank, "role": role, "stage": stage, "peak_saved_bytes": saved.peak, "step_times": times,
+         "emulation": emulated, "params": params}))
 
 
-def measure(layout: str, fbd: bool, steps: int) -> list[dict[str, Any]]:
-    cfg = config(layout, fbd, steps)
+def measure(layout: str, fbd: bool, steps: int, cfg: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    cfg = cfg or config(layout, fbd, steps)
     world = RunConfig.from_dict(copy.deepcopy(cfg)).parallel.total_ranks
     with tempfile.TemporaryDirectory() as tmp:
         spawn(worker, world, cfg, tmp)
@@ -226,8 +238,26 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--emulated", action="store_true", help="emulated devices: benchmarks/results/fbd_emulated.json")
+    ap.add_argument("--remeasure", default="", metavar="K:N,...",
+                    help="with --emulated: measure only these MegaFBD runs again into the stored result")
     ap.add_argument("--sim-only", action="store_true", help="recalibrate and re-simulate into the saved results")
     args = ap.parse_args(argv)
+    if args.emulated:
+        from benchmarks import stats
+        from benchmarks.bench_fbd_emulated import emulated_runs, emulated_table, remeasure
+
+        if args.remeasure:
+            which = [tuple(int(x) for x in item.split(":")) for item in args.remeasure.split(",")]
+            result = remeasure(json.loads(EMU_RESULTS.read_text()), which)
+        else:
+            result = emulated_runs(steps=3 if args.quick else 5)
+        print(emulated_table(result))
+        if not args.quick:
+            EMU_RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+            for doc in ("megafbd.md", "benchmarks.md"):
+                stats.write_block(ROOT / "docs" / doc, "fbd-emulated", emulated_table(result))
+        return
     if args.sim_only:
         result = json.loads(RESULTS.read_text())
         result["calibration"] = calibrate()

@@ -3,7 +3,9 @@
 The distributed test runs three cases in one launch of 4 gloo ranks (pp 4, 1F1B): a plain run, the same run on
 emulated devices with jitter, and one with `--inject slow-compute` on an emulated device. The emulated losses
 equal the plain ones exactly, and each emulated step lasts what the simulator predicts from the same device
-costs (within 10%), since the device times (50-100 ms per task) dwarf the host's compute on the tiny model.
+costs (within 10%), since the device times (80-160 ms per task) dwarf the host's compute on the tiny model.
+When other jobs crowd the host so much that host time exceeds its share of device time, the run says so, and
+the test then checks only that no step was shorter than modelled.
 """
 from __future__ import annotations
 
@@ -122,7 +124,7 @@ def worker(rank: int, world: int, cases: list[dict], outdir: str) -> None:
 @pytest.mark.slow
 def test_emulated_pp4_1f1b_trains_identically_and_lasts_the_modelled_time():
     plain = _case()
-    tflops = _tflops_for(plain, 0.05)  # host work per task is ~1 ms: device time dominates
+    tflops = _tflops_for(plain, 0.08)  # host work per task is ~1 ms: device time dominates
     cases = [plain, _case(f"tflops={tflops:.6g},jitter=lognormal:0.3,seed=5"),
              _case(f"tflops={tflops:.6g}", ["slow-compute=2:2"])]
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,12 +134,34 @@ def test_emulated_pp4_1f1b_trains_identically_and_lasts_the_modelled_time():
         assert got[i][0]["losses"] == got[0][0]["losses"], f"case {i}: emulation changed the losses"
         cfg = RunConfig.from_dict(cases[i])
         opt = dpp_emulated.optimizer_seconds(cfg, [got[i][r]["params"] for r in range(4)])
+        record = emu.summarize(cases[i]["emulate_device"], [got[i][r]["record"] for r in range(4)])
+        assert record["ranks"][0]["kinds"]["F"]["count"] == 2 * 4  # steps after the first, 4 microbatches
         for step in (1, 2):  # step 0 includes warm-up
             want = dpp_emulated.predict(cfg, step).step_time + opt
             measured = max(got[i][r]["times"][step] for r in range(4))
-            assert measured == pytest.approx(want, rel=0.10), f"case {i} step {step}: {measured} vs {want}"
-        shares = emu.summarize(cases[i]["emulate_device"], [got[i][r]["record"] for r in range(4)])
-        assert shares["ranks"][0]["kinds"]["F"]["count"] == 2 * 4  # steps after the first, 4 microbatches
+            assert measured >= 0.98 * want, f"case {i} step {step}: {measured} s, shorter than the device time {want}"
+            if record["in_accelerator_regime"]:  # else a host crowded by other jobs overran the device (reported)
+                assert measured == pytest.approx(want, rel=0.10), f"case {i} step {step}: {measured} vs {want}"
+            else:
+                assert "not in the accelerator regime" in emu.warning(record)
     # the slow stage really is the one that stretches the step: its device time doubles
     assert dpp_emulated.predict(RunConfig.from_dict(cases[2]), 1).busy[2] == pytest.approx(
         2 * dpp_emulated.predict(RunConfig.from_dict({**cases[2], "inject": []}), 1).busy[2])
+
+
+def test_fbd_segments_and_the_fbd_simulator_take_per_stage_device_costs():
+    from megatronapp.fbd import simulate as fbd_sim
+
+    cfg = RunConfig.from_dict({**ec.base_case(**{"parallel.pp": 4}), "emulate_device": "tflops=1,speed=5:0.5"})
+    virtual = emu.virtual_flops(cfg)
+    assert [emu.chunk_flops(cfg, s)[0] for s in range(4)] == virtual
+    dev = emu.EmulatedDevice(emu.parse_spec(cfg.emulate_device), cfg, 5, 0, 0, local_params=10)
+    dev.begin_step(0)
+    assert dev.segment("R", 2, 0).device_s == pytest.approx(2 * virtual[2][0] / 1e12)  # rank 5 at half speed
+    assert dev.segment("BW", 3, 0).device_s == pytest.approx(2 * (virtual[3][1] + virtual[3][2]) / 1e12)
+    for k in (1, 2, 4):
+        assert fbd_sim.fbd_step(4, 8, 2, [1.0] * 4, [3.0] * 4, k) == fbd_sim.fbd_step(4, 8, 2, 1.0, 3.0, k)
+    # a slower last stage (the output layer) stretches the step
+    assert fbd_sim.fbd_step(4, 8, 2, [1.0] * 4, [3.0, 3.0, 3.0, 4.0]) > fbd_sim.fbd_step(4, 8, 2, 1.0, 3.0)
+    with pytest.raises(ValueError, match="t_fwd has 3 per-stage times"):
+        fbd_sim.fbd_step(4, 8, 1, [1.0] * 3, 3.0)

@@ -16,7 +16,9 @@ forward ranks hold no state of their own: their weights arrive from the backward
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,7 +30,9 @@ from megatronapp.fbd.layout import FbdLayout
 from megatronapp.fbd.messages import Inbox
 from megatronapp.fbd.reader import StepReader
 from megatronapp.fbd.weights import WeightLink, param_specs
+from megatronapp.parallel import device_emulation
 from megatronapp.parallel.data_parallel import GradReducer
+from megatronapp.parallel.device_emulation import EmulatedDevice
 from megatronapp.pipeline.p2p import StageLinks
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train import plugins
@@ -77,6 +81,7 @@ class BackwardRank:
         self.saver = AsyncSaver(self.out / "checkpoints", self.rank, topo.world_size,
                                 keep=t.keep_checkpoints) if t.async_save else None
         self.save_stalls: list[float] = []
+        self.emulated: EmulatedDevice | None = None  # --emulate-device (set by fbd/run.py)
         if t.resume:
             self.load(ckpt.resolve(t.resume))
 
@@ -90,6 +95,9 @@ class BackwardRank:
         to the coupled engine's."""
         cfg, L, topo = self.cfg, self.layout, self.topo
         t0 = time.perf_counter()
+        if self.emulated is not None:
+            device_emulation.activate(self.emulated)  # finish_step's optimizer step finds it there
+            self.emulated.begin_step(self.step)
         # The forward side of this step waits for exactly these weights (the previous step's result).
         with tracing.span("fbd.weights", "comm"):
             self.weights.send()
@@ -114,7 +122,8 @@ class BackwardRank:
                 w0 = time.perf_counter()
                 x = mbs[m][0] if v == 0 else self.inbox.take((self.coord.dp, m, v)).requires_grad_(True)
                 wait += time.perf_counter() - w0
-                with tracing.span("recompute", "compute", chunk=c, microbatch=m), self.autocast:
+                with tracing.span("recompute", "compute", chunk=c, microbatch=m), self.autocast, \
+                        self._device("R", v, m):
                     out = self.chunks[c](x, labels=mbs[m][1] if v == V - 1 else None)
                 grad = None
                 if v != V - 1:  # waiting for the next stage is not compute: outside the span (MegaScan's phases)
@@ -122,7 +131,7 @@ class BackwardRank:
                     self.links.wait_for(("B", c, m), 600.0, lambda c=c, m=m: self._stuck(c, m))
                     wait += time.perf_counter() - w0
                     grad = self.links.take(("B", c, m)).to(out.dtype)
-                with tracing.span("backward", "compute", chunk=c, microbatch=m):
+                with tracing.span("backward", "compute", chunk=c, microbatch=m), self._device("BW", v, m):
                     if grad is None:
                         losses.append(float(out.detach()))
                         torch.autograd.backward(out * scale)
@@ -143,6 +152,10 @@ class BackwardRank:
         self.step += 1
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time": time.perf_counter() - t0,
                 "wait_s": wait}
+
+    def _device(self, kind: str, v: int, m: int) -> Any:
+        """The emulated device's context for one recompute ("R") or backward ("BW"), else a no-op."""
+        return self.emulated.segment(kind, v, m) if self.emulated is not None else nullcontext()
 
     def _stuck(self, chunk: int, m: int) -> str:
         return (f"FBD backward rank {self.rank} ({self.coord.label()}) waits for the output gradient of chunk "

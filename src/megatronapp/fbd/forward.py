@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import nullcontext
 
 import torch
 
@@ -28,6 +29,7 @@ from megatronapp.fbd.layout import FbdLayout
 from megatronapp.fbd.messages import Inbox, Outbox
 from megatronapp.fbd.reader import StepReader
 from megatronapp.fbd.weights import WeightLink, param_specs, segment
+from megatronapp.parallel.device_emulation import EmulatedDevice
 from megatronapp.parallel.tensor_parallel import SEQ_DIM
 from megatronapp.train import checkpoint as ckpt
 
@@ -72,6 +74,7 @@ class ForwardRank:
         self.weights = WeightLink(layout, param_specs(cfg.model, layout), rank, named, groups.weights)
         self.step = ckpt.load_meta(ckpt.resolve(t.resume))["step"] if t.resume else 0
         self.weight_changes: list[float] = []  # largest change per hand-off (the first must be 0: equal init)
+        self.emulated: EmulatedDevice | None = None  # --emulate-device (set by fbd/run.py)
 
     def _read(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         got = [self.sources[d].get(step) for d in sorted(self.sources)]
@@ -95,6 +98,8 @@ class ForwardRank:
         """Receive fresh weights, then run and ship the forward of every job of this instance."""
         L = self.layout
         t0 = time.perf_counter()
+        if self.emulated is not None:
+            self.emulated.begin_step(self.step)
         self.receive_weights()
         if not self.segments:  # a forward stage that would only hold the last virtual stage has nothing to do
             self.step += 1
@@ -116,7 +121,8 @@ class ForwardRank:
                 else:
                     x = self.from_prev.take((d, m, min(self.segments)))
                 for v, seg in self.segments.items():
-                    with tracing.span("forward", "compute", virtual_stage=v, microbatch=m):
+                    with tracing.span("forward", "compute", virtual_stage=v, microbatch=m), \
+                            self.emulated.segment("F", v, m) if self.emulated is not None else nullcontext():
                         x = seg(x)
                     while sends and sends[0][1] == (d, m, v + 1):  # the plan's order (layout.forward_sends)
                         dst, key = sends.popleft()

@@ -25,7 +25,7 @@ from megatronapp.fbd.forward import ForwardRank
 from megatronapp.fbd.groups import build as build_groups
 from megatronapp.fbd.host import RankHost
 from megatronapp.fbd.layout import FbdLayout
-from megatronapp.parallel import comm
+from megatronapp.parallel import comm, device_emulation
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train import plugins
 from megatronapp.train.metrics import MetricsLog, Progress, peak_memory_bytes, read_metrics
@@ -54,9 +54,18 @@ def build_rank(cfg: RunConfig, rank: int) -> BackwardRank | ForwardRank | None:
         dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
     if rank >= layout.total:
         return None
+    r: BackwardRank | ForwardRank
     if layout.is_forward(rank):
-        return ForwardRank(cfg, layout, groups, rank, device)
-    return BackwardRank(cfg, layout, groups, device)
+        r = ForwardRank(cfg, layout, groups, rank, device)
+        dp, stage, params = r.instance, r.stage, sum(q.numel() for s in r.segments.values() for q in s.parameters())
+    else:
+        r = BackwardRank(cfg, layout, groups, device)
+        dp, stage, params = r.coord.dp, r.coord.pp, sum(q.numel() for q in r.params)
+    if cfg.emulate_device:  # --emulate-device: forward and backward devices alike (speed=RANKS:F sets them apart)
+        r.emulated = device_emulation.install(cfg, rank, dp, stage, params)
+    else:
+        device_emulation.deactivate()
+    return r
 
 
 def _forward_record(step: int) -> dict[str, float]:
@@ -137,7 +146,10 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
                "final_loss": history[-1]["loss"] if history else math.nan,
                "losses": [h["loss"] for h in history],
                "tokens_per_s": tokens_per_step * max(1, r.step - start_step) / wall,
-               "peak_mem_bytes": peak_memory_bytes(r.device), "checkpoint": str(ckpt_dir) if ckpt_dir else None}
+               "peak_mem_bytes": peak_memory_bytes(r.device), "checkpoint": str(ckpt_dir) if ckpt_dir else None,
+               "emulated": bool(cfg.emulate_device)}
+    if r.emulated is not None:  # this rank's own host-vs-device record (benchmarks gather every rank's)
+        summary["emulation"] = device_emulation.summarize(cfg.emulate_device, [r.emulated.record()])
     if lead:
         progress.close({k: v for k, v in summary.items() if k != "losses"})
         (out / "summary.json").write_text(json.dumps(summary, indent=2))

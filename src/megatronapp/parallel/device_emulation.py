@@ -6,7 +6,9 @@ bubble gives its core to another rank, so schedules that fill bubbles buy nothin
 device: every compute task (forward, backward or its B and W halves, recompute inside backward, optimizer step)
 still computes its real tensors -- losses and gradients are exactly those of a normal run -- and then the rank
 sleeps (its core is free) until the task's modelled device time, measured from the task's start, has passed.
-Host time thus counts against device time, as a GPU's launch overhead hides behind its kernels.
+Host time thus counts against device time, as a GPU's launch overhead hides behind its kernels. A task that
+follows the previous one at once (its input was ready) starts on the device where the previous one ended, as
+queued kernels do, even if a loaded host woke the rank late from that one's sleep (`late_s` records how late).
 
 The cost model: device time = FLOPs / rate * jitter / speed * slow.
   * FLOPs are counted as MFU counts them (`ModelConfig.flops_per_token`: 6N + 12*L*H*Q*T per token): per layer
@@ -46,12 +48,14 @@ import numpy as np
 
 from megatronapp.config import ConfigError, ModelConfig, RunConfig, micro_batch_size
 from megatronapp.parallel.topology import Coord, rank_of
-from megatronapp.pipeline.partition import stage_chunks
+from megatronapp.pipeline.partition import split_layers
 
-KINDS = ("F", "B", "W", "O")  # forward, backward (input gradients; whole backward unsplit), weight grads, optimizer
-FIELDS = ("count", "host_s", "cpu_s", "device_s", "overruns")
+# forward, backward (input gradients; whole backward unsplit), weight gradients, recompute (MegaFBD), optimizer
+KINDS = ("F", "B", "W", "R", "O")
+FIELDS = ("count", "host_s", "cpu_s", "device_s", "overruns", "late_s")  # late_s: woken after the device time
 OPTIMIZER_FLOPS_PER_PARAM = 12.0  # AdamW: moments, bias corrections, sqrt, divide, decay, update
-_KEY_CODE = {"F": 1, "B": 2, "W": 3}
+_KEY_CODE = {"F": 1, "B": 2, "W": 3, "R": 4}
+QUEUE_GAP_S = 0.002  # host time between two tasks below which the second was queued behind the first
 SPEC_HELP = ("tflops=T[,jitter=lognormal:S][,speed=RANKS:FACTOR ...][,seed=N][,host_share=X], e.g. "
              "tflops=0.001,jitter=lognormal:0.5,speed=1:0.5")
 
@@ -173,8 +177,8 @@ def layer_flops(m: ModelConfig, seq_len: int) -> tuple[float, float, float, floa
     return 2.0 * n + core, 2.0 * n + 2.0 * core, 2.0 * n, core
 
 
-def chunk_flops(cfg: RunConfig, stage: int) -> list[tuple[float, float, float]]:
-    """(F, B, W) FLOPs of one microbatch on each chunk of pipeline `stage`, on one TP rank."""
+def virtual_flops(cfg: RunConfig) -> list[tuple[float, float, float]]:
+    """(F, B, W) FLOPs of one microbatch on each virtual stage v = chunk * pp + stage, on one TP rank."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tokens = micro_batch_size(cfg) * t.seq_len
     fl, bl, wl, core = layer_flops(m, t.seq_len)
@@ -183,15 +187,21 @@ def chunk_flops(cfg: RunConfig, stage: int) -> list[tuple[float, float, float]]:
     elif t.recompute == "selective":
         bl += core
     head = 2.0 * m.hidden_size * m.vocab_size
+    ranges = split_layers(m.num_layers, p.pp, p.vpp)
     out = []
-    for c, (start, end) in enumerate(stage_chunks(m.num_layers, p.pp, p.vpp, stage)):
+    for v, (start, end) in enumerate(ranges):
         layers = end - start
-        last = c * p.pp + stage == p.pp * p.vpp - 1
         f, b, w = layers * fl, layers * bl, layers * wl
-        if last:
+        if v == len(ranges) - 1:
             f, b, w = f + head, b + head, w + head
         out.append((f * tokens / p.tp, b * tokens / p.tp, w * tokens / p.tp))
     return out
+
+
+def chunk_flops(cfg: RunConfig, stage: int) -> list[tuple[float, float, float]]:
+    """(F, B, W) FLOPs of one microbatch on each chunk of pipeline `stage`, on one TP rank."""
+    virtual, p = virtual_flops(cfg), cfg.parallel
+    return [virtual[c * p.pp + stage] for c in range(p.vpp)]
 
 
 def jitter(spec: DeviceSpec, step: int, dp: int, stage: int, kind: str, chunk: int, microbatch: int) -> float:
@@ -228,40 +238,54 @@ def cost_tables(spec: DeviceSpec, cfg: RunConfig, step: int, dp: int = 0,
 # -- the device of one rank ------------------------------------------------------------------------------
 @dataclass
 class _Stats:
-    """Per task kind: count, host wall s, host CPU s, device s, overruns."""
+    """Per task kind: count, host wall s, host CPU s, device s, overruns, seconds woken late."""
 
     rows: dict[str, list[float]] = field(default_factory=lambda: {k: [0.0] * len(FIELDS) for k in KINDS})
 
-    def add(self, kind: str, host: float, cpu: float, device: float) -> None:
+    def add(self, kind: str, host: float, cpu: float, device: float, late: float) -> None:
         row = self.rows[kind]
         row[0] += 1
         row[1] += host
         row[2] += cpu
         row[3] += device
         row[4] += host > device
+        row[5] += late
 
 
 class _Task:
-    """Context of one compute task: times the host, then sleeps out the rest of the device time."""
+    """Context of one compute task: times the host, then sleeps until the task's modelled end on the device.
 
-    __slots__ = ("dev", "kind", "device_s", "t0", "c0")
+    The device runs queued work back to back, whatever the host thread does: when this task follows the previous
+    one at once (its input was ready, the host only picked it), it starts on the device where the previous task
+    ended there, not when a loaded host happened to wake the rank up. Otherwise (the rank waited for an input)
+    it starts now."""
+
+    __slots__ = ("dev", "kind", "device_s", "t0", "c0", "start")
 
     def __init__(self, dev: EmulatedDevice, kind: str, device_s: float):
         self.dev, self.kind, self.device_s = dev, kind, device_s
 
     def __enter__(self) -> _Task:
         self.t0, self.c0 = time.perf_counter(), time.thread_time()
+        dev = self.dev
+        gap = self.t0 - dev.woke_at
+        self.start = dev.free_at + gap if gap <= QUEUE_GAP_S and dev.free_at < dev.woke_at else self.t0
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        host = time.perf_counter() - self.t0
+        now = time.perf_counter()
+        host = now - self.t0
         cpu = time.thread_time() - self.c0
         if exc_type is not None:
             return
-        remaining = self.device_s - host
-        if remaining > 0:
-            time.sleep(remaining)
-        self.dev.stats_for_step().add(self.kind, host, cpu, self.device_s)
+        dev = self.dev
+        end = max(self.start + self.device_s, now)  # a host that overran the device time pushes the device too
+        if end > now:
+            time.sleep(end - now)
+        dev.woke_at = time.perf_counter()
+        dev.free_at = end
+        late = dev.woke_at - end  # a loaded host wakes the rank late
+        dev.stats_for_step().add(self.kind, host, cpu, self.device_s, late)
 
 
 class EmulatedDevice:
@@ -270,11 +294,13 @@ class EmulatedDevice:
     def __init__(self, spec: DeviceSpec, cfg: RunConfig, rank: int, dp: int, stage: int, local_params: int):
         self.spec, self.rank, self.dp, self.stage = spec, rank, dp, stage
         self.flops = chunk_flops(cfg, stage)
+        self.virtual = virtual_flops(cfg)  # MegaFBD ranks run whole virtual stages
         self.speed = spec.speed_of(rank)
         self.slow = 1.0  # --inject slow-compute
         self.optimizer_flops = OPTIMIZER_FLOPS_PER_PARAM * local_params
         self.step = 0
         self.steps_seen = 0
+        self.free_at = self.woke_at = 0.0  # modelled end of the last task on the device; when the host woke
         self.first, self.rest = _Stats(), _Stats()  # the first step of a process includes warm-up
 
     def slow_down(self, factor: float) -> None:
@@ -312,6 +338,18 @@ class EmulatedDevice:
         """Context manager around one pipeline task's real compute; on exit sleeps until its device time."""
         return _Task(self, "B" if kind == "BW" else kind, self.task_seconds(kind, chunk, microbatch))
 
+    def segment(self, kind: str, v: int, microbatch: int) -> _Task:
+        """MegaFBD: context manager around virtual stage `v`'s "F" (a forward instance's forward, no autograd),
+        "R" (its recompute on a backward rank) or "BW" (its whole backward) of one microbatch."""
+        f, b, w = self.virtual[v]
+        spec, step, dp = self.spec, self.step, self.dp
+        if kind in ("F", "R"):
+            flops = f * jitter(spec, step, dp, v, kind, 0, microbatch)
+        else:
+            flops = (b * jitter(spec, step, dp, v, "B", 0, microbatch)
+                     + w * jitter(spec, step, dp, v, "W", 0, microbatch))
+        return _Task(self, "B" if kind == "BW" else kind, self.seconds(flops))
+
     def optimizer(self) -> _Task:
         """Context manager around the optimizer step."""
         return _Task(self, "O", self.seconds(self.optimizer_flops))
@@ -330,6 +368,12 @@ def install(cfg: RunConfig, rank: int, dp: int, stage: int, local_params: int) -
     global _active
     _active = EmulatedDevice(parse_spec(cfg.emulate_device or ""), cfg, rank, dp, stage, local_params)
     return _active
+
+
+def activate(device: EmulatedDevice | None) -> None:
+    """Make `device` the active one (several trainers in one process switch it at each step)."""
+    global _active
+    _active = device
 
 
 def active() -> EmulatedDevice | None:
@@ -376,11 +420,13 @@ def summarize(spec_text: str, per_rank: Sequence[Sequence[Sequence[float]]]) -> 
     for r, rows in enumerate(per_rank):
         kinds = {k: dict(zip(FIELDS, (int(v) if i in (0, 4) else round(v, 6) for i, v in enumerate(row))))
                  for k, row in zip(KINDS, rows) if row[0]}
+        late = sum(row[5] for row in rows)
         host = sum(row[1] for row in rows)
         cpu = sum(row[2] for row in rows)
         device = sum(row[3] for row in rows)
         ranks.append({"rank": r, "host_share": host / device if device else 0.0,
                       "cpu_share": cpu / device if device else 0.0,
+                      "late_share": late / device if device else 0.0,
                       "overruns": int(sum(row[4] for row in rows)), "tasks": int(sum(row[0] for row in rows)),
                       "kinds": kinds})
     worst = max((x["host_share"] for x in ranks), default=0.0)

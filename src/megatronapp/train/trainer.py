@@ -189,6 +189,7 @@ class Trainer:
         data_s = time.perf_counter() - t0
         self.reducer.zero_grad()
         if self.emulated is not None:
+            device_emulation.activate(self.emulated)  # the optimizer step finds it there
             self.emulated.begin_step(self.step)
         with self.autocast:
             result = self.executor.step(mbs, loss_scale=1.0 / cfg.parallel.microbatches)
