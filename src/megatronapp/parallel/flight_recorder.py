@@ -4,8 +4,8 @@
 complete (a blocking op returned, an async op's handle completed). On NCCL a returned `wait()` only means the
 op is queued on its stream, so `comm` hands over a probe instead (`done_when(op, work.is_completed)`): the op
 stays in flight until the probe, checked whenever an op is issued or a snapshot taken, says its CUDA event fired.
-It is always on and costs a dict insert and delete and a deque append per op. Readers (the resilience heartbeat, a hang dump) call `snapshot()`, which is
-JSON-ready and safe from any thread.
+It is always on and costs a dict insert and delete and a deque append per op.
+Readers (the resilience heartbeat, a hang dump) call `snapshot()`, which is JSON-ready and safe from any thread.
 
 Record format (one dict per op; shared with MegaScan's hang analysis, documented in docs/resilience.md):
     {"id": 17, "op": "recv", "group": "pp.act.up", "ranks": [0, 2], "seq": 5, "peer": 0, "bytes": 4096,
