@@ -78,3 +78,34 @@ def test_eager_streams_stall_the_column_layout_at_pp3_and_not_the_links():
     mid = res[1]["column"]["error"]
     assert "send to rank 2 (group pp.act.up" in mid and "behind recv from rank 0 (group pp.act.up" in mid, mid
     assert "NCCL stream of group pp.act.up [0, 1, 2]" in mid and "nccl-eager" in mid, mid
+
+
+class _QueuedWork:
+    """An NCCL-like work: `wait()` returns at once (it only orders streams); `is_completed()` is the event."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return self.fired
+
+
+def test_flight_recorder_learns_nccl_completion_from_the_event_not_from_wait():
+    from megatronapp.parallel.comm import CommOp, Handle
+    from megatronapp.parallel.flight_recorder import RECORDER
+
+    RECORDER.clear()
+    RECORDER._rank = 0
+    op = CommOp("recv", "pp.act.up", (0, 1), 0, 64, peer=1)
+    RECORDER.issue(op)
+    work = _QueuedWork()
+    h = Handle(work, None, nccl=True, op=op)
+    h.wait()  # returns: the op is queued, not done
+    assert h.done and [r["key"] for r in RECORDER.snapshot()["open"]] == ["pp.act.up 1->0"]
+    work.fired = True  # the CUDA event fires: the next snapshot (or issue) sees it
+    snap = RECORDER.snapshot()
+    assert snap["open"] == [] and snap["completed"] == {"pp.act.up 1->0": 0}
+    RECORDER.clear()
