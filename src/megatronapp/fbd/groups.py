@@ -28,10 +28,10 @@ class FbdGroups:
     topo: Topology | None  # backward ranks: the engine topology of the backward layout
     forward_tp: Group | None  # forward ranks: TP group of this forward stage
     forward_chain: Group | None  # forward ranks: previous forward stage -> this one, this TP column (a 2-rank link)
-    forward_next: Group | None = None  # forward ranks: this forward stage -> the next one (a 2-rank link)
     act: Group  # forward -> backward stage inputs (all ranks of the job)
     weights: Group  # backward -> forward weights (all ranks of the job)
     job: Group  # every rank of the job, collectives only: the tracer's clock handshake (plug-ins' "world")
+    forward_next: Group | None = None  # forward ranks: this forward stage -> the next one (a 2-rank link)
 
 
 class _Maker:
