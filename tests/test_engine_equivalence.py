@@ -1,11 +1,16 @@
 """Every parallel layout and schedule trains exactly like one process: losses, gradients, updated weights.
 
-Cases of one world size share one launch of real gloo processes (launching is the expensive part). The whole
-suite runs twice: with gloo's own rules and with `--comm-semantics nccl`, where gloo enforces NCCL's (tags
-ignored, one stream per pair, identical collective order), so a layout that would hang on GPUs fails here.
+Cases of one world size share one launch of real gloo processes (launching is the expensive part). The suite
+runs with gloo's own rules, then, in a second launch per world size, under the two NCCL communicator regimes
+gloo can enforce: `nccl-eager` (every case: one stream per group, tags ignored, identical collective order) and
+`nccl-lazy` (every case with a pipeline: blocking creation of each pair's communicator on first use). A layout
+that would hang on GPUs fails here. The plain `nccl` mode is not run: both regimes include its rules, and
+without point-to-point ops (pp = 1) lazy creation adds nothing to them (a collective's first use already
+meets every member in the order check), so those cases run under nccl-eager only.
 """
 from __future__ import annotations
 
+import copy
 import tempfile
 from pathlib import Path
 
@@ -97,26 +102,36 @@ def _cases_world4() -> list[tuple[str, dict]]:
     return cases
 
 
-def _run(world: int, cases: list[tuple[str, dict]], semantics: str) -> None:
-    for _, case in cases:
-        case["parallel"]["comm_semantics"] = semantics
+def _run(world: int, cases: list[tuple[str, dict]], modes: tuple[str, ...]) -> None:
+    runs = []
+    for label, case in cases:
+        for mode in modes:
+            if mode == "nccl-lazy" and case["parallel"].get("pp", 1) == 1:
+                continue  # no P2P: lazy creation adds nothing to the rules nccl-eager checks (docstring)
+            c = copy.deepcopy(case)
+            c["parallel"]["comm_semantics"] = mode
+            runs.append((f"{label} [{mode}]", c))
     with tempfile.TemporaryDirectory() as tmp:
-        spawn(ec.worker, world, [c for _, c in cases], tmp)
-        for i, (label, case) in enumerate(cases):
+        spawn(ec.worker, world, [c for _, c in runs], tmp)
+        refs: dict[str, dict] = {}
+        for i, (label, case) in enumerate(runs):
             results = [torch.load(Path(tmp) / f"case{i}_rank{r}.pt", weights_only=False) for r in range(world)]
-            ec.compare(results, ec.reference(case), f"{label} [{semantics}]")
+            key = label.rsplit(" [", 1)[0]
+            if key not in refs:
+                refs[key] = ec.reference(case)
+            ec.compare(results, refs[key], label)
 
 
-SEMANTICS = ("native", "nccl")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("semantics", SEMANTICS)
-def test_two_rank_layouts_match_single_process(semantics):
-    _run(2, _cases_world2(), semantics)
+MODES = {"native": ("native",), "nccl regimes": ("nccl-eager", "nccl-lazy")}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("semantics", SEMANTICS)
-def test_four_rank_layouts_match_single_process(semantics):
-    _run(4, _cases_world4(), semantics)
+@pytest.mark.parametrize("modes", MODES.values(), ids=MODES.keys())
+def test_two_rank_layouts_match_single_process(modes):
+    _run(2, _cases_world2(), modes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("modes", MODES.values(), ids=MODES.keys())
+def test_four_rank_layouts_match_single_process(modes):
+    _run(4, _cases_world4(), modes)

@@ -3,8 +3,10 @@ tp=2 x pp=2, 8 microbatches; per-parameter gradients and AdamW states equal the 
 steps 1 and 10.
 
 One launch runs every coupled reference (4 ranks), one launch every FBD case (8 ranks; a case that needs
-fewer leaves the others idle after group creation). The FBD cases run under `--comm-semantics nccl` (gloo
-enforcing NCCL's ordering rules), one of them with a random 0-4 ms delay before every send of every rank.
+fewer leaves the others idle after group creation). The FBD cases run under the two NCCL regimes gloo enforces,
+half under `--comm-semantics nccl-eager` (one stream per group) and half under `nccl-lazy` (blocking creation of
+each pair's communicator on first use; the interleaved-backward case among them), one of them with a random
+0-4 ms delay before every send of every rank.
 
 Tolerances: FBD recomputes each stage's forward from an input that the forward instance computed, at tp_f = 1
 with one matmul where the coupled run splits it over two TP ranks and all-reduces. The inputs then differ in
@@ -34,14 +36,15 @@ from megatronapp.parallel import comm
 from tests import engine_cases as ec
 
 
-def _case(family: str = "gpt2", fbd: dict | None = None, snap: tuple[int, ...] = (1, 10), **over: Any) -> dict:
+def _case(family: str = "gpt2", fbd: dict | None = None, snap: tuple[int, ...] = (1, 10),
+          semantics: str = "nccl-eager", **over: Any) -> dict:
     case = ec.base_case(family, **{"model.num_layers": 4, "parallel.tp": 2, "parallel.pp": 2,
                                    "parallel.microbatches": 8, "train.steps": max(snap),
                                    "train.min_lr": 1e-4,  # explicit: the cosine schedule's floor shapes step 2 on
                                    **over})
     case["snap"] = list(snap)
     if fbd is not None:
-        case["parallel"].update(fbd=True, comm_semantics="nccl", fbd_forward_tp=fbd.get("tp", 1),
+        case["parallel"].update(fbd=True, comm_semantics=semantics, fbd_forward_tp=fbd.get("tp", 1),
                                 fbd_forward_pp=fbd.get("pp", 1), fbd_forward_instances=fbd.get("n", 1))
         case["delay_seed"] = fbd.get("delay_seed")
     return case
@@ -141,17 +144,18 @@ def _compare(fbd: list[dict], coupled: list[dict], label: str, snap: list[int]) 
 
 FBD_CASES = [
     ("gpt2 tp2pp2 <- forward tp1pp1 x1", _case("gpt2", {"tp": 1, "pp": 1, "n": 1})),
-    ("gpt2 tp2pp2 <- forward tp2pp1 x2, random delays", _case("gpt2", {"tp": 2, "pp": 1, "n": 2, "delay_seed": 1})),
+    ("gpt2 tp2pp2 <- forward tp2pp1 x2, random delays", _case("gpt2", {"tp": 2, "pp": 1, "n": 2, "delay_seed": 1},
+                                                              semantics="nccl-lazy")),
     ("llama pp2dp2 <- forward tp1pp1 x1", _case("llama", {"n": 1}, **{"parallel.tp": 1, "parallel.dp": 2,
                                                                         "parallel.microbatches": 4})),
     # interleaved backward side: 4 virtual stages of one layer; instance k serves DP replica k
-    ("gpt2 pp2dp2 vpp2 interleaved <- forward tp1pp1 x2", _case("gpt2", {"n": 2}, **{
+    ("gpt2 pp2dp2 vpp2 interleaved <- forward tp1pp1 x2", _case("gpt2", {"n": 2}, semantics="nccl-lazy", **{
         "parallel.tp": 1, "parallel.dp": 2, "parallel.vpp": 2, "parallel.schedule": "interleaved-1f1b",
         "parallel.microbatches": 4})),
     # a two-stage forward instance (the forward chain): forward stage 0 computes virtual stages 0-1, stage 1 stage 2
     ("gpt2 pp4 <- forward tp1pp2 x1", _case("gpt2", {"pp": 2}, **{"parallel.tp": 1, "parallel.pp": 4})),
     # sequence parallelism: the tp_f = 1 forward sends each backward TP rank its sequence slice
-    ("llama tp2pp2 sequence-parallel <- forward tp1pp1 x1", _case("llama", {"n": 1}, **{
+    ("llama tp2pp2 sequence-parallel <- forward tp1pp1 x1", _case("llama", {"n": 1}, semantics="nccl-lazy", **{
         "parallel.sequence_parallel": True})),
 ]
 

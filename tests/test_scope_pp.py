@@ -1,5 +1,6 @@
 """MegaScope serving the default model split over pipeline stages (and tp x pp) from real gloo ranks, under
-NCCL's rules (`comm.set_semantics("nccl")`): same tokens, probabilities and captured states as one process,
+NCCL's rules in both communicator regimes (pp 2 under `nccl-lazy`, tp 2 x pp 2 under `nccl-eager`):
+same tokens, probabilities and captured states as one process,
 perturbations of every kind included, a failure on a worker rank reported and survived in lockstep."""
 from __future__ import annotations
 
@@ -25,10 +26,10 @@ REQUESTS = [
 FAULT_SEED = 666  # rank 1 raises while sampling for this seed (a failure on a worker only)
 
 
-def _rank(rank: int, world: int, tp: int, pp: int, out: str, checkpoint: str) -> None:
+def _rank(rank: int, world: int, tp: int, pp: int, out: str, checkpoint: str, semantics: str) -> None:
     from megatronapp.parallel import comm, topology
 
-    comm.set_semantics("nccl", stall_timeout_s=60)
+    comm.set_semantics(semantics, stall_timeout_s=60)
     topo = topology.build(tp, pp, 1)
     sm = distributed.load_shard(None, topo)
     # a checkpoint trained without pipeline parallelism, cut into these stages (the last takes the tied weight)
@@ -69,10 +70,10 @@ def _rank(rank: int, world: int, tp: int, pp: int, out: str, checkpoint: str) ->
     torch.save(res, f"{out}.0")
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
-def test_pipeline_serving_matches_single_process(tmp_path, tp, pp):
+@pytest.mark.parametrize("tp, pp, semantics", [(1, 2, "nccl-lazy"), (2, 2, "nccl-eager")])
+def test_pipeline_serving_matches_single_process(tmp_path, tp, pp, semantics):
     out = str(tmp_path / "res")
-    spawn(_rank, tp * pp, tp, pp, out, write_checkpoint(str(tmp_path / "ckpt"), tp))
+    spawn(_rank, tp * pp, tp, pp, out, write_checkpoint(str(tmp_path / "ckpt"), tp), semantics)
     res = torch.load(f"{out}.0")
     assert res["describe"]["name"] == f"embedded gpt2-tiny (tp={tp}, pp={pp})"
     for got, req in zip(res["runs"], REQUESTS):

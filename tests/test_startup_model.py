@@ -28,7 +28,18 @@ def test_layout_groups_partition_the_world_per_kind(layout):
         world = range(tp * pp * dp)
         if kind.name == "embd":  # first and last stages only: middle stages share no embedding
             world = [r for r in world if r // (tp * dp) in (0, pp - 1)]
-        assert sorted(r for g in members for r in g) == list(world)
+        assert sorted(r for g in members for r in g) == sorted(list(world) * kind.per_rank)
+
+
+def test_pipeline_links_add_four_two_rank_communicators_per_rank_at_12288():
+    """The 2-rank pipeline links (issue 22) at MegaScale's scale (tp 8, pp 8, dp 192)."""
+    tp, pp, dp = 8, 8, 192
+    assert model.communicators_per_rank(tp, pp, dp) == {"tp": 1, "pp": 1, "dp": 1, "embd": 1, "pp.link": 4}
+    links = next(k for k in model.group_kinds(tp, pp, dp) if k.name == "pp.link")
+    assert (links.count, links.size, links.per_rank) == (2 * 12288, 2, 4)
+    assert [len(g) for g in model.engine_groups(5, tp, pp, dp)[-4:]] == [2, 2, 2, 2]
+    t = model.startup_time("ordered", "nccl", tp, pp, dp, 50e-6, 10e-6)
+    assert t["world"] == 12288 and t["total_s"] < 30  # still MegaScale's "seconds", not minutes
 
 
 def test_naive_store_work_is_quadratic_ordered_linear():

@@ -81,8 +81,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="zb: dynamic zero-bubble (split backward; W fills the bubbles)")
     g.add_argument("--dpp-max-inflight", type=int, help="cap on activations held for backward (memory)")
     g.add_argument("--backend", choices=["auto", "gloo", "nccl"])
-    g.add_argument("--comm-semantics", choices=["native", "nccl"],
-                   help="nccl: make gloo enforce NCCL's communication rules (catches what would hang on GPUs)")
+    g.add_argument("--comm-semantics", choices=["native", "nccl", "nccl-lazy", "nccl-eager"],
+                   help="nccl: make gloo enforce the NCCL rules that always hold (catches what would hang on GPUs); "
+                        "nccl-lazy / nccl-eager: plus lazy (no device_id) or eager (device_id) communicator rules")
     g.add_argument("--zero", type=int, choices=[0, 1],
                    help="1: distributed optimizer (ZeRO-1): optimizer state and fp32 masters sharded over DP")
     g.add_argument("--dp-overlap", action=argparse.BooleanOptionalAction, default=None,

@@ -356,11 +356,12 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"parallel.vpp={p.vpp} needs an interleaved schedule: use --schedule interleaved-1f1b or dpp")
     if p.vpp > 1 and p.pp == 1:
         raise ConfigError("parallel.vpp > 1 needs parallel.pp > 1")
-    if p.comm_semantics not in ("native", "nccl"):
-        raise ConfigError(f"parallel.comm_semantics={p.comm_semantics!r}: choose native or nccl")
-    if p.comm_semantics == "nccl" and p.backend == "nccl":
-        raise ConfigError("parallel.comm_semantics='nccl' emulates NCCL's rules on gloo; with --backend nccl the "
-                          "rules hold natively: use --comm-semantics native")
+    if p.comm_semantics not in ("native", "nccl", "nccl-lazy", "nccl-eager"):
+        raise ConfigError(f"parallel.comm_semantics={p.comm_semantics!r}: choose native, nccl, nccl-lazy or "
+                          f"nccl-eager")
+    if p.comm_semantics != "native" and p.backend == "nccl":
+        raise ConfigError(f"parallel.comm_semantics={p.comm_semantics!r} emulates NCCL's rules on gloo; with "
+                          f"--backend nccl the rules hold natively: use --comm-semantics native")
     if p.dpp_policy not in ("dfs", "bfs", "adaptive", "zb"):
         raise ConfigError(f"parallel.dpp_policy={p.dpp_policy!r}: choose dfs, bfs, adaptive or zb")
     if p.dpp_max_inflight is not None and p.dpp_max_inflight < max(1, p.vpp):

@@ -13,6 +13,7 @@ launcher.
 from __future__ import annotations
 
 import atexit
+import inspect
 import json
 import multiprocessing.connection
 import os
@@ -82,13 +83,18 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, local_port
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
+        extra: dict[str, Any] = {}
+        if backend == "nccl" and "device_id" in inspect.signature(dist.init_process_group).parameters:
+            # eager init, as torchtitan does: communicators made at new_group (errors at start-up, not step 0);
+            # the pipeline's 2-rank links stay correct whether P2P then uses them or lazy pair communicators
+            extra["device_id"] = torch.device("cuda", torch.cuda.current_device())
         if local_port is not None:
             dist.init_process_group(backend, store=_loopback_store(rank, world, local_port, timeout), rank=rank,
-                                    world_size=world, timeout=timeout)
+                                    world_size=world, timeout=timeout, **extra)
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **extra)
     return rank, world
 
 

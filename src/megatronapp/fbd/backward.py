@@ -133,7 +133,7 @@ class BackwardRank:
                     grad = self.links.take(("B", c, m)).to(out.dtype)
                 with tracing.span("backward", "compute", chunk=c, microbatch=m), self._device("BW", v, m):
                     if grad is None:
-                        losses.append(float(out.detach()))
+                        losses.append(out.detach() if out.is_cuda else float(out.detach()))  # GPU: no sync
                         torch.autograd.backward(out * scale)
                     else:
                         torch.autograd.backward(out, grad)

@@ -60,7 +60,7 @@ class ForwardRank:
         seq_b = t.seq_len // p.tp if p.sequence_parallel and p.tp > 1 else t.seq_len
         self.to_backward = Outbox(groups.act, (self.mbs, seq_b, self.hidden), self.dtype, device)
         chain_shape = (self.mbs, seq_f, self.hidden)
-        self.to_next = Outbox(groups.forward_chain, chain_shape, self.dtype, device) if groups.forward_chain else None
+        self.to_next = Outbox(groups.forward_next, chain_shape, self.dtype, device) if groups.forward_next else None
         self.from_prev = Inbox(groups.forward_chain, chain_shape, self.dtype, device) if groups.forward_chain else None
         self.jobs = layout.jobs(self.instance)
         self.sources: dict[int, BatchSource] = {}

@@ -10,7 +10,9 @@ Asynchronous ops return a `Handle`. Its readiness (`is_completed()`) means the s
 on NCCL it is the work's own `is_completed()` (its CUDA event), because `Work.wait()` there only orders streams
 and returns at once; gloo's works report completion only through a blocking `wait()`, so a daemon thread sits in
 it and signals. `wait_until()` sleeps on those signals and polls NCCL works with a short back-off, never a busy
-spin. `set_semantics("nccl")` turns on the strict mode of `nccl_semantics` on any backend.
+spin. `set_semantics("nccl" | "nccl-lazy" | "nccl-eager")` turns on the strict mode of `nccl_semantics` on
+any backend. On NCCL the flight recorder learns an op's completion from its work's `is_completed()` (its CUDA
+event), never from `wait()` returning, which there only means queued.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +55,7 @@ _interceptors: list[Interceptor] = []
 _seq: dict[tuple, itertools.count] = {}
 _seq_lock = threading.Lock()
 _strict: Strict | None = None
+_mode = "native"
 _epoch = 0  # runs in this process so far (each `reset()` starts one)
 _backends: dict[int, str] = {}
 
@@ -75,19 +79,30 @@ def reset() -> None:
     _epoch += 1
 
 
-SEMANTICS = ("native", "nccl")
+SEMANTICS = ("native", "nccl", "nccl-lazy", "nccl-eager")
 
 
-def set_semantics(mode: str, stall_timeout_s: float = 120.0) -> None:
-    """"native": the backend's own rules; "nccl": enforce NCCL's rules on any backend (see nccl_semantics)."""
-    global _strict
+STALL_TIMEOUT_S = 120.0  # how long the strict modes wait before naming a stall (tests lower it)
+
+
+def set_semantics(mode: str, stall_timeout_s: float | None = None) -> None:
+    """"native": the backend's own rules; "nccl": enforce the NCCL rules that always hold on any backend;
+    "nccl-lazy" / "nccl-eager": those plus the rules of lazy or eager communicator creation (nccl_semantics)."""
+    global _strict, _mode
     if mode not in SEMANTICS:
         raise ValueError(f"comm semantics {mode!r}: choose one of {', '.join(SEMANTICS)}")
-    _strict = Strict(stall_timeout_s, _epoch) if mode == "nccl" else None
+    timeout = STALL_TIMEOUT_S if stall_timeout_s is None else stall_timeout_s
+    _strict = Strict(timeout, _epoch, mode) if mode != "native" else None
+    _mode = mode
 
 
 def semantics() -> str:
-    return "native" if _strict is None else "nccl"
+    return _mode if _strict is not None else "native"
+
+
+def _stream(group: Group) -> str:
+    """The strict mode's name of a group: groups of one name may differ in members (a pair's link groups)."""
+    return f"{group.name} {list(group.ranks)}"
 
 
 def _next_seq(key: tuple) -> int:
@@ -104,12 +119,12 @@ def _backend(group: Group) -> str:
 
 
 def _op(name: str, group: Group, t: torch.Tensor | None, peer: int | None = None, tag: int = 0,
-        label: str = "") -> CommOp:
-    return _op_delayed(name, group, t, peer, tag, label)[0]
+        label: str = "", blocking: bool = False) -> CommOp:
+    return _op_delayed(name, group, t, peer, tag, label, blocking)[0]
 
 
 def _op_delayed(name: str, group: Group, t: torch.Tensor | None, peer: int | None = None, tag: int = 0,
-                label: str = "") -> tuple[CommOp, float]:
+                label: str = "", blocking: bool = False) -> tuple[CommOp, float]:
     """The op's record, after the interceptors ran; and the delivery delay they asked for (sends)."""
     # P2P ops are numbered per (direction, peer) so sender and receiver agree on the number.
     if peer is not None:
@@ -129,15 +144,23 @@ def _op_delayed(name: str, group: Group, t: torch.Tensor | None, peer: int | Non
             delay = max(delay, float(d))
     if _strict is not None and peer is None:
         dtype = "" if t is None else str(t.dtype).removeprefix("torch.")
-        _strict.check_collective(group.name, group.ranks, op.seq, f"{name}[{label}]({nbytes} B {dtype})")
+        signature = f"{name}[{label}]({nbytes} B {dtype})"
+        _strict.first_use(group.name, group.ranks, None, f"{signature} on group {group.name}")
+        _strict.check_collective(group.name, group.ranks, op.seq, signature)
+        if blocking:  # an async collective queues behind the group's stream instead (_start)
+            _strict.gate(_stream(group), f"{signature} on group {group.name}")
     _flight.issue(op)  # the flight recorder: done() when the op is seen to complete
     return op, delay
 
 
-def _op_due(name: str, group: Group, t: torch.Tensor | None, label: str = "") -> tuple[CommOp, float]:
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _op_due(name: str, group: Group, t: torch.Tensor | None, label: str = "", blocking: bool = False
+            ) -> tuple[CommOp, float]:
     """A collective's record, and the monotonic time before which it may not complete: an interceptor's delay
     is the time its bytes take on a modelled wire (parallel/link_model.py); 0.0 when none asked for one."""
-    rec, delay = _op_delayed(name, group, t, label=label)
+    rec, delay = _op_delayed(name, group, t, label=label, blocking=blocking)
     return rec, (time.monotonic() + delay) if delay > 0 else 0.0
 
 
@@ -149,18 +172,36 @@ def _hold(due: float) -> None:
             time.sleep(left)
 
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+def _complete(rec: CommOp, work: Any, group: Group) -> None:
+    """A blocking collective: wait for it; on NCCL `wait()` only orders streams, so the flight recorder is told
+    of its completion when the work's CUDA event says so."""
+    work.wait()
+    if _backend(group) == "nccl":
+        _flight.done_when(rec, work.is_completed)
+    else:
+        _flight.done(rec)
+
+
+def _start(group: Group, rec: CommOp, sp: object, start: Callable[[], Any], keep: torch.Tensor | None = None,
+           due: float = 0.0) -> Handle:
+    """Issue an async collective; under nccl-eager it queues behind the group's P2P ops on the group's stream.
+    `due`: a modelled wire's end (the handle is not complete before it)."""
+    if _strict is None or not _strict.eager:
+        return Handle(start(), sp, keep=keep, nccl=_backend(group) == "nccl", op=rec, due=due)
+    h = Handle(None, sp, keep=keep, driven=True, op=rec, due=due)
+    h.desc = f"{rec.name} on group {group.name} (#{rec.seq})"
+    _strict.submit([(_stream(group), None)], "collective", h.desc, lambda: [start()], h._finish)
+    return h
 
 
 def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", label: str = "") -> torch.Tensor:
     """In-place all-reduce over `group`; a no-op for a group of one. `label` names the op for order checks."""
     if group.size == 1:
         return t
-    rec, due = _op_due("all_reduce", group, t, label=label)
+    rec, due = _op_due("all_reduce", group, t, label=label, blocking=True)
     with tracing.span("all_reduce", "comm", **rec.meta()):
-        dist.all_reduce(t, op=_REDUCE_OPS[op], group=group.pg)
+        _complete(rec, dist.all_reduce(t, op=_REDUCE_OPS[op], group=group.pg, async_op=True), group)
         _hold(due)
-    _flight.done(rec)
     return t
 
 
@@ -170,8 +211,8 @@ def all_reduce_async(t: torch.Tensor, group: Group, op: str = "sum", label: str 
         return Handle(None, None)
     rec, due = _op_due("all_reduce", group, t, label=label)
     sp = tracing.open_span("all_reduce", "comm", **rec.meta())
-    return Handle(dist.all_reduce(t, op=_REDUCE_OPS[op], group=group.pg, async_op=True), sp,
-                  nccl=_backend(group) == "nccl", op=rec, due=due)
+    return _start(group, rec, sp, lambda: dist.all_reduce(t, op=_REDUCE_OPS[op], group=group.pg, async_op=True),
+                  due=due)
 
 
 def reduce_scatter_inplace_async(t: torch.Tensor, group: Group, label: str = "") -> Handle:
@@ -185,13 +226,11 @@ def reduce_scatter_inplace_async(t: torch.Tensor, group: Group, label: str = "")
         # gloo's reduce-scatter costs about twice its all-reduce (measured: 16 MiB, 2 ranks, 14 vs 8 ms of CPU);
         # an in-place all-reduce leaves the same sums in every slice, ours included. Under --comm-semantics nccl
         # gloo runs the op NCCL would run, so the tests cover both.
-        work = dist.all_reduce(t, group=group.pg, async_op=True)
-    else:
-        # in place (output = the input's own slice) as Megatron's distributed optimizer does
-        mine = t.chunk(group.size)[group.rank_in(dist.get_rank())]
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in 2.13
-        work = scatter(mine, t, group=group.pg, async_op=True)
-    return Handle(work, sp, keep=t, nccl=_backend(group) == "nccl", op=rec, due=due)
+        return _start(group, rec, sp, lambda: dist.all_reduce(t, group=group.pg, async_op=True), keep=t, due=due)
+    # in place (output = the input's own slice) as Megatron's distributed optimizer does
+    mine = t.chunk(group.size)[group.rank_in(dist.get_rank())]
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in 2.13
+    return _start(group, rec, sp, lambda: scatter(mine, t, group=group.pg, async_op=True), keep=t, due=due)
 
 
 def all_gather_inplace_async(t: torch.Tensor, group: Group, label: str = "") -> Handle:
@@ -202,20 +241,18 @@ def all_gather_inplace_async(t: torch.Tensor, group: Group, label: str = "") -> 
     sp = tracing.open_span("all_gather", "comm", **rec.meta())
     mine = t.chunk(group.size)[group.rank_in(dist.get_rank())]
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    work = gather(t, mine, group=group.pg, async_op=True)
-    return Handle(work, sp, keep=t, nccl=_backend(group) == "nccl", op=rec, due=due)
+    return _start(group, rec, sp, lambda: gather(t, mine, group=group.pg, async_op=True), keep=t, due=due)
 
 
 def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Concatenate every member's `t` along `dim`, in group-rank order."""
     if group.size == 1:
         return t
-    rec, due = _op_due("all_gather", group, t)
+    rec, due = _op_due("all_gather", group, t, blocking=True)
     parts = [torch.empty_like(t) for _ in range(group.size)]
     with tracing.span("all_gather", "comm", **rec.meta()):
-        dist.all_gather(parts, t.contiguous(), group=group.pg)
+        _complete(rec, dist.all_gather(parts, t.contiguous(), group=group.pg, async_op=True), group)
         _hold(due)
-    _flight.done(rec)
     return torch.cat(parts, dim=dim)
 
 
@@ -223,19 +260,18 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Sum over the group, then keep this member's slice of `dim`."""
     if group.size == 1:
         return t
-    rec, due = _op_due("reduce_scatter", group, t)
+    rec, due = _op_due("reduce_scatter", group, t, blocking=True)
     chunks = [c.contiguous() for c in t.chunk(group.size, dim=dim)]
     out = torch.empty_like(chunks[0])
     with tracing.span("reduce_scatter", "comm", **rec.meta()):
         # gloo has no reduce_scatter: emulate with all_reduce and a slice (same numbers, more bytes).
         if _backend(group) == "gloo":
             full = t.contiguous().clone()
-            dist.all_reduce(full, group=group.pg)
+            _complete(rec, dist.all_reduce(full, group=group.pg, async_op=True), group)
             out.copy_(full.chunk(group.size, dim=dim)[group.rank_in(dist.get_rank())])
         else:
-            dist.reduce_scatter(out, chunks, group=group.pg)
+            _complete(rec, dist.reduce_scatter(out, chunks, group=group.pg, async_op=True), group)
         _hold(due)
-    _flight.done(rec)
     return out
 
 
@@ -247,8 +283,8 @@ def all_gather_async(t: torch.Tensor, group: Group, label: str = "") -> tuple[li
     parts = [torch.empty_like(t) for _ in range(group.size)]
     sp = tracing.open_span("all_gather", "comm", **rec.meta())
     t = t.contiguous()
-    work = dist.all_gather(parts, t, group=group.pg, async_op=True)
-    return parts, Handle(work, sp, keep=t, nccl=_backend(group) == "nccl", op=rec, due=due)
+    return parts, _start(group, rec, sp, lambda: dist.all_gather(parts, t, group=group.pg, async_op=True), keep=t,
+                         due=due)
 
 
 def reduce_scatter_async(t: torch.Tensor, group: Group, dim: int = 0,
@@ -259,27 +295,24 @@ def reduce_scatter_async(t: torch.Tensor, group: Group, dim: int = 0,
         return t, Handle(None, None)
     rec, due = _op_due("reduce_scatter", group, t, label=label)
     sp = tracing.open_span("reduce_scatter", "comm", **rec.meta())
-    nccl = _backend(group) == "nccl"
     if _backend(group) == "gloo":  # no reduce_scatter in gloo: all-reduce a copy, the slice is a view of it
         full = t.contiguous().clone()
-        work = dist.all_reduce(full, group=group.pg, async_op=True)
-        return (full.chunk(group.size, dim=dim)[group.rank_in(dist.get_rank())],
-                Handle(work, sp, keep=full, op=rec, due=due))
+        h = _start(group, rec, sp, lambda: dist.all_reduce(full, group=group.pg, async_op=True), keep=full, due=due)
+        return full.chunk(group.size, dim=dim)[group.rank_in(dist.get_rank())], h
     chunks = [c.contiguous() for c in t.chunk(group.size, dim=dim)]
     out = torch.empty_like(chunks[0])
-    work = dist.reduce_scatter(out, chunks, group=group.pg, async_op=True)
-    return out, Handle(work, sp, keep=t, nccl=nccl, op=rec, due=due)
+    return out, _start(group, rec, sp, lambda: dist.reduce_scatter(out, chunks, group=group.pg, async_op=True),
+                       keep=t, due=due)
 
 
 def broadcast(t: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     """In-place broadcast from global rank `src`."""
     if group.size == 1:
         return t
-    rec, due = _op_due("broadcast", group, t, label=f"src {src}")
+    rec, due = _op_due("broadcast", group, t, label=f"src {src}", blocking=True)
     with tracing.span("broadcast", "comm", src=src, **rec.meta()):
-        dist.broadcast(t, src=src, group=group.pg)
+        _complete(rec, dist.broadcast(t, src=src, group=group.pg, async_op=True), group)
         _hold(due)
-    _flight.done(rec)
     return t
 
 
@@ -287,7 +320,7 @@ def broadcast_object(obj: object, src: int, group: Group) -> object:
     """Broadcast a small picklable object (control decisions, not tensors)."""
     if group.size == 1:
         return obj
-    rec = _op("broadcast", group, None, label=f"object from {src}")
+    rec = _op("broadcast", group, None, label=f"object from {src}", blocking=True)
     box = [obj]
     with tracing.span("broadcast_object", "comm", src=src, **rec.meta()):
         # NCCL moves the pickled bytes through a tensor on the current CUDA device; gloo through a CPU one.
@@ -300,10 +333,9 @@ def broadcast_object(obj: object, src: int, group: Group) -> object:
 def barrier(group: Group) -> None:
     if group.size == 1:
         return
-    rec = _op("barrier", group, None)
+    rec = _op("barrier", group, None, blocking=True)
     with tracing.span("barrier", "comm", **rec.meta()):
-        dist.barrier(group=group.pg)
-    _flight.done(rec)
+        _complete(rec, dist.barrier(group=group.pg, async_op=True), group)
 
 
 # -- completion --------------------------------------------------------------------------------------------
@@ -430,7 +462,12 @@ class Handle:
                                            f"itself blocked (see that rank's error)")
             else:
                 self.work.wait()
-                self._set_done()
+                if self._nccl:  # only queued: the flight recorder hears of completion from the CUDA event
+                    self._event.set()
+                    if self._op is not None:
+                        _flight.done_when(self._op, self.work.is_completed)
+                else:
+                    self._set_done()
         if self.error is not None:
             raise RuntimeError(f"communication failed: {self.error}") from self.error
         _hold(self._due)
@@ -500,7 +537,8 @@ def _p2p(op: str, t: torch.Tensor, peer: int, group: Group, tag: int) -> Handle:
         time.sleep(max(0.0, due - time.monotonic()))
         return [_issue(op, t, peer, group, 0)]  # NCCL ignores tags: match by order
 
-    _strict.submit([(group.name, peer)], op, h.desc, issue, h._finish)
+    _strict.first_use(group.name, group.ranks, peer, h.desc)  # nccl-lazy: blocks the host, as NCCL does
+    _strict.submit([(_stream(group), peer)], op, h.desc, issue, h._finish)
     return h
 
 
@@ -563,10 +601,26 @@ def batch_isend_irecv(ops: Sequence[P2P]) -> list[Handle]:
         for h in handles:
             h._finish(err)
 
-    streams = sorted({(o.group.name, o.peer) for o in ops})
-    _strict.submit(streams, "group", f"group of {len(ops)} P2P ops with ranks {sorted({o.peer for o in ops})}",
+    what = f"group of {len(ops)} P2P ops with ranks {sorted({o.peer for o in ops})}"
+    for g in {o.group.name: o.group for o in ops}.values():  # grouped calls use the group's communicator
+        _strict.first_use(g.name, g.ranks, None, what)
+    streams = sorted({(_stream(o.group), o.peer) for o in ops})
+    _strict.submit(streams, "group", what,
                    lambda: [_issue(o.op, t, o.peer, o.group, 0) for o, t in zip(ops, tensors)], done)
     return handles
+
+
+def warm_up_link(group: Group, src: int, dst: int) -> None:
+    """One tiny message from `src` to `dst` on a pipeline link at start-up, outside the op records (traces and
+    sequence numbers start with the first real message): on NCCL without device_id this creates the link's
+    2-rank communicator now, in the order every rank follows, not when a schedule first uses it."""
+    me = dist.get_rank()
+    peer = dst if me == src else src
+    if _strict is not None:
+        _strict.first_use(group.name, group.ranks, peer, f"warm-up of link {group.name} {src}->{dst}")
+    device = torch.device("cuda", torch.cuda.current_device()) if _backend(group) == "nccl" else None
+    t = torch.zeros(1, device=device)
+    (dist.send if me == src else dist.recv)(t, peer, group=group.pg)
 
 
 def send(t: torch.Tensor, dst: int, group: Group, tag: int = 0) -> None:

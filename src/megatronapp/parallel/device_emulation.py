@@ -386,13 +386,6 @@ def deactivate() -> None:
     _active = None
 
 
-def activate(device: EmulatedDevice | None) -> None:
-    """Make `device` the active one: a process that keeps several trainers (a benchmark running one step of
-    each in turn) switches to the trainer's device before its step, so its optimizer step is costed on it."""
-    global _active
-    _active = device
-
-
 class _NullTask:
     __slots__ = ()
 

@@ -1,9 +1,11 @@
 """The flight recorder: every rank's recent and in-flight communication ops, for naming who a hung job waits for.
 
 `comm` calls `issue(op)` before it hands an op to torch.distributed and `done(op)` when the op is seen to
-complete (a blocking op returned, an async op's handle completed). It is always on and costs a dict insert and
-delete and a deque append per op. Readers (the resilience heartbeat, a hang dump) call `snapshot()`, which is
-JSON-ready and safe from any thread.
+complete (a blocking op returned, an async op's handle completed). On NCCL a returned `wait()` only means the
+op is queued on its stream, so `comm` hands over a probe instead (`done_when(op, work.is_completed)`): the op
+stays in flight until the probe, checked whenever an op is issued or a snapshot taken, says its CUDA event fired.
+It is always on and costs a dict insert and delete and a deque append per op.
+Readers (the resilience heartbeat, a hang dump) call `snapshot()`, which is JSON-ready and safe from any thread.
 
 Record format (one dict per op; shared with MegaScan's hang analysis, documented in docs/resilience.md):
     {"id": 17, "op": "recv", "group": "pp.act.up", "ranks": [0, 2], "seq": 5, "peer": 0, "bytes": 4096,
@@ -16,8 +18,10 @@ across ranks. The snapshot adds `issued` and `completed`: per stream key, the hi
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 CAPACITY = 128  # completed ops kept; in-flight ops are all kept (they are bounded by the pipeline's windows)
@@ -53,6 +57,8 @@ class FlightRecorder:
         self._ids = itertools.count()
         self._keys: dict[tuple, str] = {}
         self._rank: int | None = None
+        self.unconfirmed: list[tuple[Any, Callable[[], bool]]] = []  # NCCL ops waited on, maybe still running
+        self._sweep_lock = threading.Lock()
 
     def clear(self) -> None:
         self.__init__(self.recent.maxlen or CAPACITY)  # type: ignore[misc]
@@ -71,6 +77,26 @@ class FlightRecorder:
             key = self._keys[cache] = stream_key(op.name, op.group, op.group_ranks, op.peer, self._me())
         self.open[id(op)] = _Entry(next(self._ids), op, key)
         self.issued[key] = op.seq
+        if self.unconfirmed:
+            self._sweep()
+
+    def done_when(self, op: Any, probe: Callable[[], bool]) -> None:
+        """`op` completes when `probe()` says so (a CUDA work's `is_completed`); checked now and later."""
+        if probe():
+            self.done(op)
+            return
+        with self._sweep_lock:
+            self.unconfirmed.append((op, probe))
+
+    def _sweep(self) -> None:
+        with self._sweep_lock:
+            still = []
+            for op, probe in self.unconfirmed:
+                if probe():
+                    self.done(op)
+                else:
+                    still.append((op, probe))
+            self.unconfirmed = still
 
     def done(self, op: Any) -> None:
         e = self.open.pop(id(op), None)
@@ -83,6 +109,8 @@ class FlightRecorder:
 
     def snapshot(self, recent: int = 16) -> dict[str, Any]:
         """In-flight ops (oldest first), the last `recent` completed ones, and per-stream issued/completed seq."""
+        if self.unconfirmed:
+            self._sweep()
         for _ in range(5):  # another thread may add an op while we copy; copies are atomic under the GIL
             try:
                 open_ops = sorted(list(self.open.values()), key=lambda e: e.id)

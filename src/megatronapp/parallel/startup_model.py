@@ -42,6 +42,7 @@ class GroupKind:
     name: str
     count: int
     size: int
+    per_rank: int = 1  # groups of the kind each covered rank is in (the pipeline links: 4)
 
 
 def group_kinds(tp: int, pp: int, dp: int) -> list[GroupKind]:
@@ -50,8 +51,22 @@ def group_kinds(tp: int, pp: int, dp: int) -> list[GroupKind]:
     kinds = [GroupKind(name, w // n, n) for name, n in (("tp", tp), ("pp", pp), ("dp", dp)) if n > 1]
     if pp > 1:
         kinds.append(GroupKind("embd", w // pp, 2))  # first and last stage of each (dp, tp) column
-        kinds += [GroupKind(f"pp.{k}", w // pp, pp) for k in ("act.up", "act.down", "grad.up", "grad.down")]
+        # pipeline links: per column, per ring edge, one 2-rank group each way (activations, gradients)
+        kinds.append(GroupKind("pp.link", 2 * w, 2, per_rank=4))
     return kinds
+
+
+def communicators_per_rank(tp: int, pp: int, dp: int) -> dict[str, int]:
+    """NCCL communicators one (end-stage) rank holds, by group kind: one per multi-member group it is in. The
+    pipeline's 4 links are 2-rank groups with one sender and one receiver each: 4 communicators under eager init
+    (the group's own) and under lazy init (its one pair), made at start-up. Before them (issue 22) the four
+    channel groups spanned the column: 4 pp-rank communicators under eager init, and under lazy init up to 8
+    2-rank pair communicators (each channel with both neighbours), made at first use."""
+    out = {name: 1 for name, n in (("tp", tp), ("pp", pp), ("dp", dp)) if n > 1}
+    if pp > 1:
+        out["embd"] = 1
+        out["pp.link"] = 4
+    return out
 
 
 def layout_groups(tp: int, pp: int, dp: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -62,8 +77,10 @@ def layout_groups(tp: int, pp: int, dp: int) -> list[tuple[str, tuple[int, ...]]
     of = {"tp": shape.tp_ranks, "pp": shape.pp_ranks, "dp": shape.dp_ranks, "embd": shape.embedding_ranks}
     out = []
     for kind in group_kinds(tp, pp, dp):
-        ranks_of = of.get(kind.name, shape.pp_ranks)  # the four pipeline channels span the pp group
-        groups = sorted({ranks_of(r) for r in range(shape.world_size)})
+        if kind.name == "pp.link":  # created in the links' round order (topology.make_links)
+            out += [(kind.name, tuple(sorted((a, b)))) for rnd in shape.link_rounds() for _, a, b in rnd]
+            continue
+        groups = sorted({of[kind.name](r) for r in range(shape.world_size)})
         out += [(kind.name, g) for g in groups if len(g) > 1]
     return out
 
@@ -125,8 +142,9 @@ def engine_groups(rank: int, tp: int, pp: int, dp: int) -> list[tuple[int, ...]]
     embd = topo.embedding_ranks(rank)
     if len(embd) > 1 or pp > 2:  # a middle stage makes a one-member group so every rank makes as many groups
         out.append(embd)
-    if pp > 1:
-        out += [topo.pp_ranks(rank)] * 4  # the pipeline P2P channels
+    for links in topo.link_rounds():  # the pipeline links; a round off every edge: two one-member groups
+        mine = [tuple(sorted((a, b))) for _, a, b in links if rank in (a, b)]
+        out += mine + [(rank,)] * (2 - len(mine))
     return out
 
 
@@ -185,11 +203,14 @@ def startup_time(scheme: str, backend: str, tp: int, pp: int, dp: int, latency_s
         for k in kinds:
             s_k, r_k = _kind_server(backend, k)
             s_groups += s_k
-            r_rank += r_k
-        if pp > 2:  # middle stages' one-member tied-embedding groups
-            one = GroupKind("embd1", w // pp * (pp - 2), 1)
-            s_one, _ = _kind_server(backend, one)
+            r_rank += r_k * k.per_rank
+        # one-member groups: middle stages' tied-embedding ones; with an odd pp, those that keep link rounds
+        # in step (2 per column in each of the two even rounds, 2 per middle stage in the wrap-around round)
+        ones = w // pp * ((pp - 2 if pp > 2 else 0) + (2 * pp if pp % 2 and pp > 1 else 0))
+        if ones:
+            s_one, r_one = _kind_server(backend, GroupKind("one", ones, 1))
             s_groups += s_one
+            r_rank += r_one * (1 + (2 if pp % 2 else 0))  # at most one embedding and two link fillers a rank
         t_groups = max(r_rank * latency_s, s_groups * service_s)
     return {"world": w, "groups": sum(k.count for k in kinds), "init_s": t_init, "groups_s": t_groups,
             "total_s": t_init + t_groups, "server_requests": int(s_init + s_groups)}

@@ -3,9 +3,18 @@
 Layout follows Megatron: tp varies fastest, then dp, then pp, so TP peers share a node and PP crosses nodes.
 Groups are created TP first, then PP, then DP, each with local synchronization: only the member ranks
 rendezvous, with no global barrier per group (MegaScale's fast initialisation).
+
+Pipeline links: one 2-rank group per (payload kind, neighbour pair, direction), so every communicator has one
+sender and one receiver. That is what makes the pipeline correct in both NCCL regimes (docs/architecture.md):
+with eager init (device_id) a group's ops share one stream, so a rank must never receive and send on one group;
+with lazy init the first op of each (group, pair) creates a communicator and blocks until the peer's first op
+there, so the links are created and warmed up at start-up in one global order on every rank, before any
+schedule decides an order of first uses. Each link keeps its channel's name (`pp.act.up`, ...: the direction
+in rank order), so traces and sequence numbers read as before.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -13,6 +22,14 @@ from typing import Any
 import torch.distributed as dist
 
 CHANNELS = ("pp.act.up", "pp.act.down", "pp.grad.up", "pp.grad.down")
+# "pairs": a 2-rank group per pipeline link (the design); "column": the four CHANNELS groups over the whole
+# pipeline column, the layout before issue 22, kept so tests can show the strict modes catch its hangs.
+LINKS = "pairs"
+
+
+def channel_name(kind: str, src: int, dst: int) -> str:
+    """The channel a message of `kind` from `src` to `dst` travels on: its direction in rank order."""
+    return f"pp.{kind}.{'up' if src < dst else 'down'}"
 
 
 @dataclass(frozen=True)
@@ -60,6 +77,7 @@ class Topology:
     dp: int
     rank: int = 0
     groups: dict[str, Group] = field(default_factory=dict)
+    links: dict[tuple[str, int, int], Group] = field(default_factory=dict)  # (kind, src, dst) -> 2-rank group
 
     @property
     def world_size(self) -> int:
@@ -112,7 +130,26 @@ class Topology:
 
     def channel(self, kind: str, src: int, dst: int) -> Group:
         """The P2P group that carries `kind` ("act" or "grad") from global rank `src` to `dst`."""
-        return self.groups[f"pp.{kind}.{'up' if src < dst else 'down'}"]
+        link = self.links.get((kind, src, dst))
+        if link is not None:
+            return link
+        return self.groups[channel_name(kind, src, dst)]  # the whole-column layout (LINKS = "column")
+
+    def link_rounds(self) -> list[list[tuple[str, int, int]]]:
+        """Every pipeline link of the job, (kind, src, dst), in the order all ranks create them in: rounds in
+        which each rank is on at most one neighbour edge (a ring edge colouring: even edges, odd edges, and for
+        an odd pp the wrap-around edge alone). On an edge s -> s+1: activations s -> s+1, then gradients back."""
+        pp = self.pp
+        if pp == 1:
+            return []
+        colour = [(s % 2 if s < pp - 1 or pp % 2 == 0 else 2) for s in range(pp)]
+        rounds: list[list[tuple[str, int, int]]] = [[] for _ in range(max(colour) + 1)]
+        for dp in range(self.dp):
+            for tp in range(self.tp):
+                for s in range(pp):
+                    a, b = self.rank_at(dp, s, tp), self.rank_at(dp, (s + 1) % pp, tp)
+                    rounds[colour[s]] += [("act", a, b), ("grad", b, a)]
+        return rounds
 
     def prev_rank(self) -> int | None:
         """Global rank of the previous pipeline stage (wrapping, for interleaved chunks)."""
@@ -156,12 +193,42 @@ def build(tp: int, pp: int, dp: int, rank: int | None = None) -> Topology:
         if initialized and (len(ranks) > 1 or (name == "embd" and topo.pp > 2)):
             pg = dist.new_group(list(ranks), use_local_synchronization=True)
         topo.groups[name] = Group(name, ranks, pg)
-    if pp > 1:
-        # Pipeline P2P channels: a group per (payload kind, direction), so that on every (group, pair) NCCL
-        # stream traffic flows one way only: a receive posted early never blocks a send (see pipeline/p2p.py).
+    if pp > 1 and LINKS == "column":
         ranks = topo.pp_ranks(rank)
         for name in CHANNELS:
             pg = dist.new_group(list(ranks), use_local_synchronization=True) if initialized else None
             topo.groups[name] = Group(name, ranks, pg)
+    elif pp > 1:
+        make_links(topo, lambda ranks: dist.new_group(list(ranks), use_local_synchronization=True)
+                   if initialized else None, warm=initialized)
     topo.groups["world"] = Group("world", tuple(range(topo.world_size)), dist.group.WORLD if initialized else None)
     return topo
+
+
+def make_links(topo: Topology, new_group: Callable[[tuple[int, ...]], Any], warm: bool,
+               every_rank: bool = False) -> None:
+    """Create this rank's pipeline links round by round, then warm each up (one tiny message) in the same order,
+    so lazily created NCCL communicators are made before any schedule runs. torch names a locally synchronised
+    group after its ranks and the number of groups its maker made before, so in a round where this rank is on
+    no edge it makes two one-member groups, as its peers make their edge's two. `every_rank`: `new_group` is a
+    collective of the whole world (MegaFBD makes every group on every rank)."""
+    from megatronapp.parallel import comm  # comm imports this module
+
+    mine = []
+    for links in topo.link_rounds():
+        made = 0
+        for kind, src, dst in links:
+            ranks = tuple(sorted((src, dst)))
+            member = topo.rank in ranks
+            if not (member or every_rank):
+                continue
+            pg = new_group(ranks)
+            if member:
+                g = topo.links[(kind, src, dst)] = Group(channel_name(kind, src, dst), ranks, pg)
+                mine.append((g, src, dst))
+                made += 1
+        for _ in range(0 if every_rank else 2 - made):
+            new_group((topo.rank,))
+    if warm:
+        for g, src, dst in mine:
+            comm.warm_up_link(g, src, dst)

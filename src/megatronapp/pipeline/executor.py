@@ -286,7 +286,8 @@ class PipelineExecutor:
         with tracing.span("forward", "compute", chunk=t.chunk, microbatch=t.microbatch), self._device("F", t):
             out = self.chunks[t.chunk](x, labels=labels if last else None)
         if last:
-            losses[t.microbatch] = float(out.detach())
+            # on a GPU the loss stays on the device: one sync per step (trainer.global_loss), not per microbatch
+            losses[t.microbatch] = out.detach() if out.is_cuda else float(out.detach())
             out = out * loss_scale
         else:
             self.links.send("F", self._next_chunk(t.chunk), t.microbatch, out)

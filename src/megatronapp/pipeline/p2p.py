@@ -68,6 +68,8 @@ class StageLinks:
         self.step = 0
         self.window = 1
         self.peak_buffers = 0  # receive buffers held at once (posted + arrived, not yet consumed)
+        self._side: torch.cuda.Stream | None = None  # GPU: header reads wait for their receive only
+        self._pinned: torch.Tensor | None = None
 
     # -- a step ---------------------------------------------------------------------------------------------
     def start(self, step: int, expected: dict[str, int], window: int) -> None:
@@ -95,8 +97,7 @@ class StageLinks:
     def _take_head(self, ch: _Inbound) -> Key:
         """The head receive of `ch` has completed: file its payload under the header's key, post another."""
         buf, handle = ch.posted.popleft()
-        handle.wait()  # NCCL: orders this stream after the receive before the header is read
-        step, kind, chunk, mb = buf[:HEADER_BYTES].view(torch.int32).tolist()
+        step, kind, chunk, mb = self._header(buf, handle)
         if step != self.step % 2**31 or kind != _KIND[ch.kind]:
             raise RuntimeError(f"pipeline message out of order on the {ch.kind} channel from rank {ch.src}: header "
                                f"(step {step}, kind {kind}, chunk {chunk}, microbatch {mb}) during step {self.step}")
@@ -105,6 +106,28 @@ class StageLinks:
         self.new.append(key)
         self._post(ch)
         return key
+
+    def _header(self, buf: torch.Tensor, handle: comm.Handle) -> list[int]:
+        """The 16-byte header of a received message, on the host: the key decides which task can run.
+
+        On CPU a plain read. On a GPU `.tolist()` on the compute stream would wait for every kernel queued
+        there; instead a side stream waits for the receive alone, copies the header into pinned memory and the
+        host waits for that copy only (the receive has completed when `poll` takes it); the compute stream is
+        ordered after the receive without the host (an event), before the payload is used."""
+        if buf.device.type != "cuda":
+            handle.wait()
+            return buf[:HEADER_BYTES].view(torch.int32).tolist()
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=buf.device)
+            self._pinned = torch.empty(HEADER_BYTES // 4, dtype=torch.int32, pin_memory=True)
+        with torch.cuda.stream(self._side):
+            handle.wait()  # orders the side stream (the current one here) after the receive
+            self._pinned.copy_(buf[:HEADER_BYTES].view(torch.int32), non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._side)
+        torch.cuda.current_stream(buf.device).wait_event(copied)  # payload used on the compute stream after it
+        copied.synchronize()
+        return self._pinned.tolist()
 
     def poll(self) -> bool:
         """Take every message that has arrived (never blocks); True if any did. Also drops finished sends."""

@@ -84,9 +84,12 @@ def sync_replicated_grads(chunks: list[torch.nn.Module], topo: topology_mod.Topo
             sync_sequence_parallel_grads(chunk, topo.tp_group)
 
 
-def global_loss(losses: list[float], topo: topology_mod.Topology, device: torch.device) -> float:
+def global_loss(losses: list[float] | list[torch.Tensor], topo: topology_mod.Topology, device: torch.device) -> float:
     """Mean loss of the global batch, known on every rank (the last stage has it; DP replicas average)."""
-    t = torch.tensor([sum(losses) / len(losses) if losses else 0.0], dtype=torch.float64, device=device)
+    if losses and isinstance(losses[0], torch.Tensor):  # a GPU's microbatch losses, still on the device
+        t = torch.stack([x.to(torch.float64) for x in losses]).mean().reshape(1)
+    else:
+        t = torch.tensor([sum(losses) / len(losses) if losses else 0.0], dtype=torch.float64, device=device)
     comm.all_reduce(t, topo.pp_group)
     comm.all_reduce(t, topo.dp_group)
     return float(t) / topo.dp
