@@ -129,8 +129,12 @@ def phases(tb: Table) -> Phases:
     win_end_flat[flat[sm]] = end[sm]
     win_start = np.full(shape, np.nan)
     win_start.ravel()[flat[sm]] = tb.ts[sm]
-    # An iteration's window starts where the previous one ended: stalls between iterations count too.
+    # An iteration's window starts where the previous one ended: stalls between iterations count too. Only the
+    # previous iteration by number: between two trace windows (iterations 1-4 and 6-9 of a profiler schedule)
+    # lie untraced iterations and the export of the first window, no part of the next iteration.
     prev_end = np.concatenate([win_start[:, :1], win_end[:, :-1]], axis=1)
+    follows = np.r_[False, np.diff(iters) == 1] if n_it else np.zeros(0, bool)
+    prev_end[:, :n_it][:, ~follows] = np.nan
     start = np.where(np.isnan(prev_end), win_start, prev_end)
     window = win_end - start
     cover = _union_per_cell(tb, ~step & ok, flat, W * shape[1]).reshape(shape)
