@@ -139,3 +139,10 @@ def test_a_file_without_profiler_steps_is_named():
         (Path(d) / "r0.json").write_text(json.dumps(_trace(0, 1, ev)))
         traces, problems = read_traces(d)
         assert traces == [] and "no ProfilerStep#N" in problems[0], problems
+
+
+def test_a_missing_directory_is_a_clear_error_not_a_traceback(tmp_path):
+    import pytest
+
+    with pytest.raises(SystemExit, match="does not exist"):
+        _main(["scan", "detect", str(tmp_path / "nowhere")])

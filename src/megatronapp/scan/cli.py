@@ -11,7 +11,10 @@ from megatronapp.scan.traces import read_traces
 
 def _load(trace_dir: str, align: bool):
     """Read a trace directory (problems to stderr) and optionally estimate clock offsets."""
-    traces, problems = read_traces(trace_dir)
+    try:
+        traces, problems = read_traces(trace_dir)
+    except FileNotFoundError as e:
+        raise SystemExit(f"scan: {e}") from None
     for p in problems:
         print(f"scan: {p}", file=sys.stderr)
     if not traces:
