@@ -96,8 +96,9 @@ def test_detect_align_uses_drift_so_arrivals_hours_apart_keep_their_order(tmp_pa
     # whose clocks drift tens of ppm: offsets alone are off by 100+ ms at the far end of the run, far more than
     # the gaps between arrivals at a collective; offsets + drift put every arrival within 0.2 ms.
     from megatronapp.scan.align import row_offsets
-    from megatronapp.scan.detect import detect, join
+    from megatronapp.scan.detect import detect
     from megatronapp.scan.simulate import simulate
+    from megatronapp.scan.table import join
 
     res = simulate(tmp_path, 32, 2, 2, iterations=6, seed=3, clock_ppm=50.0, faults=["late-arrival=5:8"])
     off, ppm = np.array(res.offsets_ns), np.array(res.drift_ppm) * 1e-6

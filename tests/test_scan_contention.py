@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from megatronapp.scan.contention import STARVED, cpu_wait_share, starved_note
-from megatronapp.scan.detect import detect, join
+from megatronapp.scan.detect import detect
 from megatronapp.scan.format import read_dir
+from megatronapp.scan.table import join
 
 DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
 

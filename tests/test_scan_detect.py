@@ -8,24 +8,15 @@ import numpy as np
 import pytest
 
 from megatronapp.scan import align
-from megatronapp.scan.detect import (
-    Thresholds,
-    _explained_by_links,
-    _links_of_slow_ranks,
-    _merge_directions,
-    _pauses_of_slow_ranks,
-    _size_classes,
-    analyse,
-    detect,
-    join,
-    match_p2p,
-    phases,
-)
+from megatronapp.scan.detect import Thresholds, analyse, detect
 from megatronapp.scan.evidence import excursion_noise
 from megatronapp.scan.findings import Finding
+from megatronapp.scan.fold import explained_by_links, links_of_slow_ranks, merge_directions, pauses_of_slow_ranks
 from megatronapp.scan.format import RankWriter, read_dir
+from megatronapp.scan.links import size_classes
 from megatronapp.scan.perturb import Perturbation, declare_stage_work, perturb, shift_clocks
 from megatronapp.scan.simulate import Costs, simulate
+from megatronapp.scan.table import join, match_p2p, phases
 
 # 32 ranks: tp=2, pp=4, dp=4. rank = tp + 2*(dp + 4*pp).
 
@@ -100,11 +91,11 @@ def test_a_slow_ranks_own_pauses_fold_into_its_slow_compute_but_a_bigger_pause_i
     def pause(excess):
         return Finding("transient-pause", (9,), slow.coords, f"+{excess:.1f} ms in 4 of 5 iterations", 2.0, excess,
                        1.0, {"iterations": [0, 1, 2, 3]})
-    folded = _pauses_of_slow_ranks([slow, pause(2.5 * expected)], a.phases, a.table)
+    folded = pauses_of_slow_ranks([slow, pause(2.5 * expected)], a.phases, a.table)
     assert [f.kind for f in folded] == ["slow-compute"] and folded[0].confidence == 1.0
     (explained,) = folded[0].evidence["pauses_explained"]
     assert explained["iterations"] == [0, 1, 2, 3] and explained["expected_ms"] == pytest.approx(expected, abs=1e-3)
-    kept = _pauses_of_slow_ranks([slow, pause(4 * expected)], a.phases, a.table)
+    kept = pauses_of_slow_ranks([slow, pause(4 * expected)], a.phases, a.table)
     assert [f.kind for f in kept] == ["slow-compute", "transient-pause"]
 
 
@@ -351,7 +342,7 @@ def test_a_slow_dp_pair_is_judged_against_the_other_stages_dp_groups(link, ms):
 
 def test_payloads_within_five_percent_are_one_class_and_a_slow_ranks_group_collective_folds_into_it():
     names, sizes = np.array([1, 1, 1, 1, 2]), np.array([242432, 234752, 8, 300000, 242432])
-    c = _size_classes(names, sizes)
+    c = size_classes(names, sizes)
     assert c[0] == c[1] and len({c[0], c[2], c[3], c[4]}) == 4
     coords = [{"rank": r, "dp": 0, "pp": 0, "tp": 0} for r in range(3)]
     slow = Finding("slow-compute", (1,), coords[1:2], "2.00x compute", 2.0, 10.0, 1.0, {})
@@ -363,7 +354,7 @@ def test_payloads_within_five_percent_are_one_class_and_a_slow_ranks_group_colle
     from_slow = Finding("slow-link", (1, 0), coords[1::-1], "2x on P2P 1-0", 2.0, 9.0, 1.0, {"what": "P2P"})
     stalls = Finding("slow-link", (0, 1), coords[:2], "+20 ms stalled", 3.0, 20.0, 1.0,
                      {"what": "P2P", "method": "send stalls"})
-    kept = _links_of_slow_ranks([slow, coll, to_slow, from_slow, stalls])
+    kept = links_of_slow_ranks([slow, coll, to_slow, from_slow, stalls])
     assert kept == [slow, from_slow, stalls]
     assert [e["slowdown"] for e in slow.evidence["links_also_slow"]] == [coll.slowdown, to_slow.slowdown]
 
@@ -374,7 +365,7 @@ def test_two_views_of_one_link_report_the_larger_cost_under_the_more_confident_l
     coords = [{"rank": r, "dp": 0, "pp": r, "tp": 0} for r in range(2)]
     floor = Finding("slow-link", (0, 1), coords, "floor", 1.1, 0.08, 1.0, {"what": "P2P"})
     stall = Finding("slow-link", (1, 0), coords[::-1], "stall", 3.0, 20.0, 0.8, {"what": "P2P"})
-    (f,) = _merge_directions([floor, stall])
+    (f,) = merge_directions([floor, stall])
     assert f is floor and f.excess_ms == 20.0 and f.evidence["excess_ms_of_lead_view"] == 0.08
 
 
@@ -482,7 +473,7 @@ def test_time_waiting_for_a_cpu_is_not_a_slow_rank():
 
 
 def test_a_link_slow_in_only_a_few_transfers_is_not_named():
-    from megatronapp.scan.detect import sign_p
+    from megatronapp.scan.evidence import sign_p
 
     assert sign_p(5, 5) == 1 / 32 and sign_p(0, 7) == 1.0 and abs(sign_p(6, 8) - 37 / 256) < 1e-12
     # The 4 iterations a job finished before it hung: one DP group's all-reduces were slow in its first
@@ -523,11 +514,11 @@ def test_a_link_found_by_its_ends_stalls_explains_their_slow_compute_not_the_oth
     slow = Finding("slow-compute", (3,), [coords[3]], "1.56x compute", 1.56, 37.1, 0.71, {})
     late = Finding("late-arrival", (1,), [coords[1]], "+33.7 ms", 1.3, 33.7, 0.7, {})
     other = Finding("slow-compute", (0,), [coords[0]], "1.5x compute", 1.5, 30.0, 0.7, {})
-    kept = _links_of_slow_ranks(_explained_by_links([slow, late, other], [link]) + [link])
+    kept = links_of_slow_ranks(explained_by_links([slow, late, other], [link]) + [link])
     assert kept == [other, link] and len(link.evidence["explains"]) == 2
     # Twice the stall is more than the link explains: a slow rank of its own.
     big = Finding("slow-compute", (3,), [coords[3]], "3x compute", 3.0, 90.0, 1.0, {})
-    assert _links_of_slow_ranks(_explained_by_links([big], [link]) + [link]) == [big, link]
+    assert links_of_slow_ranks(explained_by_links([big], [link]) + [link]) == [big, link]
 
 
 @pytest.mark.parametrize("recording, link, ms", [("scan_real_quiet", (0, 1), 6), ("scan_real", (2, 3), 15)])
@@ -545,7 +536,7 @@ def test_the_slower_of_two_dp_groups_is_named_on_paired_instances(recording, lin
 
 
 def test_two_units_need_a_consistent_difference_above_their_spread():
-    from megatronapp.scan.detect import _slower_of_two
+    from megatronapp.scan.links import slower_of_two
 
     rng = np.random.default_rng(3)
     n, ms = 20, 1e6
@@ -556,7 +547,7 @@ def test_two_units_need_a_consistent_difference_above_their_spread():
         unit = np.r_[np.zeros(n, np.int64), np.ones(n, np.int64)]
         t = np.r_[base, base + extra + rng.normal(0, jitter, n)]
         inst = np.r_[np.arange(n), np.arange(n)]
-        return _slower_of_two(tb, Thresholds(), np.array([0, 1]), unit, t, inst, 5.0, lambda u: (2 * u, 2 * u + 1),
+        return slower_of_two(tb, Thresholds(), np.array([0, 1]), unit, t, inst, 5.0, lambda u: (2 * u, 2 * u + 1),
                               "collective")
 
     assert judge(np.full(n, 10 * ms)).ranks == (2, 3)  # +10 ms in every instance

@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatronapp.scan.detect import _LAYER, analyse, detect, exclusive_time, join, phases
+from megatronapp.scan.detect import analyse, detect
 from megatronapp.scan.format import CAT_INDEX, read_dir
 from megatronapp.scan.layercost import layer_kind, measured_stage_work
 from megatronapp.scan.perturb import Perturbation, perturb
+from megatronapp.scan.table import LAYER, exclusive_time, join, phases
 
 FULL = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "scan_real_full"
 
@@ -27,7 +28,7 @@ def _traces(layout="pp4"):
 def _work(traces):
     tb = join(traces)
     ph = phases(tb)
-    return measured_stage_work(tb, ph, exclusive_time(tb, tb.cat == _LAYER))
+    return measured_stage_work(tb, ph, exclusive_time(tb, tb.cat == LAYER))
 
 
 def _without_stage_work(traces):

@@ -21,7 +21,8 @@ from typing import IO, Any
 import numpy as np
 
 from megatronapp.scan.align import estimate_offsets, to_reference
-from megatronapp.scan.format import CATS, RankTrace, read_dir
+from megatronapp.scan.format import CATS, RankTrace
+from megatronapp.scan.traces import read_traces
 
 TID_COMPUTE, TID_COMM = 0, 1
 _COMM = CATS.index("comm")
@@ -121,7 +122,7 @@ def aggregate(trace_dir: str | Path, out_path: str | Path, offsets: dict[int, in
     `offsets` (ns per rank, relative to rank 0) overrides the estimate from the traces' own anchors. `ranks`
     writes only those ranks; `only_flagged` only the ranks detect names plus their peers (with_peers) and, when
     nothing is found, no rank at all (the report says so). Flow arrows are kept between written ranks."""
-    traces, problems = read_dir(trace_dir)
+    traces, problems = read_traces(trace_dir)
     report: dict[str, Any] = {"out": str(out_path), "ranks": [t.rank for t in traces], "problems": problems}
     keep: set[int] | None = None
     if ranks is not None:

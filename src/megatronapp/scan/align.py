@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from megatronapp.scan.format import CAT_INDEX, RankTrace
+from megatronapp.scan.stats import group_median
 
 # Collectives whose members all block until every member arrived (broadcast's root may leave early).
 ANCHOR_OPS = frozenset({"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -251,9 +252,7 @@ def _edges(samples: tuple, ranks: list[int], origin: dict[int, int], t0: int, dr
 
 
 def _gmedian(g: np.ndarray, v: np.ndarray, n: int) -> np.ndarray:
-    """Median of v per group id in [0, n), NaN for a group with no sample (detect.group_median, dense)."""
-    from megatronapp.scan.detect import group_median  # detect imports this module
-
+    """Median of v per group id in [0, n), NaN for a group with no sample (stats.group_median, dense)."""
     med = np.full(n, np.nan)
     uk, m, _ = group_median(g, v)
     med[uk] = m

@@ -6,12 +6,15 @@ import json
 import sys
 from pathlib import Path
 
-from megatronapp.scan.format import read_dir
+from megatronapp.scan.traces import read_traces
 
 
 def _load(trace_dir: str, align: bool):
     """Read a trace directory (problems to stderr) and optionally estimate clock offsets."""
-    traces, problems = read_dir(trace_dir)
+    try:
+        traces, problems = read_traces(trace_dir)
+    except FileNotFoundError as e:
+        raise SystemExit(f"scan: {e}") from None
     for p in problems:
         print(f"scan: {p}", file=sys.stderr)
     if not traces:
@@ -95,7 +98,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `scan` command and its sub-commands to the main CLI."""
     scan = subparsers.add_parser("scan", help="MegaScan: merge traces, find slow ranks and links, simulate",
-                                 description="MegaScan trace tools. A trace directory holds rank*.mst files.")
+                                 description="MegaScan trace tools. A trace directory holds rank*.mst files, or "
+                                             "PyTorch profiler (Kineto) traces: *.json[.gz] with distributedInfo.")
     sub = scan.add_subparsers(dest="scan_command", metavar="SUBCOMMAND", required=True)
 
     p = sub.add_parser("aggregate", help="merge rank files into one Perfetto/Chrome trace with aligned clocks")
@@ -110,7 +114,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_aggregate)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("dir", help="trace directory (rank*.mst)")
+        p.add_argument("dir", help="trace directory (rank*.mst, or PyTorch profiler *.json[.gz])")
         p.add_argument("--align", action="store_true",
                        help="estimate clock offsets first and use aligned start times (default: skew-free "
                             "duration-based analysis)")

@@ -13,14 +13,10 @@ oversubscribed host, and link findings into those ranks are to be confirmed (`me
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from megatronapp.scan.format import CAT_INDEX
-
-if TYPE_CHECKING:
-    from megatronapp.scan.detect import Table
+from megatronapp.scan.table import Table
 
 STARVED = 0.5  # share of work time spent waiting for a CPU above which transfer timings are the scheduler's
 _WORK = (CAT_INDEX["compute"], CAT_INDEX["data"], CAT_INDEX["optimizer"])

@@ -19,15 +19,12 @@ of the other). Three views do not depend on that:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from megatronapp.scan.findings import Finding, Thresholds
 from megatronapp.scan.format import CAT_INDEX
-
-if TYPE_CHECKING:
-    from megatronapp.scan.detect import Table
+from megatronapp.scan.table import Table, coord
 
 MS = 1e6
 _COMPUTE, _COMM, _OPT, _DATA = (CAT_INDEX[c] for c in ("compute", "comm", "optimizer", "data"))
@@ -52,11 +49,6 @@ def excursion_noise(x: np.ndarray, present: np.ndarray) -> float:
         up = np.nanmax(rows, axis=1) - np.nanmedian(rows, axis=1)
     typical = float(np.nanmedian(up)) if np.isfinite(up).any() else 0.0
     return typical * _EXPECTED_REACH[10] / _EXPECTED_REACH[min(n, 10)]
-
-
-def _coord(tb: Table, r: int) -> dict:
-    dp, pp, tp = (int(v) for v in tb.coords[r])
-    return {"rank": int(r), "dp": dp, "pp": pp, "tp": tp}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -226,7 +218,7 @@ def floor_findings(tb: Table, excl: np.ndarray, iters: np.ndarray, th: Threshold
                           int(above[r]), int(judged[r])), 5), compute_ratio_by_iteration=[
                           None if not np.isfinite(v) else round(float(v), 3) for v in q[r]])
         conf *= 0.85 if peers <= 1 else 1.0  # one peer, or only other stages' work (a lone stage)
-        out.append(Finding("slow-compute", (int(r),), [_coord(tb, r)],
+        out.append(Finding("slow-compute", (int(r),), [coord(tb, r)],
                            f"{what} (+{excess[r]:.1f} ms per iteration at floor speed)",
                            round(float(factor), 3), round(float(excess[r]), 3), round(float(conf), 3), ev))
     return out
@@ -335,7 +327,7 @@ def stall_link_findings(tb: Table, stall: np.ndarray, iters: np.ndarray, th: Thr
               "peer_stall_ms": [fa["peer_stall_ms"], fb["peer_stall_ms"]],
               "median_ms": round(base + excess_ms, 4), "peer_median_ms": round(base, 4),
               "stall_ms_per_iteration": {a: round(fa["lost_ms"], 3), b: round(fb["lost_ms"], 3)}}
-        out.append(Finding("slow-link", (a, b), [_coord(tb, a), _coord(tb, b)],
+        out.append(Finding("slow-link", (a, b), [coord(tb, a), coord(tb, b)],
                            f"+{excess_ms:.1f} ms stalled before each send on link {a}-{b} (both directions)",
                            round(float(factor), 3), round(float(excess_ms), 3), round(float(conf), 3), ev))
     return out

@@ -25,16 +25,13 @@ stack split unevenly) would need a name per shape.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatronapp.scan.evidence import _coord, op_floors
+from megatronapp.scan.evidence import op_floors
 from megatronapp.scan.findings import Finding, Thresholds
 from megatronapp.scan.format import CAT_INDEX
-
-if TYPE_CHECKING:
-    from megatronapp.scan.detect import Phases, Table
+from megatronapp.scan.table import Phases, Table, coord
 
 _LAYER = CAT_INDEX["layer"]
 _INDEX = re.compile(r"\.\d+$")
@@ -129,7 +126,7 @@ def layer_findings(tb: Table, ph: Phases, layer_excl: np.ndarray | None, th: Thr
               "layer_floor_ms": round(float(np.nanmedian(per_it[r])), 4),
               "other_stages_layer_floor_ms": round(float(np.nanmedian(ref)), 4),
               "iterations": [int(t) for t, h in zip(ph.iters[ok], high) if h]}
-        out.append(Finding("slow-compute", (int(r),), [_coord(tb, r)],
+        out.append(Finding("slow-compute", (int(r),), [coord(tb, r)],
                            f"{factor:.2f}x the other stages' time for the same layer at its fastest "
                            f"(+{excess:.1f} ms per iteration in its layers alone)", round(factor, 3), round(excess, 3),
                            round(conf, 3), ev))

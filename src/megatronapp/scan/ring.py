@@ -21,23 +21,15 @@ across nodes, and tree algorithms have no ring); a ring of two is already a pair
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from megatronapp.scan.findings import Finding, Thresholds
-
-if TYPE_CHECKING:
-    from megatronapp.scan.detect import Table
+from megatronapp.scan.stats import group_median
+from megatronapp.scan.table import Table, coord
 
 MS = 1e6
 _CG_STEPS = 300  # conjugate-gradient steps for the bridge's least squares (converges in far fewer)
 _MAX_SCREENED = 8  # groups judged again after the screen (each costs one bridge)
-
-
-def _coord(tb: Table, r: int) -> dict:
-    dp, pp, tp = (int(v) for v in tb.coords[r])
-    return {"rank": int(r), "dp": dp, "pp": pp, "tp": tp}
 
 
 def probe_command(tb: Table, kind: str, rank: int) -> str:
@@ -56,8 +48,6 @@ def bridge_offsets(tb: Table, coll: np.ndarray, inst: np.ndarray, slow: set[int]
     its exit minus the group's first member's exit is one edge; offsets follow the edges breadth-first. The slow
     groups (`slow`, group ids) are left out: their members do not leave together."""
     from collections import deque
-
-    from megatronapp.scan.detect import group_median
 
     keep = ~np.isin(tb.gkey[coll], list(slow))
     rows, key = coll[keep], inst[keep]
@@ -175,7 +165,7 @@ def localise(tb: Table, th: Thresholds, f: Finding, kind: str, rank: np.ndarray,
             if probe:
                 ev["probe"] = probe_command(tb, kind, a)
             conf = round(f.confidence * frac, 3)  # the group is slow (f); the pair holds in `frac` of instances
-            return Finding("slow-link", (a, b), [_coord(tb, a), _coord(tb, b)],
+            return Finding("slow-link", (a, b), [coord(tb, a), coord(tb, b)],
                            f"{f.factor:.2f}x ring collective time in {kind} group of {n} ranks; members leave "
                            f"{jump / MS:.2f} ms later from rank {a} to rank {b}: link {a}->{b}", f.factor,
                            f.excess_ms, conf, ev)
@@ -195,8 +185,6 @@ def scan_groups(tb: Table, th: Thresholds, coll: np.ndarray, inst: np.ndarray, f
     Two passes: every group of three or more is screened on offsets bridged through all unflagged groups (its own
     step is then partly absorbed, so the screen is lenient), and the groups that pass are judged again on offsets
     bridged without them, by `localise` with the candidate count of the whole screen in the z."""
-    from megatronapp.scan.detect import group_median
-
     W = tb.world
     sizes = np.array([len(r) for _, r in tb.groups])
     pool = [g for g in np.unique(tb.gkey[coll]).tolist() if sizes[g] >= 3 and g not in flagged]
@@ -287,7 +275,7 @@ def scan_groups(tb: Table, th: Thresholds, coll: np.ndarray, inst: np.ndarray, f
             if factor < 1 + th.link_rel or jump < th.link_abs_ms * MS:
                 continue  # a step, but one that costs the link less than a slow link must (as for groups)
             conf = round(min(1.0, 0.5 + (z - zmin) / (4 * zmin)), 3)
-            f = Finding("slow-link", tuple(int(x) for x in members), [_coord(tb, x) for x in members],
+            f = Finding("slow-link", tuple(int(x) for x in members), [coord(tb, x) for x in members],
                         f"{factor:.2f}x on one ring link (est.)", round(factor, 3),
                         round((factor - 1) * cost / MS, 4), max(conf, 0.5),
                         {"what": "collective", "transfers": int(len(per)), "median_ms": round(cost / MS, 4),

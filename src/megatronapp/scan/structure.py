@@ -18,24 +18,15 @@ those two ranks, not by the group.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from megatronapp.scan.evidence import excursion_noise, group_quantile
 from megatronapp.scan.findings import Finding, Thresholds
 from megatronapp.scan.format import CAT_INDEX
-
-if TYPE_CHECKING:
-    from megatronapp.scan.detect import Phases, Table, Waits
+from megatronapp.scan.table import Phases, Table, Waits, coord
 
 MS = 1e6
 _COMM = CAT_INDEX["comm"]
-
-
-def _coord(tb: Table, r: int) -> dict:
-    dp, pp, tp = (int(v) for v in tb.coords[r])
-    return {"rank": int(r), "dp": dp, "pp": pp, "tp": tp}
 
 
 def lone_stage_findings(tb: Table, ph: Phases, waits: Waits, th: Thresholds,
@@ -74,7 +65,7 @@ def lone_stage_findings(tb: Table, ph: Phases, waits: Waits, th: Thresholds,
               "others_waited_beyond_it_ms": round(float(np.nanmedian(held[hit])), 3),
               "reference": "median of the other stages" + (" (normalised by stage_work)" if stage_work else ""),
               "noise_ms": round(noise, 3)}
-        out.append(Finding("slow-compute", (r,), [_coord(tb, r)],
+        out.append(Finding("slow-compute", (r,), [coord(tb, r)],
                            f"{factor:.2f}x the other stages' work, which wait for it (+{excess:.1f} ms per "
                            "iteration)", round(factor, 3), round(excess, 3), conf, ev))
     return out
@@ -122,7 +113,7 @@ def lone_stage_pauses(tb: Table, ph: Phases, th: Thresholds) -> list[Finding]:
               "iterations": [int(ph.iters[k]) for k in hb], "calm_ms": round(float(calm[i]), 3),
               "noise_ms": round(noise, 3), "reference": "other lone stages' swing in the same iteration"}
         factor = float(np.nanmedian(x[i, hb] / ref[i, hb]))
-        out.append(Finding("transient-pause", (int(r),), [_coord(tb, int(r))],
+        out.append(Finding("transient-pause", (int(r),), [coord(tb, int(r))],
                            f"+{excess:.1f} ms in {len(hb)} of {n_it} iterations", round(factor, 3),
                            round(excess, 3), conf, ev))
     return out
@@ -176,7 +167,7 @@ def collective_stall_findings(tb: Table, stall: np.ndarray, iters: np.ndarray, t
               "transfers": int(sum(n[j] for j in js)), "median_ms": round(ex + th.stall_floor_ms, 4),
               "peer_median_ms": th.stall_floor_ms,
               "stall_ms_per_iteration": {r: round(_stall_per_iteration(tb, coll, ex, g, r), 3) for r in (a, b)}}
-        out.append(Finding("slow-link", (a, b), [_coord(tb, a), _coord(tb, b)],
+        out.append(Finding("slow-link", (a, b), [coord(tb, a), coord(tb, b)],
                            f"+{ex:.1f} ms stalled before each {gname} collective on link {a}-{b} (both ends, no "
                            f"other member of the {size}-rank group)", round((ex + th.stall_floor_ms)
                                                                              / th.stall_floor_ms, 3),

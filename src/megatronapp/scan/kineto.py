@@ -1,0 +1,309 @@
+"""PyTorch profiler (Kineto) traces in: a directory of `torch.profiler` Chrome JSON files read as rank traces.
+
+What users who profile their jobs already hold: one or more `*.json` / `*.json.gz` files per rank (one per
+profiling window), each with `distributedInfo` (rank, world_size, process groups). Mapped onto MegaScan's spans:
+
+- steps: `ProfilerStep#N` annotations; every other event belongs to the step whose window holds its start.
+- communication: on a GPU trace the NCCL kernels (device time; their args name the collective, the element
+  count and dtype, the process group and its ranks); on a CPU trace the `gloo:*` / `nccl:*` record_function
+  annotations, which gloo runs on its worker threads for the whole collective (waiting for the last member
+  included). Instances are numbered per process group in each step, or by the `Seq` arg where the trace has one,
+  so the same collective has the same number on every rank. Point-to-point ops have no peer in these args:
+  they count as communication time but are not matched as links.
+- compute: on a GPU trace every other kernel and memcpy; on a CPU trace the outermost op of each thread
+  (`Optimizer.*` as optimizer, DataLoader iterations as data), nested ops are inside it.
+Every rank is one data-parallel replica of one stage (coord (rank, 0, 0)): Kineto records no TP/PP layout.
+Nothing in a file decides what code runs: it is parsed as JSON and read as numbers and names. Files above
+`max_bytes` (decompressed) are skipped and named, as are files that are no trace or carry no rank.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from megatronapp.scan.format import CAT_INDEX, RankTrace
+
+MAX_BYTES = 2 << 30  # a profiler window of one rank is tens to hundreds of MB; past this it is not read
+SUFFIXES = (".json", ".json.gz")
+_STEP = re.compile(r"^ProfilerStep#(\d+)$")
+_COMM_ANNOTATION = re.compile(r"^(?:nccl|gloo|mpi|ucc|xccl):(\w+)$")
+_NCCL_KERNEL = re.compile(r"^nccl(?:Dev)?Kernel_([A-Za-z]+)")
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "half": 2, "float16": 2, "bfloat16": 2,
+                "long": 8, "int64": 8, "int": 4, "int32": 4, "short": 2, "int16": 2, "char": 1, "int8": 1,
+                "byte": 1, "uint8": 1, "bool": 1}
+_SEQ_STRIDE = 1_000_000  # instance number = step * stride + order in the step (where the trace has no Seq)
+
+
+class KinetoError(ValueError):
+    """A file that is not a usable profiler trace (named in the message)."""
+
+
+def kineto_files(trace_dir: str | Path) -> list[Path]:
+    """The profiler trace files of a directory (`*.json`, `*.json.gz`), sorted by name."""
+    return sorted(p for p in Path(trace_dir).iterdir() if p.is_file() and p.name.endswith(SUFFIXES))
+
+
+def load(path: Path, max_bytes: int = MAX_BYTES) -> dict:
+    """One trace file as a dict, reading at most `max_bytes` (decompressed): bigger files raise KinetoError."""
+    try:
+        if path.name.endswith(".gz"):
+            with gzip.open(path, "rb") as f:
+                raw = f.read(max_bytes + 1)
+        else:
+            if path.stat().st_size > max_bytes:
+                raise KinetoError(f"{path.name}: {path.stat().st_size} bytes, above the {max_bytes}-byte limit; "
+                                  "skipped")
+            raw = path.read_bytes()
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise KinetoError(f"{path.name}: unreadable ({e}); skipped") from e
+    if len(raw) > max_bytes:
+        raise KinetoError(f"{path.name}: over {max_bytes} bytes decompressed, above the limit; skipped")
+    try:
+        doc = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KinetoError(f"{path.name}: not JSON ({e.__class__.__name__}: {e}); skipped") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        raise KinetoError(f"{path.name}: no traceEvents list: not a PyTorch profiler trace; skipped")
+    info = doc.get("distributedInfo")
+    if not isinstance(info, dict) or not isinstance(info.get("rank"), int) or \
+            not isinstance(info.get("world_size"), int) or not 0 <= info["rank"] < info["world_size"]:
+        raise KinetoError(f"{path.name}: no distributedInfo with rank and world_size (profiled outside "
+                          "torch.distributed?); skipped")
+    return doc
+
+
+def read_kineto_dir(path: str | Path, max_bytes: int = MAX_BYTES) -> tuple[list[RankTrace], list[str]]:
+    """Read every profiler trace of a directory: traces sorted by rank (several files of one rank merged), plus
+    problems naming the files skipped and the ranks missing."""
+    d = Path(path)
+    if not d.is_dir():
+        raise FileNotFoundError(f"trace directory {d} does not exist")
+    per_rank: dict[int, list[tuple[Path, dict]]] = {}
+    problems: list[str] = []
+    world = 0
+    for f in kineto_files(d):
+        try:
+            doc = load(f, max_bytes)
+        except KinetoError as e:
+            problems.append(str(e))
+            continue
+        info = doc["distributedInfo"]
+        if world and info["world_size"] != world:
+            problems.append(f"{f.name}: world_size {info['world_size']}, other files {world}; skipped")
+            continue
+        world = info["world_size"]
+        per_rank.setdefault(info["rank"], []).append((f, doc))
+    traces = []
+    for rank, docs in sorted(per_rank.items()):
+        try:
+            traces.append(to_rank_trace(rank, world, docs))
+        except KinetoError as e:
+            problems.append(str(e))
+    missing = [r for r in range(world) if r not in per_rank]
+    if missing:
+        problems.append(f"no profiler trace for ranks {missing[:20]}" + (f" and {len(missing) - 20} more"
+                                                                          if len(missing) > 20 else ""))
+    if not traces and not problems:
+        problems.append(f"no profiler traces (*.json, *.json.gz) in {d}")
+    return traces, problems
+
+
+def _nbytes(args: dict) -> int:
+    """Payload bytes from a collective's args: element count x dtype size (NCCL args), else the input dims."""
+    n = args.get("In msg nelems")
+    size = _DTYPE_BYTES.get(str(args.get("dtype", "float")).lower(), 4)
+    if isinstance(n, (int, float)) and n >= 0:
+        return int(n) * size
+    dims, types = args.get("Input Dims"), args.get("Input type")
+    if isinstance(dims, list) and dims and isinstance(dims[0], list) and all(isinstance(x, int) for x in dims[0]):
+        t = types[0] if isinstance(types, list) and types else "float"
+        return int(np.prod(dims[0], dtype=np.int64)) * _DTYPE_BYTES.get(str(t).lower(), 4)
+    return 0
+
+
+def _group(args: dict, pgs: dict[str, tuple[int, ...]]) -> tuple[str, tuple[int, ...]] | None:
+    """(group name, member ranks) of a collective: its args, else the trace's only process group."""
+    name = args.get("Process Group Name")
+    ranks = args.get("Process Group Ranks")
+    if isinstance(ranks, str):
+        try:
+            ranks = json.loads(ranks)
+        except json.JSONDecodeError:
+            ranks = None
+    if isinstance(name, str) and isinstance(ranks, list) and ranks and all(isinstance(r, int) for r in ranks):
+        return f"pg{name}", tuple(ranks)
+    if isinstance(name, str) and name in pgs:
+        return f"pg{name}", pgs[name]
+    if len(pgs) == 1:
+        (n, r), = pgs.items()
+        return f"pg{n}", r
+    return None  # several groups and no name: counted as communication, matched with nothing
+
+
+def _outermost(ts: np.ndarray, end: np.ndarray, thread: np.ndarray) -> np.ndarray:
+    """Mask of events not inside another event of the same thread."""
+    o = np.lexsort((-end, ts, thread))
+    keep = np.zeros(len(ts), bool)
+    cur_thread, cur_end = None, -np.inf
+    for i in o.tolist():
+        if thread[i] != cur_thread or ts[i] >= cur_end:
+            keep[i] = True
+            cur_thread, cur_end = thread[i], end[i]
+        else:
+            cur_end = max(cur_end, end[i])  # overlapping without nesting: taken as part of the outer one
+    return keep
+
+
+def _in_flight(ws: np.ndarray, we: np.ndarray, cs: np.ndarray, ce: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces of the work spans [ws, we) covered by the union of the comm spans [cs, ce): (start, end, index of
+    the work span, count)."""
+    if not len(cs) or not len(ws):
+        z = np.zeros(0, np.int64)
+        return z, z, z, z
+    o = np.argsort(cs, kind="stable")
+    cs, ce = cs[o], np.maximum.accumulate(ce[o])
+    new = np.r_[True, cs[1:] > ce[:-1]]  # union intervals: a start past every earlier end
+    us, ue = cs[new], np.r_[ce[np.flatnonzero(new)[1:] - 1], ce[-1]]
+    first = np.searchsorted(ue, ws, side="right")
+    last = np.searchsorted(us, we, side="left")
+    idx = np.repeat(np.arange(len(ws)), np.maximum(last - first, 0))
+    u = np.concatenate([np.arange(a, b) for a, b in zip(first, last) if b > a]) if len(idx) else idx
+    s, e = np.maximum(us[u], ws[idx]), np.minimum(ue[u], we[idx])
+    # Only collectives that finish inside the op: a wait ends when its collective does. One still running when the
+    # op ends was not waited for (gloo closes its annotation a little after handing the result over: the next
+    # forward overlaps its tail and would lose all its time).
+    ok = (e > s) & (ue[u] <= we[idx])
+    return s[ok], e[ok], idx[ok], np.flatnonzero(ok)
+
+
+def to_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankTrace:
+    """One rank's spans from its profiler trace files (events of several files merged)."""
+    pgs: dict[str, tuple[int, ...]] = {}
+    for _, doc in docs:
+        for pg in doc["distributedInfo"].get("pg_config") or []:
+            if isinstance(pg, dict) and isinstance(pg.get("ranks"), list):
+                pgs[str(pg.get("pg_name"))] = tuple(int(r) for r in pg["ranks"] if isinstance(r, int))
+    events = [e for _, doc in docs for e in doc["traceEvents"]
+              if isinstance(e, dict) and e.get("ph") == "X" and isinstance(e.get("ts"), (int, float))
+              and isinstance(e.get("dur"), (int, float)) and e["dur"] >= 0 and isinstance(e.get("name"), str)]
+    if not events:
+        raise KinetoError(f"rank {rank} ({', '.join(p.name for p, _ in docs)}): no complete events; skipped")
+    device = any(e.get("cat") in _DEVICE_CATS for e in events)
+    names: dict[str, int] = {}
+    groups: dict[tuple[str, tuple[int, ...]], int] = {}
+    rows: list[tuple] = []  # (ts_ns, dur_ns, cat, name id, gid, nbytes, seq arg, thread key)
+    steps: list[tuple[int, int, int]] = []
+    for e in events:
+        name, cat, args = e["name"], e.get("cat"), e.get("args") if isinstance(e.get("args"), dict) else {}
+        ts, dur = int(round(e["ts"] * 1000)), int(round(e["dur"] * 1000))
+        thread = f"{e.get('pid')}/{e.get('tid')}"
+        m = _STEP.match(name)
+        if m and cat in ("user_annotation", "cpu_op"):
+            steps.append((ts, ts + dur, int(m.group(1))))
+            continue
+        op, kind = None, None
+        if device:
+            km = _NCCL_KERNEL.match(name) if cat == "kernel" else None
+            if km:
+                op, kind = str(args.get("Collective name") or km.group(1)).lower(), "comm"
+            elif cat in _DEVICE_CATS:
+                op, kind = name.split("(")[0][:120], "compute"
+            # CPU ops of a GPU job: launches and enqueues; the device timeline holds the time
+        else:
+            cm = _COMM_ANNOTATION.match(name) if cat in ("user_annotation", "cpu_op") else None
+            if cm:
+                op, kind = cm.group(1), "comm"
+            elif cat in ("cpu_op", "user_annotation", "python_function"):
+                kind = "optimizer" if name.startswith("Optimizer.") else \
+                    "data" if "DataLoader" in name else "compute"
+                op = name.split("#")[0][:120]
+        if kind is None:
+            continue
+        gid, nbytes, seq = -1, 0, -1
+        if kind == "comm":
+            g = _group(args, pgs)
+            gid = groups.setdefault(g, len(groups)) if g else -1
+            nbytes = _nbytes(args)
+            seq = int(args["Seq"]) if isinstance(args.get("Seq"), int) else -1
+        rows.append((ts, dur, CAT_INDEX[kind], names.setdefault(op, len(names)), gid, nbytes, seq, thread))
+    if not steps:
+        raise KinetoError(f"rank {rank} ({', '.join(p.name for p, _ in docs)}): no ProfilerStep#N annotations "
+                          "(profile with a schedule and call prof.step() each iteration); skipped")
+    steps.sort()
+    ts = np.array([r[0] for r in rows], np.int64)
+    dur = np.array([r[1] for r in rows], np.int64)
+    cat = np.array([r[2] for r in rows], np.int8)
+    name = np.array([r[3] for r in rows], np.int32)
+    gid = np.array([r[4] for r in rows], np.int32)
+    nbytes = np.array([r[5] for r in rows], np.int64)
+    seq = np.array([r[6] for r in rows], np.int64)
+    thread = np.unique(np.array([r[7] for r in rows], object), return_inverse=True)[1].ravel() if rows \
+        else np.zeros(0, np.int64)
+    comm = cat == CAT_INDEX["comm"]
+    # Work spans: the outermost of each thread (nested ops are part of it); comm spans all kept.
+    keep = comm.copy()
+    work = ~comm
+    keep[work] = _outermost(ts[work], ts[work] + dur[work], thread[work])
+    s_ts = np.array([s[0] for s in steps], np.int64)
+    s_end = np.array([s[1] for s in steps], np.int64)
+    s_n = np.array([s[2] for s in steps], np.int64)
+    k = np.searchsorted(s_ts, ts, side="right") - 1
+    inside = (k >= 0) & (ts < s_end[np.maximum(k, 0)])
+    it = np.where(inside, s_n[np.maximum(k, 0)], -1)
+    if (seq < 0).any():
+        # Number each group's collectives in each step by start: the same order on every rank of the group.
+        c = np.flatnonzero(comm & (gid >= 0) & (it >= 0))
+        o = c[np.lexsort((ts[c], it[c], gid[c]))]
+        key = gid[o].astype(np.int64) * (1 << 32) + it[o]
+        first = np.r_[True, key[1:] != key[:-1]] if len(o) else np.zeros(0, bool)
+        start = np.maximum.accumulate(np.where(first, np.arange(len(o)), 0)) if len(o) else o
+        seq[o] = it[o] * _SEQ_STRIDE + (np.arange(len(o)) - start)
+    sel = np.flatnonzero(keep)
+    if not device:
+        # A CPU op that waits for a collective (FSDP's pre-forward waiting for its all-gather, a backward hook for
+        # a reduce-scatter) holds the wait inside its own time: gloo runs the collective on a worker thread, so it
+        # is not nested in the op. The time a work op overlaps a collective that finishes inside it is copied as a
+        # comm span inside the op ("in flight"), which the op's exclusive time leaves out: a rank waiting for a
+        # slow peer is not itself slow. (Compute overlapped with an async collective that ends inside it is left
+        # out too: alike on every rank of a healthy job.)
+        w_rows, c_rows = sel[~comm[sel]], np.flatnonzero(comm)
+        wts, wend, wit, cut = _in_flight(ts[w_rows], ts[w_rows] + dur[w_rows], ts[c_rows], ts[c_rows] + dur[c_rows])
+        if len(cut):
+            fid = names.setdefault("in flight", len(names))
+            k = len(ts)
+            ts, dur = np.r_[ts, wts], np.r_[dur, wend - wts]
+            cat = np.r_[cat, np.full(len(wts), CAT_INDEX["comm"], np.int8)]
+            name = np.r_[name, np.full(len(wts), fid, np.int32)]
+            gid, nbytes = np.r_[gid, np.full(len(wts), -1, np.int32)], np.r_[nbytes, np.zeros(len(wts), np.int64)]
+            seq, it = np.r_[seq, np.full(len(wts), -1, np.int64)], np.r_[it, it[w_rows][wit]]
+            sel = np.r_[sel, np.arange(k, k + len(wts))]
+    step_cols = {"ts": s_ts, "dur": s_end - s_ts, "it": s_n}
+    n_step = len(steps)
+    step_name = names.setdefault("step", len(names))
+    cols = {
+        "ts": np.r_[ts[sel], step_cols["ts"]], "dur": np.r_[dur[sel], step_cols["dur"]],
+        "cat": np.r_[cat[sel], np.full(n_step, CAT_INDEX["step"], np.int8)],
+        "name": np.r_[name[sel], np.full(n_step, step_name, np.int32)],
+        "it": np.r_[it[sel], step_cols["it"]].astype(np.int32),
+        "gid": np.r_[gid[sel], np.full(n_step, -1, np.int32)],
+        "seq": np.r_[seq[sel], np.full(n_step, -1, np.int64)],
+        "nbytes": np.r_[nbytes[sel], np.zeros(n_step, np.int64)],
+    }
+    n = len(cols["ts"])
+    cols.update(peer=np.full(n, -1, np.int32), mb=np.full(n, -1, np.int32), chunk=np.full(n, -1, np.int16),
+                cpu_wait=np.full(n, -1, np.int64))
+    # By time; at one instant a work span before the comm inside it (nesting is read from the order).
+    order = np.lexsort((cols["cat"] == CAT_INDEX["comm"], cols["ts"]))
+    cols = {c: v[order] for c, v in cols.items()}
+    doc0 = docs[0][1]
+    header = {"rank": rank, "world": world, "coord": [rank, 0, 0], "topo": [1, 1, world], "source": "kineto",
+              "files": [p.name for p, _ in docs], "host": doc0.get("host_name"),
+              "backend": doc0["distributedInfo"].get("backend"), "device": device}
+    return RankTrace(rank=rank, world=world, coord=(rank, 0, 0), topo=(1, 1, world), header=header,
+                     names=list(names), groups=list(groups), **cols)

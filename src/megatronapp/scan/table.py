@@ -1,0 +1,246 @@
+"""The joined span table of all ranks, the per-(rank, iteration) phases and the wait matrices.
+
+The shared types every detector reads (Table, Phases, Waits) and the joins on them (matched P2P transfers).
+Only format, align and stats below it: detectors import this module, never the other way round."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatronapp.scan.align import clock_domains
+from megatronapp.scan.format import CAT_INDEX, RankTrace
+
+MS = 1e6
+_NEST_SLACK_NS = 2_000  # a child may end a hair after its parent (clock reads in a different order)
+COMPUTE, COMM, DATA, OPT, STEP = (CAT_INDEX[c] for c in ("compute", "comm", "data", "optimizer", "step"))
+LAYER = CAT_INDEX["layer"]
+
+
+@dataclass
+class Table:
+    """All ranks' spans in one set of columns, sorted by (rank, ts), with global name and group ids."""
+
+    world: int
+    coords: np.ndarray  # [rank] -> (dp, pp, tp)
+    names: list[str]
+    groups: list[tuple[str, tuple[int, ...]]]
+    rank: np.ndarray
+    name: np.ndarray
+    cat: np.ndarray
+    ts: np.ndarray
+    dur: np.ndarray
+    it: np.ndarray
+    gkey: np.ndarray
+    seq: np.ndarray
+    peer: np.ndarray
+    nbytes: np.ndarray
+    mb: np.ndarray
+    chunk: np.ndarray
+    clock: np.ndarray | None = None  # [rank] -> shared-clock id (align.clock_domains; -1: own clock, unknown)
+    cpu_wait: np.ndarray | None = None  # per span: ns runnable but waiting for a CPU (-1 unknown); None: no span has it
+
+    @property
+    def end(self) -> np.ndarray:
+        return self.ts + self.dur
+
+
+def join(traces: list[RankTrace]) -> Table:
+    """Concatenate rank traces into one table with global string and group ids."""
+    world = max([t.world for t in traces] + [t.rank + 1 for t in traces] + [0])
+    coords = np.full((world, 3), -1, np.int64)
+    names: dict[str, int] = {}
+    groups: dict[tuple, int] = {}
+    nmap: list[int] = []  # every trace's local -> global ids, one after another
+    gmap: list[int] = []
+    noff, goff = [], []  # where each trace's part of nmap / gmap starts
+    for t in traces:
+        coords[t.rank] = t.coord
+        noff.append(len(nmap))
+        nmap += [names.setdefault(n, len(names)) for n in t.names]
+        goff.append(len(gmap))
+        gmap += [groups.setdefault((g, tuple(r)), len(groups)) for g, r in t.groups]
+    # One concatenation per column (not one conversion per rank and column): thousands of ranks read as one table.
+    lens = np.array([len(t) for t in traces], np.int64)
+    c = {"rank": np.repeat(np.array([t.rank for t in traces], np.int64), lens)}
+    for k in ("name", "gid", "cat", "ts", "dur", "it", "seq", "peer", "nbytes", "mb", "chunk"):
+        c[k] = np.concatenate([np.asarray(getattr(t, k)) for t in traces]).astype(np.int64) if traces \
+            else np.zeros(0, np.int64)
+    names_at = np.array(nmap + [-1], np.int64)
+    groups_at = np.array(gmap + [-1], np.int64)
+    c["name"] = names_at[c["name"] + np.repeat(np.array(noff, np.int64), lens)]
+    gid = c.pop("gid")
+    c["gkey"] = np.where(gid >= 0, groups_at[np.maximum(gid + np.repeat(np.array(goff, np.int64), lens), 0)], -1)
+    c["clock"] = clock_domains(traces, world)
+    # Only traces that measured it (format 2, host-timed work spans) carry a column worth its memory at scale.
+    if any(len(t.cpu_wait) and t.cpu_wait.max() >= 0 for t in traces):
+        c["cpu_wait"] = np.concatenate([np.asarray(t.cpu_wait) for t in traces]).astype(np.int64)
+    r, ts = c["rank"], c["ts"]
+    # Sorted by (rank, ts) already (the simulator's files, most real ones): skip the sort; lexsort is stable, so
+    # the order is the same either way.
+    if np.all((r[1:] > r[:-1]) | ((r[1:] == r[:-1]) & (ts[1:] >= ts[:-1]))):
+        return Table(world, coords, list(names), list(groups), **c)
+    order = np.lexsort((ts, r))
+    return Table(world, coords, list(names), list(groups), **{k: (v if k == "clock" else v[order])
+                                                              for k, v in c.items()})
+
+
+# ----------------------------------------------------------------------------- 1. self time
+@dataclass
+class Phases:
+    """Per (rank, iteration) time in ms: compute (exclusive), data, gap (untraced), comm, self, window."""
+
+    iters: np.ndarray
+    compute: np.ndarray
+    data: np.ndarray
+    gap: np.ndarray
+    comm: np.ndarray
+    window: np.ndarray
+    excl: np.ndarray  # per table row: duration minus nested comm (ns)
+
+    @property
+    def self_time(self) -> np.ndarray:
+        return self.compute + self.data + self.gap
+
+
+def phases(tb: Table) -> Phases:
+    """Split each rank's iterations into own work, untraced gaps and communication."""
+    step = tb.cat == STEP
+    iters = np.unique(tb.it[step] if step.any() else tb.it[tb.it >= 0])
+    n_it, W = len(iters), tb.world
+    shape = (W, max(n_it, 1))
+    ok = np.isin(tb.it, iters)
+    iti = np.searchsorted(iters, tb.it).clip(0, max(n_it - 1, 0))
+    flat = tb.rank * shape[1] + iti
+
+    def per_cell(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
+        m = mask & ok
+        return np.bincount(flat[m], values[m], W * shape[1]).reshape(shape)
+
+    work = np.isin(tb.cat, (COMPUTE, OPT, DATA))
+    excl = exclusive_time(tb, work)
+    end, comm = tb.end, tb.cat == COMM
+    compute = per_cell(work & (tb.cat != DATA), excl)
+    data = per_cell(tb.cat == DATA, excl)
+    # Comm time as the union of comm intervals (async spans overlap), rest of the window is untraced gap.
+    win_end = np.full(shape, np.nan)
+    win_end_flat = win_end.ravel()
+    sm = step & ok
+    win_end_flat[flat[sm]] = end[sm]
+    win_start = np.full(shape, np.nan)
+    win_start.ravel()[flat[sm]] = tb.ts[sm]
+    # An iteration's window starts where the previous one ended: stalls between iterations count too. Only the
+    # previous iteration by number: between two trace windows (iterations 1-4 and 6-9 of a profiler schedule)
+    # lie untraced iterations and the export of the first window, no part of the next iteration.
+    prev_end = np.concatenate([win_start[:, :1], win_end[:, :-1]], axis=1)
+    follows = np.r_[False, np.diff(iters) == 1] if n_it else np.zeros(0, bool)
+    prev_end[:, :n_it][:, ~follows] = np.nan
+    start = np.where(np.isnan(prev_end), win_start, prev_end)
+    window = win_end - start
+    cover = _union_per_cell(tb, ~step & ok, flat, W * shape[1]).reshape(shape)
+    commu = _union_per_cell(tb, comm & ok, flat, W * shape[1]).reshape(shape)
+    gap = np.maximum(window - cover, 0)
+    return Phases(iters, compute / MS, data / MS, gap / MS, commu / MS, window / MS, excl)
+
+
+def exclusive_time(tb: Table, parent: np.ndarray) -> np.ndarray:
+    """Per row: the span's time less the comm nested in it and less its CPU wait (meaningful where `parent`).
+
+    A comm span is nested in the latest `parent` span that started before it, on its rank, if it ends inside.
+    The UNION of the nested comm is subtracted: async ops posted together (a batch of sends and receives) overlap,
+    and their summed durations would take the parent's time twice."""
+    comm = tb.cat == COMM
+    idx = np.where(parent, np.arange(len(tb.ts)), -1)
+    last = np.maximum.accumulate(idx) if len(idx) else idx
+    end = tb.end
+    inside = comm & (last >= 0)
+    lw = last[inside]
+    nested = (tb.rank[lw] == tb.rank[inside]) & (end[inside] <= end[lw] + _NEST_SLACK_NS)
+    parents, busy = _union_by_key(lw[nested], tb.ts[inside][nested], end[inside][nested])
+    sub = np.zeros(len(tb.ts))
+    sub[parents] = busy
+    excl = np.maximum(tb.dur - sub, 0)
+    if tb.cpu_wait is not None:
+        # Time runnable but without a CPU is the host's, not the op's: on an oversubscribed host it is most of
+        # a span's noise, and chance decides which rank waits. The span's wait is spread evenly over its time
+        # (its nested comm ops took their share): the exclusive part keeps excl/dur of it.
+        known = parent & (tb.cpu_wait > 0) & (tb.dur > 0)
+        share = np.where(known, tb.cpu_wait * excl / np.maximum(tb.dur, 1), 0.0)
+        excl = np.maximum(excl - share, 0)
+    return excl
+
+
+def _union_by_key(key: np.ndarray, s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, union length of the intervals [s, e) of each key); rows sorted by key, then by s within a key."""
+    if not len(key):
+        return key, np.zeros(0)
+    uk, first, inv = np.unique(key, return_index=True, return_inverse=True)
+    # Each key on its own stretch of one line (times from its first start), so one running max never crosses keys.
+    sn, en = s - s[first][inv], e - s[first][inv]
+    off = inv.astype(np.int64) * (int(en.max()) + 1)
+    sv, ev = sn + off, en + off
+    run = np.maximum.accumulate(ev)
+    prev = np.concatenate([[np.iinfo(np.int64).min], run[:-1]])
+    return uk, np.bincount(inv, np.maximum(ev - np.maximum(sv, prev), 0).astype(np.float64), len(uk))
+
+
+def _union_per_cell(tb: Table, mask: np.ndarray, flat: np.ndarray, n: int) -> np.ndarray:
+    """Length of the union of the masked spans, summed per (rank, iteration) cell."""
+    if not mask.any():
+        return np.zeros(n)
+    rank, ts, end, cell = tb.rank[mask], tb.ts[mask], tb.end[mask], flat[mask]
+    # Put each rank on its own stretch of one line so a single running max never crosses ranks.
+    base = np.zeros(tb.world, np.int64)
+    lo = np.full(tb.world, np.iinfo(np.int64).max)
+    np.minimum.at(lo, rank, ts)
+    hi = np.zeros(tb.world, np.int64)
+    np.maximum.at(hi, rank, end)
+    span = int(np.max(np.where(hi > 0, hi - np.where(lo == np.iinfo(np.int64).max, 0, lo), 0))) + 1
+    base = rank * span - lo[rank]
+    s, e = ts + base, end + base
+    o = np.argsort(s, kind="stable")
+    s, e, cell = s[o], e[o], cell[o]
+    run = np.maximum.accumulate(e)
+    prev = np.concatenate([[np.iinfo(np.int64).min], run[:-1]])
+    contrib = np.maximum(e - np.maximum(s, prev), 0)
+    return np.bincount(cell, contrib.astype(np.float64), n)
+
+
+def coord(tb: Table, r: int) -> dict:
+    dp, pp, tp = (int(v) for v in tb.coords[r])
+    return {"rank": int(r), "dp": dp, "pp": pp, "tp": tp}
+
+
+
+def group_name_ids(tb: Table) -> np.ndarray:
+    """Per group key (plus -1 at the end): an id of the group's NAME, shared by every column's copy of it."""
+    ids: dict[str, int] = {}
+    return np.array([ids.setdefault(g, len(ids)) for g, _ in tb.groups] + [-1], np.int64)
+
+
+def match_p2p(tb: Table, send: np.ndarray, recv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row indices (send, recv) of matched P2P transfers: same channel, sender, receiver and sequence number.
+
+    Sequence numbers count per channel (the engine's pp.act.up, pp.grad.down, ... or a user's groups), so two
+    channels between the same ranks both have a transfer number k: the channel is part of the key."""
+    name = group_name_ids(tb)
+    src = np.r_[tb.rank[send], tb.peer[recv]]
+    dst = np.r_[tb.peer[send], tb.rank[recv]]
+    chan = np.r_[name[tb.gkey[send]], name[tb.gkey[recv]]]
+    _, pid = np.unique((chan * tb.world + src) * tb.world + dst, return_inverse=True)  # 1-D: fast
+    S = int(tb.seq[np.r_[send, recv]].max()) + 1
+    key = pid.ravel() * S + tb.seq[np.r_[send, recv]]
+    ks, kr = key[:len(send)], key[len(send):]
+    o = np.argsort(ks)
+    pos = np.searchsorted(ks[o], kr).clip(0, len(ks) - 1)
+    hit = ks[o][pos] == kr
+    return send[o][pos][hit], recv[hit]
+
+
+@dataclass
+class Waits:
+    """Wait analysis: per (rank, iteration) ms waited and ms others waited for the rank (direct, victims out)."""
+
+    waited: np.ndarray
+    caused: np.ndarray
+    caused_count: np.ndarray  # per rank, instances where it was the root late arrival

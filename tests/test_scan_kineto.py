@@ -1,0 +1,148 @@
+"""PyTorch profiler (Kineto) traces in: `scan detect`, `aggregate`, `heatmap` and `summary` read a directory of
+torch.profiler Chrome traces. Real traces are recorded here, in one launch of 2 gloo ranks (benchmarks/kinetojob.py):
+a healthy DDP job, a DDP job whose rank 1 computes slowly, an FSDP2 job whose rank 0 stalls before every
+micro-batch (a slow input pipeline). Assertions are about WHO and WHAT, never timings. The reader's edges (gzip,
+several files per rank, bad files, the size limit, a GPU trace's NCCL kernels as in the public HTA samples) are
+checked on small files written here."""
+from __future__ import annotations
+
+import argparse
+import functools
+import gzip
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from benchmarks.kinetojob import REPEAT, job
+
+from megatronapp.launch import spawn
+from megatronapp.scan import cli
+from megatronapp.scan.detect import detect
+from megatronapp.scan.kineto import read_kineto_dir
+from megatronapp.scan.traces import read_traces
+
+RUNS = [("healthy", "ddp", None, -1), ("slow", "ddp", "slow", 1), ("stall", "fsdp", "stall", 0)]
+
+
+@functools.lru_cache(maxsize=1)
+def _recorded() -> Path:
+    out = Path(tempfile.mkdtemp(prefix="megascan-kineto-"))
+    spawn(job, 2, str(out), RUNS)
+    return out
+
+
+def _main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_real_profiler_traces_name_the_faulty_rank_and_nothing_on_the_healthy_job():
+    out = _recorded()
+    for run, kind, fault, bad in RUNS:
+        traces, problems = read_traces(out / run)
+        assert problems == [] and [t.rank for t in traces] == [0, 1], (run, problems)
+        for t in traces:  # two profiling windows per rank, merged; steps and both kinds of spans mapped
+            assert len(t.header["files"]) == REPEAT and t.header["source"] == "kineto"
+            names = set(np.array(t.names)[t.name].tolist())
+            assert {"forward", "backward", "step"} <= names, names
+            want = {"ddp": {"all_reduce"}, "fsdp": {"all_gather"}}[kind]
+            assert want <= names, names
+        rep = detect(traces)
+        if fault is None:
+            assert rep.findings == [], rep.to_text()
+            continue
+        assert rep.findings, (run, rep.to_text())
+        top = rep.findings[0]
+        assert top.ranks == (bad,), rep.to_text()
+        assert top.kind == {"slow": "slow-compute", "stall": "late-arrival"}[fault], rep.to_text()
+
+
+def test_collectives_match_across_ranks_with_group_size_and_instance_number():
+    traces, _ = read_traces(_recorded() / "slow")
+    inst = []
+    for t in traces:
+        comm = (t.gid >= 0) & (t.seq >= 0)
+        assert comm.any()
+        assert t.groups[int(t.gid[comm][0])] == ("pg0", (0, 1))
+        assert (t.nbytes[comm] > 0).all()  # from the annotation's input dims
+        inst.append(sorted(zip(t.seq[comm].tolist(), np.array(t.names)[t.name[comm]].tolist())))
+    assert inst[0] == inst[1]
+
+
+def test_cli_views_accept_a_profiler_trace_directory(tmp_path, capsys):
+    d = str(_recorded() / "slow")
+    assert _main(["scan", "detect", d, "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["world"] == 2 and rep["findings"][0]["ranks"] == [1]
+    assert _main(["scan", "summary", d]) == 0
+    assert "slow-compute" in capsys.readouterr().out
+    assert _main(["scan", "heatmap", d, "-o", str(tmp_path / "heat.html")]) == 0
+    assert (tmp_path / "heat.html").stat().st_size > 0
+    capsys.readouterr()
+    assert _main(["scan", "aggregate", d, "-o", str(tmp_path / "all.json"), "--only-flagged", "--json"]) == 0
+    agg = json.loads(capsys.readouterr().out)
+    assert 1 in agg["written_ranks"], agg
+    assert json.loads((tmp_path / "all.json").read_text())["traceEvents"]
+
+
+def _trace(rank: int, world: int, events: list[dict], **info) -> dict:
+    return {"schemaVersion": 1, "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": world, **info},
+            "traceEvents": events}
+
+
+def _gpu_events(rank: int, slow: float) -> list[dict]:
+    """Two steps of a GPU trace in the layout of the public HTA samples: ProfilerStep on the CPU, a compute kernel
+    and an NCCL all-reduce kernel whose args carry the collective name, size, dtype and process group."""
+    ev, t = [], 1000.0
+    for step in (1, 2):
+        ev.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "pid": 1, "tid": 1,
+                   "ts": t, "dur": 900.0})
+        ev.append({"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16(int)", "pid": 0, "tid": 7,
+                   "ts": t + 10, "dur": 300.0 * slow})
+        ev.append({"ph": "X", "cat": "kernel", "name": "ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*)",
+                   "pid": 0, "tid": 40, "ts": t + 20 + 300 * slow, "dur": 50.0,
+                   "args": {"Collective name": "allreduce", "In msg nelems": 1024, "Out msg nelems": 1024,
+                            "Group size": 2, "dtype": "Float", "Process Group Name": "0",
+                            "Process Group Description": "default_pg", "Process Group Ranks": "[0, 1]"}})
+        ev.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": t + 5, "dur": 5.0})
+        t += 1000.0
+    return ev
+
+
+def test_gpu_trace_maps_nccl_kernels_and_bad_files_are_named_and_skipped(tmp_path):
+    (tmp_path / "rank-0.json").write_text(json.dumps(_trace(0, 3, _gpu_events(0, 1.0))))
+    with gzip.open(tmp_path / "rank-1.json.gz", "wt") as f:
+        json.dump(_trace(1, 3, _gpu_events(1, 1.0)), f)
+    (tmp_path / "notes.json").write_text("{not json")
+    (tmp_path / "single.json").write_text(json.dumps({"traceEvents": []}))  # profiled outside torch.distributed
+    (tmp_path / "big.json").write_text(json.dumps(_trace(2, 3, _gpu_events(2, 1.0))) + " " * 4096)
+    traces, problems = read_kineto_dir(tmp_path, max_bytes=3000)
+    assert [t.rank for t in traces] == [0, 1]
+    text = "\n".join(problems)
+    for name in ("notes.json: not JSON", "single.json: no distributedInfo", "big.json:", "ranks [2]"):
+        assert name in text, text
+    t = traces[0]
+    names = np.array(t.names)[t.name]
+    comm = names == "allreduce"
+    assert comm.sum() == 2 and (t.nbytes[comm] == 4096).all() and t.groups == [("pg0", (0, 1))]
+    assert sorted(t.seq[comm].tolist()) == [1_000_000, 2_000_000]  # step 1 and 2, first of each
+    assert "aten::mm" not in names  # a GPU job's time is on the device; CPU ops are launches
+    assert t.header["device"] and sorted(set(t.it[t.cat == 5].tolist())) == [1, 2]
+
+
+def test_a_file_without_profiler_steps_is_named():
+    with tempfile.TemporaryDirectory() as d:
+        ev = [e for e in _gpu_events(0, 1.0) if not e["name"].startswith("ProfilerStep")]
+        (Path(d) / "r0.json").write_text(json.dumps(_trace(0, 1, ev)))
+        traces, problems = read_traces(d)
+        assert traces == [] and "no ProfilerStep#N" in problems[0], problems
+
+
+def test_a_missing_directory_is_a_clear_error_not_a_traceback(tmp_path):
+    import pytest
+
+    with pytest.raises(SystemExit, match="does not exist"):
+        _main(["scan", "detect", str(tmp_path / "nowhere")])
