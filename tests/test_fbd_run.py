@@ -16,7 +16,6 @@ import torch
 
 from megatronapp.config import ModelConfig, ParallelConfig, RunConfig, TraceConfig, TrainConfig
 from megatronapp.fbd.run import train
-from megatronapp.launch import RankFailed
 from megatronapp.scan.aggregate import aggregate
 from megatronapp.scan.detect import analyse
 from megatronapp.scan.format import read_dir
@@ -95,8 +94,10 @@ def test_resumed_fbd_run_continues_bit_identically(tmp_path):
                 assert torch.equal(ca[name], cb[name]), f"rank {r} {name} differs after resume"
         for pa, pb in zip(sa[r]["optimizer"]["state"].values(), sb[r]["optimizer"]["state"].values()):
             assert all(torch.equal(pa[k], pb[k]) for k in pa), f"rank {r}: optimizer state differs after resume"
-    # a different backward layout is refused by the engine's own check, naming the field
-    bad = _cfg(tmp_path / "c", steps=4, resume=str(step2))
-    bad.parallel.tp, bad.parallel.pp = 2, 1
-    with pytest.raises((RankFailed, ckpt.CheckpointError), match=r"parallel\.tp=1"):
-        train(bad)
+    # another backward layout (tp 2 instead of pp 2) is resharded by the engine's own load (train/reshard.py)
+    # and continues as the saving layout did, within the equivalence tolerance
+    other = _cfg(tmp_path / "c", steps=4, resume=str(step2))
+    other.parallel.tp, other.parallel.pp = 2, 1
+    train(other)
+    moved = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "c" / "metrics.jsonl")}
+    assert sorted(moved) == [3, 4] and all(abs(moved[s] - want[s]) < 1e-4 for s in moved), (moved, want)

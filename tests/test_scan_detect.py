@@ -162,7 +162,7 @@ def test_exclusive_compute_subtracts_the_union_of_overlapping_nested_comm(tmp_pa
     # A forward of 100 ms that posts a send and a receive together (10-60 and 20-70 ms): 60 ms of it waited on
     # comm, 40 ms computed. Summing the two durations took 100 ms away, leaving no compute at all.
     ms = 1_000_000
-    with RankWriter(tmp_path / "rank00000.mst", {"world": 1, "topo": [1, 1, 1], "rank": 0, "coord": [0, 0, 0]}) as w:
+    with RankWriter(tmp_path / "rank00000.mst", {"world": 2, "topo": [1, 2, 1], "rank": 0, "coord": [0, 0, 0]}) as w:
         w.write("step", "step", 0, 200 * ms, 0, "", [], -1, -1, 0)
         w.write("forward", "compute", 0, 100 * ms, 0, "", [], -1, -1, 0)
         w.write("send", "comm", 10 * ms, 50 * ms, 0, "pp.act.up", [0, 1], 0, 1, 64)

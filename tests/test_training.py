@@ -247,7 +247,9 @@ def test_corrupt_rank_file_is_named(tmp_path):
         ckpt.load_rank(d, 0)
 
 
-def test_resume_with_another_layout_is_refused(tmp_path):
+def test_resume_of_a_meta_that_disagrees_with_its_rank_files_is_refused(tmp_path):
+    # Another layout is resharded (tests/test_reshard.py), but a sealed meta.json claiming a layout its rank
+    # files were not written with (tp=2 over one rank file) would be cut wrongly: refused, naming the field.
     cfg = RunConfig.from_dict(_cfg(tmp_path / "run", **{"train.steps": 1}))
     tr = Trainer(cfg)
     tr.train_step()

@@ -81,6 +81,7 @@ class BackwardRank:
         self.saver = AsyncSaver(self.out / "checkpoints", self.rank, topo.world_size,
                                 keep=t.keep_checkpoints) if t.async_save else None
         self.save_stalls: list[float] = []
+        self.attempt: str | None = None  # save attempt id, agreed by the backward ranks at their first save
         self.emulated: EmulatedDevice | None = None  # --emulate-device (set by fbd/run.py)
         if t.resume:
             self.load(ckpt.resolve(t.resume))

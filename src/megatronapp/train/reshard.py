@@ -113,10 +113,22 @@ def _local_shape(d: Path, name: str, shapes: dict[str, tuple[int, ...]]) -> tupl
     raise ckpt.CheckpointError(f"checkpoint {d}: optimizer state for {name}, a parameter no rank file holds")
 
 
+def _check_layout_matches_files(d: Path, p: dict[str, Any], meta: dict[str, Any]) -> None:
+    """The saved layout must be the one its rank files were written with: resharding cuts the files by it, so a
+    meta.json that claims another (edited, or copied from another run) would silently mis-cut the state."""
+    tp, pp, dp = (int(p.get(k, 1)) for k in ("tp", "pp", "dp"))
+    world = int(meta.get("world_size", 0))
+    if tp * pp * dp != world:
+        raise ckpt.CheckpointError(
+            f"checkpoint {d}: meta.json says parallel.tp={tp}, pp={pp}, dp={dp} ({tp * pp * dp} ranks) but the "
+            f"checkpoint holds {world} rank files; it cannot be resharded (was meta.json edited or copied?)")
+
+
 def load(trainer: Any, d: Path) -> None:
     """Load checkpoint `d`, saved with another layout, into `trainer` (model, optimizer, RNG, step)."""
     meta = ckpt.load_meta(d)
     saved = meta["config"]
+    _check_layout_matches_files(d, saved.get("parallel", {}), meta)
     t_now, t_then = trainer.cfg.train, saved.get("train", {})
     for key in ("global_batch_size", "seq_len"):
         if t_then.get(key) != getattr(t_now, key):
