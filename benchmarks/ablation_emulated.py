@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from benchmarks import stats
-from megatronapp.config import RunConfig, validate
+from megatronapp.config import RunConfig
 from megatronapp.launch import spawn
 
 # A device slow enough that the host compute of a task stays a small share of its device time on this loaded
@@ -78,17 +78,11 @@ def worker(rank: int, world: int, configs: list[dict[str, Any]], links: dict[str
     """Spawned entry: every row's trainer in these 4 processes, the link model hooked once, rotated steps."""
     import torch.distributed as dist
 
-    from megatronapp.parallel import comm
+    from benchmarks.bench_ablation import build_trainers
     from megatronapp.parallel.distributed_optimizer import optimizer_state_bytes
     from megatronapp.parallel.link_model import LinkModel
-    from megatronapp.train.trainer import Trainer
 
-    comm.reset()
-    trainers = []
-    for c in configs:
-        cfg = RunConfig.from_dict(copy.deepcopy(c))
-        validate(cfg, world)
-        trainers.append(Trainer(cfg, rank))
+    trainers = build_trainers(configs, world, rank)
     wire = LinkModel(links).install()
     n = len(trainers)
     times: list[list[float]] = [[] for _ in range(n)]

@@ -127,10 +127,9 @@ def _matmul_probe(world: int, n: int = 512, reps: int = 8) -> float:
     return world * reps * 2.0 * n ** 3 / (time.perf_counter() - t0)
 
 
-def worker(rank: int, world: int, configs: list[dict[str, Any]], warmup: int, reps: int, outdir: str) -> None:
-    """Spawned entry: build every row's trainer, then run rotated repetitions; rank 0 writes the times."""
+def build_trainers(configs: list[dict[str, Any]], world: int, rank: int) -> list:
+    """One trainer per row config in this rank process (comm state reset first): the rows share one launch."""
     from megatronapp.parallel import comm
-    from megatronapp.parallel.distributed_optimizer import optimizer_state_bytes
     from megatronapp.train.trainer import Trainer
 
     comm.reset()
@@ -139,6 +138,14 @@ def worker(rank: int, world: int, configs: list[dict[str, Any]], warmup: int, re
         cfg = RunConfig.from_dict(copy.deepcopy(c))
         validate(cfg, world)
         trainers.append(Trainer(cfg, rank))
+    return trainers
+
+
+def worker(rank: int, world: int, configs: list[dict[str, Any]], warmup: int, reps: int, outdir: str) -> None:
+    """Spawned entry: build every row's trainer, then run rotated repetitions; rank 0 writes the times."""
+    from megatronapp.parallel.distributed_optimizer import optimizer_state_bytes
+
+    trainers = build_trainers(configs, world, rank)
     n = len(trainers)
     times: list[list[float]] = [[] for _ in range(n)]
     rates: list[float] = []

@@ -11,7 +11,6 @@ the optimizer step: the DP wire time left exposed, plus the small gradient-norm 
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import statistics
@@ -22,7 +21,6 @@ from typing import Any
 
 from benchmarks import ablation_emulated as emu
 from benchmarks.bench_ablation import LAYOUTS, ROWS, row_configs
-from megatronapp.config import RunConfig, validate
 from megatronapp.launch import spawn
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overlap_trace_emulated.json"
@@ -67,17 +65,11 @@ def analyse(spans: list[list[Any]]) -> dict[str, Any]:
 
 
 def worker(rank: int, world: int, configs: list[dict[str, Any]], outdir: str) -> None:
+    from benchmarks.bench_ablation import build_trainers
     from megatronapp import tracing
-    from megatronapp.parallel import comm
     from megatronapp.parallel.link_model import LinkModel
-    from megatronapp.train.trainer import Trainer
 
-    comm.reset()
-    trainers = []
-    for c in configs:
-        cfg = RunConfig.from_dict(copy.deepcopy(c))
-        validate(cfg, world)
-        trainers.append(Trainer(cfg, rank))
+    trainers = build_trainers(configs, world, rank)
     wire = LinkModel(emu.LINKS_GBPS).install()
     out = {}
     try:
