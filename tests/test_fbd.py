@@ -3,10 +3,12 @@ tp=2 x pp=2, 8 microbatches; per-parameter gradients and AdamW states equal the 
 steps 1 and 10.
 
 One launch runs every coupled reference (4 ranks), one launch every FBD case (8 ranks; a case that needs
-fewer leaves the others idle after group creation). The FBD cases run under the two NCCL regimes gloo enforces,
-half under `--comm-semantics nccl-eager` (one stream per group) and half under `nccl-lazy` (blocking creation of
-each pair's communicator on first use; the interleaved-backward case among them), one of them with a random
-0-4 ms delay before every send of every rank.
+fewer leaves the others idle after group creation). Every FBD case runs under both NCCL regimes gloo enforces:
+`--comm-semantics nccl-eager` (one stream per group) and `nccl-lazy` (blocking creation of each pair's
+communicator on first use), and under gloo's native rules: 10 steps under the regime listed with it, and steps
+1-2 (the first weight hand-off and one more) under the other regime and under native, against a coupled run of
+2 steps (the learning-rate schedule depends on the step count). One case adds a random 0-4 ms delay before
+every send of every rank.
 
 Tolerances: FBD recomputes each stage's forward from an input that the forward instance computed, at tp_f = 1
 with one matmul where the coupled run splits it over two TP ranks and all-reduces. The inputs then differ in
@@ -160,12 +162,39 @@ FBD_CASES = [
 ]
 
 
+OTHER_REGIME = {"nccl-eager": "nccl-lazy", "nccl-lazy": "nccl-eager"}
+
+
+def _short(case: dict, semantics: str) -> dict:
+    c = copy.deepcopy(case)
+    c["parallel"]["comm_semantics"] = semantics
+    c["train"]["steps"], c["snap"] = 2, [1, 2]
+    return c
+
+
+# (label, FBD case, index of its coupled reference): each case for 10 steps under its listed regime, and for
+# 2 steps under the other regime and under gloo's native rules, those two against one coupled 2-step run
+ALL_CASES = [(f"{label} [{c['parallel']['comm_semantics']}]", c, i) for i, (label, c) in enumerate(FBD_CASES)]
+for i, (label, c) in enumerate(FBD_CASES):
+    for mode in (OTHER_REGIME[c["parallel"]["comm_semantics"]], "native"):
+        ALL_CASES.append((f"{label} [{mode}, 2 steps]", _short(c, mode), len(FBD_CASES) + i))
+COUPLED = [_coupled(c) for _, c in FBD_CASES] + [_coupled(_short(c, "native")) for _, c in FBD_CASES]
+
+
+def test_every_fbd_case_runs_under_native_and_both_regimes():
+    modes: dict[str, set[str]] = {}
+    for label, c, _ in ALL_CASES:
+        modes.setdefault(label.split(" [")[0], set()).add(c["parallel"]["comm_semantics"])
+    assert len(modes) == len(FBD_CASES)
+    assert all(m == {"native", "nccl-eager", "nccl-lazy"} for m in modes.values()), modes
+
+
 @pytest.mark.slow
 def test_fbd_gradients_and_optimizer_states_equal_the_coupled_run():
-    coupled = _launch(4, [_coupled(c) for _, c in FBD_CASES])
-    fbd = _launch(8, [c for _, c in FBD_CASES])
-    for (label, _), f, c in zip(FBD_CASES, fbd, coupled):
-        _compare(f, c, label, FBD_CASES[0][1]["snap"])
+    coupled = _launch(4, COUPLED)
+    fbd = _launch(8, [c for _, c, _ in ALL_CASES])
+    for (label, case, ref), f in zip(ALL_CASES, fbd):
+        _compare(f, coupled[ref], label, case["snap"])
 
 
 @pytest.mark.skipif(not os.environ.get("MEGATRONAPP_LONG"), reason="step 100: set MEGATRONAPP_LONG=1 (minutes)")

@@ -170,3 +170,25 @@ def test_cli_refuses_supervise_with_fbd(capsys, tmp_path):
     code = main(["train", "--fbd", "--pp", "2", "--microbatches", "4", "--supervise", "--out", str(tmp_path)])
     assert code == 2
     assert "--supervise does not run MegaFBD jobs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_every_fbd_p2p_stream_is_a_two_rank_link_of_the_plan(pair):
+    # Under eager NCCL init a group's ops share one stream: a group with two peers of one rank could make two
+    # streams' orders wait on each other (fbd/groups.py). Every stage-input and weight message must travel on a
+    # 2-rank group whose members are exactly its sender and receiver, and each rank holds a link to every peer
+    # the plan gives it, no more.
+    from megatronapp.fbd.groups import build
+
+    L = PAIRS[pair]
+    plan_pairs = {(tr.src, tr.dst) for tr in weight_plan(L, param_specs(_model("gpt2"), L))}
+    act_pairs = {(f, dst) for f in range(L.backward_world, L.total) for dst, _ in L.forward_sends(f)}
+    act_pairs |= {(src, b) for b in range(L.backward_world) for src in L.backward_inputs(b)}
+    for rank in range(L.total):
+        g = build(L, rank, plan_pairs)
+        for links, pairs in ((g.act, act_pairs), (g.weights, plan_pairs)):
+            want = {b if a == rank else a for a, b in pairs if rank in (a, b)}
+            assert set(links.by_peer) == want, (links.name, rank)
+            for peer, group in links.by_peer.items():
+                assert group.ranks == tuple(sorted((rank, peer))), (links.name, rank, peer, group.ranks)
+        assert all(len(x.ranks) == 2 for x in (g.forward_chain, g.forward_next) if x is not None)

@@ -1,4 +1,5 @@
-"""MegaFBD runs as the user starts them (`fbd.run.train`, real gloo processes under `--comm-semantics nccl`):
+"""MegaFBD runs as the user starts them (`fbd.run.train`, real gloo processes under NCCL's rules: the traced run
+under `--comm-semantics nccl-eager`, the checkpoint runs under `nccl-lazy`):
 plug-ins on both roles, faults on either role, checkpoints and `--resume`.
 
 Layout: backward pp=2 (ranks 0, 1) and forward instances of tp_f = pp_f = 1 (ranks 2, 3, ...), a tiny GPT-2.
@@ -23,10 +24,10 @@ from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.metrics import read_metrics
 
 
-def _cfg(out: Path, steps: int, n_f: int = 1, **train_over) -> RunConfig:
+def _cfg(out: Path, steps: int, n_f: int = 1, semantics: str = "nccl-lazy", **train_over) -> RunConfig:
     return RunConfig(model=ModelConfig(family="gpt2", hidden_size=64, num_layers=4, num_heads=4, max_seq_len=32),
                      parallel=ParallelConfig(tp=1, pp=2, dp=1, microbatches=4, fbd=True, fbd_forward_instances=n_f,
-                                             comm_semantics="nccl"),
+                                             comm_semantics=semantics),
                      train=TrainConfig(steps=steps, global_batch_size=8, seq_len=32, warmup_steps=1, out=str(out),
                                        progress=False, **train_over))
 
@@ -34,7 +35,7 @@ def _cfg(out: Path, steps: int, n_f: int = 1, **train_over) -> RunConfig:
 @pytest.mark.slow
 def test_traced_fbd_run_names_both_roles_and_the_slow_forward_rank(tmp_path):
     # Two forward instances (ranks 2, 3); rank 2 computes 3x slower. Every rank runs the probe plug-in.
-    cfg = _cfg(tmp_path, steps=6, n_f=2)
+    cfg = _cfg(tmp_path, steps=6, n_f=2, semantics="nccl-eager")
     cfg.trace = TraceConfig(enabled=True, dir=str(tmp_path / "trace"), interval=6, iterations=6)
     cfg.inject = ["slow-compute=2:3.0"]
     cfg.attach = ["tests.plugin_probe:plugin"]

@@ -24,7 +24,7 @@ import torch
 from megatronapp import tracing
 from megatronapp.config import RunConfig, micro_batch_size
 from megatronapp.data.dataset import BatchSource, build_batch_source, split_microbatches
-from megatronapp.fbd.groups import FbdGroups
+from megatronapp.fbd.groups import FbdGroups, PairLinks
 from megatronapp.fbd.layout import FbdLayout
 from megatronapp.fbd.messages import Inbox, Outbox
 from megatronapp.fbd.reader import StepReader
@@ -60,8 +60,13 @@ class ForwardRank:
         seq_b = t.seq_len // p.tp if p.sequence_parallel and p.tp > 1 else t.seq_len
         self.to_backward = Outbox(groups.act, (self.mbs, seq_b, self.hidden), self.dtype, device)
         chain_shape = (self.mbs, seq_f, self.hidden)
-        self.to_next = Outbox(groups.forward_next, chain_shape, self.dtype, device) if groups.forward_next else None
-        self.from_prev = Inbox(groups.forward_chain, chain_shape, self.dtype, device) if groups.forward_chain else None
+        self.to_next = self.from_prev = None
+        if groups.forward_next is not None:
+            nxt = PairLinks.single(groups.forward_next, self._chain_rank(self.stage + 1))
+            self.to_next = Outbox(nxt, chain_shape, self.dtype, device)
+        if groups.forward_chain is not None:
+            prev = PairLinks.single(groups.forward_chain, self._chain_rank(self.stage - 1))
+            self.from_prev = Inbox(prev, chain_shape, self.dtype, device)
         self.jobs = layout.jobs(self.instance)
         self.sources: dict[int, BatchSource] = {}
         if self.stage == 0 and self.segments:

@@ -7,10 +7,17 @@ by a counter that is then equal on all ranks. A rank outside a group gets a `Gro
 
 Groups, in creation order: the backward layout's (TP, PP, DP, tied embedding, its pipeline links: a 2-rank
 group per (kind, neighbour pair, direction) as the engine makes them, warmed up at start-up; "world" = all
-backward ranks), then per forward instance its TP groups and its forward-chain channel, then
-`fbd.act` (forward -> backward stage inputs), `fbd.weights` (backward -> forward weights) and `fbd.job` (every
-rank, collectives only: plug-ins' view of the whole job). Each P2P group carries traffic one way only, so
-under NCCL's rules a posted receive never blocks a send (docs/megafbd.md).
+backward ranks), then per forward instance its TP groups and its forward-chain channel, then the `fbd.act` links
+(forward -> backward stage inputs) and the `fbd.weights` links (backward -> forward weights), then `fbd.job`
+(every rank, collectives only: plug-ins' view of the whole job).
+
+Every P2P group is a 2-rank link with one sender and one receiver, warmed up at start-up in creation order. Under
+eager NCCL init (one communicator and one stream per group) a rank's ops on a group complete in issue order: on
+one `fbd.act` group shared by all ranks, a backward rank's receive posted for forward rank A would hold up its
+receive from B, while A's send to another backward rank held up A's next one; two such orders can wait on each
+other. A link per (sender, receiver) pair leaves each stream one sender and one receiver that issue its messages
+in the same order (docs/megafbd.md). Lazily made pair communicators are all created by the warm-up, in one
+global order, before any step.
 """
 from __future__ import annotations
 
@@ -23,13 +30,31 @@ from megatronapp.parallel import comm
 from megatronapp.parallel.topology import Group, Topology, make_links
 
 
+class PairLinks:
+    """This rank's links of one kind of one-way traffic: a 2-rank group per peer it sends to or receives from."""
+
+    def __init__(self, name: str, by_peer: dict[int, Group] | None = None):
+        self.name, self.by_peer = name, dict(by_peer or {})
+
+    @classmethod
+    def single(cls, group: Group, peer: int) -> PairLinks:
+        return cls(group.name, {peer: group})
+
+    def __call__(self, peer: int) -> Group:
+        g = self.by_peer.get(peer)
+        if g is None:
+            raise RuntimeError(f"{self.name}: this rank has no link to rank {peer}; the layout plans its traffic "
+                               f"with {sorted(self.by_peer)} only")
+        return g
+
+
 @dataclass
 class FbdGroups:
     topo: Topology | None  # backward ranks: the engine topology of the backward layout
     forward_tp: Group | None  # forward ranks: TP group of this forward stage
     forward_chain: Group | None  # forward ranks: previous forward stage -> this one, this TP column (a 2-rank link)
-    act: Group  # forward -> backward stage inputs (all ranks of the job)
-    weights: Group  # backward -> forward weights (all ranks of the job)
+    act: PairLinks  # forward -> backward stage inputs, a link per (forward rank, backward rank) of the plan
+    weights: PairLinks  # backward -> forward weights, a link per (backward rank, forward rank) of the plan
     job: Group  # every rank of the job, collectives only: the tracer's clock handshake (plug-ins' "world")
     forward_next: Group | None = None  # forward ranks: this forward stage -> the next one (a 2-rank link)
 
@@ -48,8 +73,25 @@ class _Maker:
         return Group(name, ranks, pg)
 
 
-def build(layout: FbdLayout, rank: int) -> FbdGroups:
-    """Create every group of the job (collective over the world: all ranks call this, extra ranks included)."""
+def _pair_links(mk: _Maker, name: str, pairs: set[tuple[int, int]], rank: int) -> PairLinks:
+    """One 2-rank group per (sender, receiver) pair, made in sorted order by every rank, then warmed up in that
+    order by their members (each member meets its peer at their common pair; the first pair not yet warmed in the
+    global order has both members at it, so the warm-up cannot wait in a circle)."""
+    links, mine = PairLinks(name), []
+    for src, dst in sorted(pairs):
+        g = mk.make(name, (src, dst))
+        if g is not None:
+            links.by_peer[dst if rank == src else src] = g
+            mine.append((g, src, dst))
+    if mk.on:
+        for g, src, dst in mine:
+            comm.warm_up_link(g, src, dst)
+    return links
+
+
+def build(layout: FbdLayout, rank: int, weight_pairs: set[tuple[int, int]]) -> FbdGroups:
+    """Create every group of the job (collective over the world: all ranks call this, extra ranks included).
+    `weight_pairs`: the (backward rank, forward rank) pairs of the weight plan (`layout.weight_plan`)."""
     mk = _Maker(rank)
     topo = Topology(layout.tp, layout.pp, layout.dp, rank) if rank < layout.backward_world else None
     shape = Topology(layout.tp, layout.pp, layout.dp, 0)  # only for the rank lists of each group
@@ -83,9 +125,11 @@ def build(layout: FbdLayout, rank: int) -> FbdGroups:
                         forward_chain = g
                     else:
                         forward_next = g
-                    comm.warm_up_link(g, a, b)
+                    if mk.on:
+                        comm.warm_up_link(g, a, b)
+    act_pairs = {(f, dst) for f in range(layout.backward_world, layout.total) for dst, _ in layout.forward_sends(f)}
+    act = _pair_links(mk, "fbd.act", act_pairs, rank)
+    weights = _pair_links(mk, "fbd.weights", weight_pairs, rank)
     everyone = range(layout.total)
-    act = mk.make("fbd.act", everyone) or Group("fbd.act", tuple(everyone))
-    weights = mk.make("fbd.weights", everyone) or Group("fbd.weights", tuple(everyone))
     job = mk.make("fbd.job", everyone) or Group("fbd.job", tuple(everyone))
     return FbdGroups(topo, forward_tp, forward_chain, act, weights, job, forward_next)

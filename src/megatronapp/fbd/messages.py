@@ -1,10 +1,12 @@
 """Hidden-state messages of MegaFBD: forward stage -> backward stage inputs, and forward stage -> forward stage.
 
-Every message is a 16-byte header (step, dp replica, microbatch, virtual stage) and the hidden state. Both
-ends derive the order of the messages on each (sender, receiver) stream from the layout, so the receiver posts
-its receives in exactly the sender's issue order (NCCL matches point-to-point by order, not tag); the header
-only checks that, turning a mismatch into an error instead of silently mixed microbatches. A receiver keeps a
-small window of receives posted per stream and files arrivals under their key until their consumer takes them.
+Each (sender, receiver) stream travels on its own 2-rank group (`fbd.groups.PairLinks`): the outbox and
+inbox ask their links for the group of each peer. Every message is a 16-byte header (step, dp replica,
+microbatch, virtual stage) and the hidden state. Both ends derive the order of the messages on each stream from
+the layout, so the receiver posts its receives in exactly the sender's issue order (NCCL matches point-to-point
+by order, not tag); the header only checks that, turning a mismatch into an error instead of silently mixed
+microbatches. A receiver keeps a small window of receives posted per stream and files arrivals under their key
+until their consumer takes them.
 """
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ from collections import deque
 
 import torch
 
+from megatronapp.fbd.groups import PairLinks
 from megatronapp.parallel import comm
-from megatronapp.parallel.topology import Group
 
 HEADER_BYTES = 16
 Key = tuple[int, int, int]  # (dp replica, microbatch, virtual stage)
@@ -25,10 +27,10 @@ def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
 
 
 class Outbox:
-    """Asynchronous sends of one rank on one group; payloads are dropped as soon as their send completes."""
+    """Asynchronous sends of one rank on its links; payloads are dropped as soon as their send completes."""
 
-    def __init__(self, group: Group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
-        self.group, self.shape, self.dtype, self.device = group, shape, dtype, device
+    def __init__(self, links: PairLinks, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.links, self.shape, self.dtype, self.device = links, shape, dtype, device
         self.sends: deque[comm.Handle] = deque()
         self.peak = 0  # payloads held at once (memory the forward side spends on running ahead)
 
@@ -36,7 +38,7 @@ class Outbox:
         buf = _buffer(self.shape, self.dtype, self.device)
         buf[:HEADER_BYTES].view(torch.int32).copy_(torch.tensor([step % 2**31, *key], dtype=torch.int32))
         buf[HEADER_BYTES:].view(self.dtype).view(self.shape).copy_(t.detach())
-        h = comm.isend(buf, dst, self.group)
+        h = comm.isend(buf, dst, self.links(dst))
         h.is_completed()  # gloo: start watching now, so the payload can go as soon as it is sent
         self.sends.append(h)
         self.peak = max(self.peak, len(self.sends))
@@ -55,11 +57,11 @@ class _Stream:
 
 
 class Inbox:
-    """Receives of one rank on one group for one step, in the order each sender issues them."""
+    """Receives of one rank on its links for one step, in the order each sender issues them."""
 
-    def __init__(self, group: Group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+    def __init__(self, links: PairLinks, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  window: int = 2):
-        self.group, self.shape, self.dtype, self.device = group, shape, dtype, device
+        self.links, self.shape, self.dtype, self.device = links, shape, dtype, device
         self.window = max(1, window)
         self.streams: dict[int, _Stream] = {}
         self.source: dict[Key, int] = {}
@@ -81,7 +83,7 @@ class Inbox:
         while s.keys and len(s.posted) < self.window:
             key = s.keys.popleft()
             buf = _buffer(self.shape, self.dtype, self.device)
-            s.posted.append((key, buf, comm.irecv(buf, s.src, self.group)))
+            s.posted.append((key, buf, comm.irecv(buf, s.src, self.links(s.src))))
 
     def take(self, key: Key) -> torch.Tensor:
         """The payload of message `key` (waiting for it, and filing the ones ahead of it on its stream)."""

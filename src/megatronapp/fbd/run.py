@@ -24,7 +24,8 @@ from megatronapp.fbd.backward import BackwardRank
 from megatronapp.fbd.forward import ForwardRank
 from megatronapp.fbd.groups import build as build_groups
 from megatronapp.fbd.host import RankHost
-from megatronapp.fbd.layout import FbdLayout
+from megatronapp.fbd.layout import FbdLayout, weight_plan
+from megatronapp.fbd.weights import param_specs
 from megatronapp.parallel import comm, device_emulation
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train import plugins
@@ -49,7 +50,8 @@ def build_rank(cfg: RunConfig, rank: int) -> BackwardRank | ForwardRank | None:
     if world < layout.total:
         raise ConfigError(f"MegaFBD needs {layout.total} ranks (parallel.total_ranks), this world has {world}; "
                           f"set --nproc {layout.total}")
-    groups = build_groups(layout, rank)
+    plan = weight_plan(layout, param_specs(cfg.model, layout))
+    groups = build_groups(layout, rank, {(tr.src, tr.dst) for tr in plan})
     device = torch.device("cuda", torch.cuda.current_device()) if (
         dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
     if rank >= layout.total:

@@ -3,7 +3,8 @@
 The plan (`layout.weight_plan`) is derived from parameter shapes alone, which both sides compute by building
 the chunks on the "meta" device (shapes, no storage). Each (backward rank, forward rank) pair then exchanges one
 flat message per hand-off: the sender packs its slices in plan order, the receiver unpacks them in the same
-order. Messages travel on the `fbd.weights` group, which only ever carries backward -> forward traffic.
+order. Each pair's message travels on its own `fbd.weights` link (a 2-rank group carrying backward -> forward
+traffic only).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from megatronapp.config import ModelConfig
+from megatronapp.fbd.groups import PairLinks
 from megatronapp.fbd.layout import FbdLayout, ParamSpec, Transfer, weight_plan
 from megatronapp.model.transformer import TransformerChunk
 from megatronapp.parallel import comm
@@ -58,8 +60,8 @@ class WeightLink:
     """One rank's share of the hand-off: what it sends (backward) or receives (forward), grouped by peer."""
 
     def __init__(self, layout: FbdLayout, specs: list[ParamSpec], rank: int, params: dict[str, nn.Parameter],
-                 group: Group):
-        self.params, self.group, self.rank = params, group, rank
+                 links: PairLinks):
+        self.params, self.links, self.rank = params, links, rank
         plan = weight_plan(layout, specs)
         self.outgoing: dict[int, list[Transfer]] = {}
         self.incoming: dict[int, list[Transfer]] = {}
@@ -81,7 +83,7 @@ class WeightLink:
             for dst in sorted(self.outgoing):
                 flat = torch.cat([_piece(self.params[tr.name], tr, True).reshape(-1)
                                   for tr in self.outgoing[dst]]).float()
-                self._sends.append(comm.isend(flat, dst, self.group))
+                self._sends.append(comm.isend(flat, dst, self.links(dst)))
 
     def finish_sends(self) -> None:
         while self._sends:
@@ -95,7 +97,7 @@ class WeightLink:
         for src in sorted(self.incoming):
             n = sum(_piece(self.params[tr.name], tr, False).numel() for tr in self.incoming[src])
             buf = torch.empty(n, dtype=torch.float32, device=next(iter(self.params.values())).device)
-            handles.append((src, buf, comm.irecv(buf, src, self.group)))
+            handles.append((src, buf, comm.irecv(buf, src, self.links(src))))
         with torch.no_grad():
             for src, buf, h in handles:
                 h.wait()
