@@ -26,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatronapp import faults
 from megatronapp.config import ConfigError, RunConfig
 from megatronapp.launch import init_distributed
 from megatronapp.resilience import agent, decision
@@ -90,7 +91,7 @@ def prepare(cfg: RunConfig, heartbeat_dir: str, heartbeat_s: float) -> RunConfig
     os.environ.update({agent.DIR_ENV: str(hb_dir), agent.PERIOD_ENV: str(heartbeat_s),
                        agent.ROUND_ENV: str(round_), agent.START_ENV: start_id[0]})
     run = dataclasses.replace(cfg, attach=list(dict.fromkeys([*cfg.attach, AGENT_PLUGIN])))
-    if restarted:
-        run.inject = []
+    if restarted:  # a drill fires once; a kill-save drill that names this torchrun restart is this restart's
+        run.inject = faults.armed_in_restart(cfg.inject, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
     run.train = dataclasses.replace(cfg.train, resume=resume)
     return run
