@@ -55,7 +55,8 @@ class Heartbeat:
             "round": round_, "start": os.environ.get(START_ENV), "host": socket.gethostname(), "layout": None,
             "failed": False, "rank": rank, "pid": os.getpid(), "coord": None, "label": None, "step": -1,
             "phase": "start-up: spawn", "phase_since": time.time(), "tokens_per_s": None, "step_time_s": None,
-            "mem_bytes": None, "checkpoint": None, "started_at": time.time(), "load_s": 0.0}
+            "mem_bytes": None, "checkpoint": None, "started_at": time.time(), "spawned_at": time.time(),
+            "load_s": 0.0}
         self._stop = threading.Event()
         self._write_lock = threading.Lock()  # the beat thread and the training thread both write: in order
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -65,8 +66,10 @@ class Heartbeat:
     def bind(self, trainer: Any) -> None:
         """The trainer is built (process groups, model, resume): its rank's place, step and load time."""
         p = trainer.cfg.parallel
+        # started_at: when the trainer was built (benchmarks/recovery_emulated.py splits a restart with it and
+        # load_s); an early heartbeat's spawned_at keeps when the process began
         self.state.update(layout=[p.tp, p.pp, p.dp], coord=dataclasses.asdict(trainer.topo.coord),
-                          label=trainer.topo.coord.label(), step=trainer.step,
+                          label=trainer.topo.coord.label(), step=trainer.step, started_at=time.time(),
                           load_s=getattr(trainer, "load_s", 0.0))
         self._phase("start")
 

@@ -23,6 +23,7 @@ import io
 import json
 import os
 import random
+import secrets
 import shutil
 import socket
 import sys
@@ -51,14 +52,20 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.pt"
 
 
+# The attempt id of a save that one process writes and commits alone (the driver's reshard, tools, tests): drawn
+# once per process, so it is unique to this process. Never a launcher's run id (TORCHELASTIC_RUN_ID is `none`
+# under static rendezvous and the same across torchrun restarts; a fixed name would meet a crashed attempt's files).
+_PROCESS_ATTEMPT = secrets.token_hex(8)
+
+
 def _run_id() -> str:
-    # Identical on every rank of one launch (our launcher or torchrun), different across restarts.
-    return os.environ.get("MEGATRONAPP_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "job"
+    return _PROCESS_ATTEMPT
 
 
 def temp_dir(root: Path, step: int, attempt: str | None = None) -> Path:
-    """The step's temporary directory for save attempt `attempt` (None: the launcher's run id, for callers that
-    save from one process and cannot meet an earlier attempt's files)."""
+    """The step's temporary directory for save attempt `attempt`: the id every rank of a launch agreed on
+    (`trainer.agree_attempt`); None: this process's own attempt id, for a save one process writes alone (several
+    ranks must pass their agreed id: without it each would write its own directory and the commit would refuse)."""
     return root / f".{step_dir(root, step).name}.{attempt or _run_id()}"
 
 
