@@ -87,3 +87,34 @@ def test_kill_9_at_each_stage_of_an_async_save_under_torchrun_resumes_the_newest
     assert all(r["loss"] == ref[r["step"]] for r in records)  # replayed steps reproduce their losses exactly
     assert sorted(r["step"] for r in records if not r.get("replayed")) == list(range(1, STEPS + 1))
     assert sum(1 for r in records if r.get("replayed")) >= len(DRILLS)
+
+
+def test_kill_save_drills_are_checked_fire_at_their_stage_and_stay_armed_only_in_their_restart(monkeypatch):
+    from types import SimpleNamespace
+
+    import pytest
+
+    from megatronapp import faults
+    from megatronapp.config import ConfigError
+
+    for bad, why in [("kill-save=1:4:commit", "rank 0 only"), ("kill-save=0:4:flush", "unknown save stage"),
+                     ("kill-save=0:0:sum", "STEP=0"), ("kill-save=0:4", "expected kill-save=")]:
+        with pytest.raises(ConfigError, match=why):
+            faults.parse(bad)
+    specs = ["hang=1:2", "kill-save=1:2:copy", "kill-save=0:3:commit:2"]
+    assert faults.armed_in_restart(specs, 2) == ["kill-save=0:3:commit:2"]
+    assert faults.armed_in_restart(specs, 1) == []
+    killed: list[int] = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: killed.append(sig))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    injector = faults.install(specs, SimpleNamespace(world_size=2, rank=0))
+    try:
+        ckpt.save_stage("commit", 2, 0)  # another step
+        ckpt.save_stage("marker", 3, 0)  # another stage
+        assert killed == []
+        ckpt.save_stage("commit", 3, 0)
+        assert len(killed) == 1
+    finally:
+        injector.remove()
+    ckpt.save_stage("commit", 3, 0)  # unhooked
+    assert len(killed) == 1
