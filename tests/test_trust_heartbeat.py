@@ -91,11 +91,12 @@ def test_a_rank_silent_during_start_up_is_judged_by_the_hang_timeout_and_named_w
     # every rank beating and none finished: a slow start-up keeps its allowance
     fresh = {r: _beat(r, **rendezvous) for r in range(4)}
     assert clock.silent(fresh, 10.0) == [] and clock.overdue(fresh) is None
-    # without early heartbeats (torchrun: a rank beats once its trainer is built) a missing rank is not silent
+    # without early heartbeats (torchrun: a rank beats once its trainer is built; a restart's files still hold
+    # the previous start's stale beats) neither a missing nor a stale rank counts as silent
     late = watch.ProgressClock(4, hang_timeout_s=10.0, startup_timeout_s=300.0)
     late.update(fresh)
     late.first_beat_at -= 13.0
-    assert late.silent({0: fresh[0]}, 10.0) == []
+    assert late.silent({0: fresh[0]}, 10.0) == [] and late.silent(beats, 10.0) == []
     # where the processes are visible, a silent rank counts only if stopped or dead: a running one is late
     seen = watch.ProgressClock(4, hang_timeout_s=10.0, startup_timeout_s=300.0, early=True,
                                state_of=lambda r: {1: "T", 3: "R"}.get(r, "S"))

@@ -196,10 +196,14 @@ class ProgressClock:
         return idle if idle > limit else None
 
     def silent(self, beats: dict[int, dict[str, Any]], timeout: float) -> list[int]:
-        """Ranks without a heartbeat for `timeout` s: one that stopped beating (not because it is exiting), or
-        one that never beat although a peer has beaten for that long (with early heartbeats)."""
+        """With early heartbeats, ranks without a heartbeat for `timeout` s: one that stopped beating (not because
+        it is exiting), or one that never beat although a peer has beaten for that long. Without them (the
+        multi-host driver) none: there a start's ranks beat only from rank_start, and during a torchrun restart the
+        files still hold the previous start's stale beats, which the driver tells apart by their start id."""
+        if not self.early:
+            return []
         now = time.time()
-        never = self.early and self.first_beat_at is not None and now - self.first_beat_at > timeout
+        never = self.first_beat_at is not None and now - self.first_beat_at > timeout
         quiet = [r for r in range(self.world)
                  if (r not in beats and never)
                  or (r in beats and now - beats[r]["time"] > timeout and beats[r].get("phase") != "shutdown")]
