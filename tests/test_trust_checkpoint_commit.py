@@ -41,3 +41,44 @@ def test_the_committer_checks_the_bytes_on_disk(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="rank00000.pt on disk does not match"):
         ckpt.finalize(root, 3, {"step": 3, "world_size": 1})
     assert not ckpt.step_dir(root, 3).exists()
+
+
+def test_no_temporary_is_named_after_a_launcher_run_id_and_the_reshard_commits_its_own_attempt(tmp_path,
+                                                                                               monkeypatch):
+    """A save one process writes alone (the driver's reshard for a shrunk restart) uses an attempt id of its own,
+    not TORCHELASTIC_RUN_ID (`none` under static rendezvous) nor a fixed name: a crashed earlier attempt's files
+    under those names are never committed, and the commit removes them."""
+    from megatronapp.config import RunConfig
+    from megatronapp.resilience import shrink
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("MEGATRONAPP_RUN_ID", "job")
+    src_root, attempt = tmp_path / "src", "agreed"
+    saved = RunConfig.from_dict({"parallel": {"dp": 2}})
+    for r in range(2):
+        ckpt.save_rank(src_root, 4, r, {"step": 4, "w": torch.tensor([float(r)]), "coord": {}}, attempt)
+    src = ckpt.finalize(src_root, 4, {"step": 4, "world_size": 2, "config": saved.to_dict()}, attempt=attempt)
+    dst_root = tmp_path / "dst"
+    used: list[str] = []
+    temp_dir = ckpt.temp_dir
+
+    def spy(root, step, attempt=None):
+        if not used:  # after the reshard cleared its directory: what a crashed attempt under the old names left
+            for old in ("none", "job"):
+                leftover = root / f".step_00000004.{old}"
+                leftover.mkdir(parents=True)
+                (leftover / "rank00000.pt").write_bytes(b"planted")
+                (leftover / "rank00000.pt.sum").write_bytes(b'{"bytes": 7, "sha256": "x"}')
+        d = temp_dir(root, step, attempt)
+        used.append(d.name)
+        return d
+
+    monkeypatch.setattr(ckpt, "temp_dir", spy)
+    final = shrink.reshard(src, dst_root, RunConfig.from_dict({"parallel": {"dp": 1}}), [1])
+    assert float(ckpt.load_rank(final, 0)["w"]) == 1.0 and ckpt.verify(final) is None
+    names = set(used)
+    assert len(names) == 1 and not names & {".step_00000004.none", ".step_00000004.job"}, names
+    assert not [p.name for p in dst_root.iterdir() if p.name.startswith(".step_")]
+    # a lone save without an agreed id: this process's own attempt, never the launcher's run id
+    path = ckpt.save_rank(tmp_path / "alone", 2, 0, {"step": 2})
+    assert path.parent.name.split(".")[-1] not in ("none", "job")

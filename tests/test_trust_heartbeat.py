@@ -66,3 +66,71 @@ def test_a_rank_behind_its_started_peers_is_judged_by_the_hang_timeout():
     both = {0: waiting, 1: _beat(1, step=0, phase="step 1", step_time_s=None)}
     assert clock.overdue(both) is None
     assert clock.overdue({0: _beat(0, step=0, phase="start", step_time_s=None)}) is None
+
+
+def test_a_rank_silent_during_start_up_is_judged_by_the_hang_timeout_and_named_with_its_phase():
+    """Early heartbeats (every rank beats from its first instruction): no rank has finished start-up, ranks 0 and
+    2 wait in the process-group rendezvous, rank 1 stopped beating 12 s ago while building its process groups and
+    rank 3 never beat. The hang timeout (10 s) applies, not the 300 s allowance, and the stopped rank is named
+    with what it was doing."""
+    clock = watch.ProgressClock(4, hang_timeout_s=10.0, startup_timeout_s=300.0, early=True)
+    now = time.time()
+    rendezvous = {"step": -1, "phase": "start-up: process groups", "phase_since": now - 13, "step_time_s": None}
+    beats = {0: _beat(0, **rendezvous), 1: _beat(1, **{**rendezvous, "time": now - 12.0}),
+             2: _beat(2, **rendezvous)}
+    clock.update(beats)
+    assert clock.start_step is None  # a start-up heartbeat says nothing of the step the attempt starts from
+    clock.last_progress -= 13.0
+    clock.first_beat_at -= 13.0
+    assert clock.silent(beats, 10.0) == [1, 3]
+    assert clock.overdue(beats) is not None
+    failure = watch.judge_hang(beats, 4, {r: f"r{r}" for r in range(4)}, 13.0, 10.0, 2.0,
+                               lambda r: "T" if r == 1 else None if r == 3 else "S")
+    assert failure.rank == 1
+    assert "stopped (SIGSTOP?)" in failure.message and "last in phase 'start-up: process groups'" in failure.message
+    # every rank beating and none finished: a slow start-up keeps its allowance
+    fresh = {r: _beat(r, **rendezvous) for r in range(4)}
+    assert clock.silent(fresh, 10.0) == [] and clock.overdue(fresh) is None
+    # without early heartbeats (torchrun: a rank beats once its trainer is built; a restart's files still hold
+    # the previous start's stale beats) neither a missing nor a stale rank counts as silent
+    late = watch.ProgressClock(4, hang_timeout_s=10.0, startup_timeout_s=300.0)
+    late.update(fresh)
+    late.first_beat_at -= 13.0
+    assert late.silent({0: fresh[0]}, 10.0) == [] and late.silent(beats, 10.0) == []
+    # where the processes are visible, a silent rank counts only if stopped or dead: a running one is late
+    seen = watch.ProgressClock(4, hang_timeout_s=10.0, startup_timeout_s=300.0, early=True,
+                               state_of=lambda r: {1: "T", 3: "R"}.get(r, "S"))
+    seen.update(beats)
+    seen.first_beat_at -= 13.0
+    assert seen.silent(beats, 10.0) == [1]
+    # a rank whose last heartbeat says it is exiting is not silent
+    assert clock.silent({**fresh, 1: _beat(1, phase="shutdown", time=now - 30)}, 10.0) == []
+    # once every rank built its trainer, the attempt's start step is known
+    built = {r: _beat(r, step=4, phase="start", step_time_s=None) for r in range(4)}
+    clock.update(built)
+    assert clock.start_step == 4
+
+
+def test_an_early_heartbeat_tells_each_start_up_phase_then_becomes_the_trainers(tmp_path, monkeypatch):
+    from megatronapp import startup
+    from megatronapp.resilience import agent
+
+    monkeypatch.setenv(agent.DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(agent.PERIOD_ENV, "30")  # the test reads what the phase changes themselves write
+    monkeypatch.setattr(agent, "_EARLY", None)
+    agent.early_start(0)
+    try:
+        beat = watch.read_beats(tmp_path, 1)[0]
+        assert beat["phase"] == "start-up: spawn" and beat["step"] == -1 and beat["pid"] == os.getpid()
+        startup.phase("process groups")
+        assert watch.read_beats(tmp_path, 1)[0]["phase"] == "start-up: process groups"
+        trainer = SimpleNamespace(rank=0, step=4, cfg=RunConfig(), topo=SimpleNamespace(coord=coord_of(0, 1, 1, 1)),
+                                  hooks=SimpleNamespace(on=lambda *a: None))
+        agent.plugin(trainer)
+        hb = agent._EARLY
+        assert hb.state["step"] == 4 and hb.state["phase"] == "start" and hb.state["label"] == "DP0-PP0-TP0"
+        hb.start()  # rank_start: the thread already runs
+        startup.phase("late")  # no longer listened to
+        assert watch.read_beats(tmp_path, 1)[0]["phase"] == "start"
+    finally:
+        agent._EARLY.stop()

@@ -140,7 +140,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-granularity", choices=["coarse", "full"])
     g.add_argument("--inject", action="append", default=[],
                    help="fault drill, repeatable: slow-compute=RANK:FACTOR, slow-link=A-B:MS, pause=RANK:MS:EVERY, "
-                        "hang=RANK:STEP, slow-wire=A-B:FACTOR, jitter=A-B:lognormal:SIGMA")
+                        "hang=RANK:STEP, slow-wire=A-B:FACTOR, jitter=A-B:lognormal:SIGMA, "
+                        "kill-save=RANK:STEP:STAGE[:RESTART] (docs/resilience.md)")
     g.add_argument("--scope-port", type=int, help="MegaScope: serve the live page while training")
     g.add_argument("--emulate-device", metavar="SPEC",
                    help="emulated accelerators: each task computes, then its rank sleeps out the modelled device "

@@ -10,6 +10,10 @@ Specs (one per `--inject`):
   slow-wire=A-B:FACTOR       every message between A and B takes FACTOR times its nominal wire time; the wire is
                              slow, not the sender (delivery is late, in order, and the sender goes on)
   jitter=A-B:lognormal:SIGMA every message between A and B gets a nominal wire time times a lognormal draw (mean 1)
+  kill-save=RANK:STEP:STAGE[:RESTART]  RANK SIGKILLs itself when its save of step STEP reaches STAGE (copy, write,
+                             sum, marker, commit: `checkpoint.SAVE_STAGES`; marker and commit are rank 0's, the
+                             committer's); with RESTART, only in that torchrun restart (TORCHELASTIC_RESTART_COUNT),
+                             so one torchrun job with --max-restarts can drill every stage in turn
 The nominal wire time of a message is its bytes at WIRE_GBPS (the loopback wire of one machine is otherwise
 far faster than any real link, so a factor of it would change nothing).
 Faults act through the engine's seams only: span sinks (`megatronapp.tracing`) and comm interceptors
@@ -18,7 +22,10 @@ In a training run `--inject` attaches `plugin` by import path (the engine never 
 """
 from __future__ import annotations
 
+import os
 import random
+import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +34,8 @@ from typing import Any
 from megatronapp import tracing
 from megatronapp.config import ConfigError
 from megatronapp.parallel import comm, device_emulation
+from megatronapp.train import checkpoint as ckpt
+from megatronapp.train.checkpoint import SAVE_STAGES
 
 KINDS = {
     "slow-compute": "slow-compute=RANK:FACTOR (e.g. slow-compute=5:1.3)",
@@ -35,6 +44,7 @@ KINDS = {
     "hang": "hang=RANK:STEP (e.g. hang=2:10)",
     "slow-wire": "slow-wire=A-B:FACTOR (e.g. slow-wire=1-2:4)",
     "jitter": "jitter=A-B:lognormal:SIGMA (e.g. jitter=1-2:lognormal:0.5)",
+    "kill-save": "kill-save=RANK:STEP:STAGE[:RESTART] (e.g. kill-save=1:4:sum)",
 }
 WIRE_GBPS = 1.0  # nominal link bandwidth for slow-wire and jitter, GB/s
 
@@ -51,6 +61,8 @@ class Fault:
     every: int = 0
     step: int = -1
     sigma: float = 0.0
+    stage: str = ""
+    restart: int = 0
     spec: str = ""
 
 
@@ -71,9 +83,20 @@ def parse(spec: str) -> Fault:
     if kind not in KINDS:
         raise ConfigError(f"--inject {spec!r}: unknown fault {kind!r}; choose one of: " + "; ".join(KINDS.values()))
     parts = rest.split(":")
-    want = {"slow-compute": 2, "slow-link": 2, "pause": 3, "hang": 2, "slow-wire": 2, "jitter": 3}[kind]
+    want = {"slow-compute": 2, "slow-link": 2, "pause": 3, "hang": 2, "slow-wire": 2, "jitter": 3, "kill-save": 3}[kind]
+    if kind == "kill-save" and len(parts) == 4:
+        want = 4
     if not eq or len(parts) != want or not all(parts):
         raise ConfigError(f"--inject {spec!r}: expected {KINDS[kind]}")
+    if kind == "kill-save":
+        if parts[2] not in SAVE_STAGES:
+            raise ConfigError(f"--inject {spec!r}: unknown save stage {parts[2]!r}; choose one of: "
+                              + ", ".join(SAVE_STAGES))
+        rank = _num(spec, "RANK", parts[0], int, 0)
+        if parts[2] in ("marker", "commit") and rank != 0:
+            raise ConfigError(f"--inject {spec!r}: stage {parts[2]} is reached by rank 0 only (the committer)")
+        return Fault(kind, (rank,), step=_num(spec, "STEP", parts[1], int, 1), stage=parts[2],
+                     restart=_num(spec, "RESTART", parts[3], int, 0) if want == 4 else 0, spec=spec)
     if kind == "slow-compute":
         factor = _num(spec, "FACTOR", parts[1], float, 1.0)
         return Fault(kind, (_num(spec, "RANK", parts[0], int, 0),), factor=factor, spec=spec)
@@ -122,6 +145,11 @@ class Injector:
         self._rng = random.Random(rank)  # jitter draws: reproducible per rank
         self._pauses = [f for f in faults if f.kind == "pause" and f.ranks[0] == rank]
         self._hangs = {f.step for f in faults if f.kind == "hang" and f.ranks[0] == rank}
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self._kills = {(f.step, f.stage) for f in faults
+                       if f.kind == "kill-save" and f.ranks[0] == rank and f.restart == restart}
+        if self._kills:
+            ckpt.on_save_stage(self._save_stage)
         self._release = threading.Event()
         self._open = _OpenCompute()
         self.hung_at: int | None = None
@@ -195,6 +223,25 @@ class Injector:
         if self.installed_sink:
             tracing.uninstall(self)
         comm.remove_interceptor(self.intercept)
+        ckpt.off_save_stage(self._save_stage)
+
+    def _save_stage(self, stage: str, step: int, rank: int) -> None:
+        """A kill-save drill: die as a kill -9 would, at this point of the save (any thread)."""
+        if (step, stage) in self._kills:
+            print(f"megatronapp: fault drill kill-save: rank {rank} SIGKILLs itself at stage '{stage}' of the save "
+                  f"of step {step} ({SAVE_STAGES[stage]})", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def armed_in_restart(specs: list[str], restart: int) -> list[str]:
+    """The drills of a torchrun restart after the first start: only kill-save drills that name that restart (every
+    other drill fires once, in the first start)."""
+    out = []
+    for s in specs:
+        f = parse(s)
+        if f.kind == "kill-save" and f.restart == restart and restart > 0:
+            out.append(s)
+    return out
 
 
 def install(specs: list[str], topo: Any) -> Injector:

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatronapp import startup
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -104,15 +106,18 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _entry(rank: int, world: int, rundir: str, port: int, backend: str, threads: int, fn: Callable, args: tuple,
-           env: dict[str, str]) -> None:
+def _entry(rank: int, world: int, rundir: str, port: int, backend: str, threads: int, fn: Callable | str,
+           args: tuple, env: dict[str, str]) -> None:
     os.environ.update(env)
+    if isinstance(fn, str):  # started through startup.entry: the rank's function by import path
+        fn = startup.resolve(fn)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     # Many ranks on few cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(threads)
     code = 0
     try:
+        startup.phase("process groups")  # a rendezvous: it waits for every rank of the job
         init_distributed(backend, local_port=port)
         fn(rank, world, *args)
     except BaseException as e:  # report which rank failed (through a file), then let the launcher stop the rest
@@ -244,16 +249,22 @@ class LocalJob:
 
 
 def start(fn: Callable, nproc: int, *args: Any, backend: str = "gloo", threads: int = 1,
-          env: dict[str, str] | None = None) -> LocalJob:
-    """Start `fn(rank, world_size, *args)` on `nproc` local processes and return at once."""
+          env: dict[str, str] | None = None, prelude: str | None = None) -> LocalJob:
+    """Start `fn(rank, world_size, *args)` on `nproc` local processes and return at once. With `prelude` (an
+    import path, e.g. the resilience heartbeat's `early_start`), each rank runs `prelude(rank)` first thing,
+    before it imports torch or `fn`'s module (`startup.entry`), so a watcher sees its whole start-up."""
     ctx = mp.get_context("spawn")
     rundir = Path(tempfile.mkdtemp(prefix="megatronapp-job-"))
     full_env = {"MEGATRONAPP_RUN_ID": uuid.uuid4().hex[:12], **_loopback_env(), **(env or {})}
     port = free_port()
     procs = []
     for rank in range(nproc):
-        p = ctx.Process(target=_entry, args=(rank, nproc, str(rundir), port, backend, threads, fn, args, full_env),
-                        name=f"rank{rank}")
+        common = (nproc, str(rundir), port, backend, threads)
+        if prelude is None:
+            p = ctx.Process(target=_entry, args=(rank, *common, fn, args, full_env), name=f"rank{rank}")
+        else:  # only strings and plain data to unpickle: nothing heavy is imported before the prelude
+            p = ctx.Process(target=startup.entry, name=f"rank{rank}", args=(
+                prelude, rank, full_env, startup.ref_of(_entry), *common, startup.ref_of(fn), args, full_env))
         p.start()
         procs.append(p)
     return LocalJob(procs, rundir)

@@ -7,6 +7,10 @@ recorder's snapshot (the open and last completed comm ops with group and sequenc
 beating while the training thread is blocked in a collective or an injected hang (both release the GIL), so the
 driver sees a hung rank's state; a rank that stops beating is stopped or dead.
 
+Under the local supervisor the heartbeat starts earlier, first thing in the rank (`early_start`, the launcher's
+prelude, before torch is imported), and tells each part of the start-up (`megatronapp.startup.phase`) as its phase
+`start-up: <what>` with step -1; the plug-in then takes that heartbeat over once the trainer is built.
+
 In a multi-host job (`train --heartbeat-dir` under torchrun, `elastic.py`) the rank also knows its round
 (`MEGATRONAPP_ROUND`) and the same thread polls for the driver's restart decision of that round (`decision.py`):
 a valid one ends the process with `decision.RESTART_EXIT_CODE`; a bad one is reported once and ignored, so a
@@ -24,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatronapp import startup
 from megatronapp.parallel.flight_recorder import RECORDER
 from megatronapp.resilience import decision
 
@@ -35,27 +40,54 @@ class Heartbeat:
     """This rank's state, written to `<dir>/rank%05d.json` every `period_s` by a daemon thread."""
 
     def __init__(self, directory: Path, trainer: Any, period_s: float, round_: int | None = None,
-                 exit_fn: Any = os._exit):
+                 exit_fn: Any = os._exit, rank: int | None = None):
+        """`trainer` None: an early heartbeat (`early_start`), of `rank`, before the trainer exists; `bind` adds
+        the trainer's part later."""
+        rank = trainer.rank if trainer is not None else rank
         self.directory = directory
-        self.path = directory / f"rank{trainer.rank:05d}.json"
+        self.path = directory / f"rank{rank:05d}.json"
         self.period_s = period_s
         self.round = round_  # None: a local supervisor stops this rank itself; no decision to poll
         self._exit = exit_fn
         self._bad_decision: str | None = None
-        p = trainer.cfg.parallel
+        # step -1 and a "start-up: ..." phase until the trainer is built: a watcher takes no step from it
         self.state: dict[str, Any] = {
-            "round": round_, "start": os.environ.get(START_ENV), "host": socket.gethostname(),
-            "layout": [p.tp, p.pp, p.dp], "failed": False,
-            "rank": trainer.rank, "pid": os.getpid(), "coord": dataclasses.asdict(trainer.topo.coord),
-            "label": trainer.topo.coord.label(), "step": trainer.step, "phase": "start",
-            "phase_since": time.time(), "tokens_per_s": None, "step_time_s": None, "mem_bytes": None,
-            "checkpoint": None, "started_at": time.time(), "load_s": getattr(trainer, "load_s", 0.0)}
+            "round": round_, "start": os.environ.get(START_ENV), "host": socket.gethostname(), "layout": None,
+            "failed": False, "rank": rank, "pid": os.getpid(), "coord": None, "label": None, "step": -1,
+            "phase": "start-up: spawn", "phase_since": time.time(), "tokens_per_s": None, "step_time_s": None,
+            "mem_bytes": None, "checkpoint": None, "started_at": time.time(), "spawned_at": time.time(),
+            "load_s": 0.0}
         self._stop = threading.Event()
+        self._write_lock = threading.Lock()  # the beat thread and the training thread both write: in order
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        if trainer is not None:
+            self.bind(trainer)
+
+    def bind(self, trainer: Any) -> None:
+        """The trainer is built (process groups, model, resume): its rank's place, step and load time."""
+        p = trainer.cfg.parallel
+        # started_at: when the trainer was built (benchmarks/recovery_emulated.py splits a restart with it and
+        # load_s); an early heartbeat's spawned_at keeps when the process began
+        self.state.update(layout=[p.tp, p.pp, p.dp], coord=dataclasses.asdict(trainer.topo.coord),
+                          label=trainer.topo.coord.label(), step=trainer.step, started_at=time.time(),
+                          load_s=getattr(trainer, "load_s", 0.0))
+        self._phase("start")
+
+    def startup_phase(self, what: str) -> None:
+        """`startup.phase` listener: the part of its start-up this rank is in, for the watcher to name."""
+        self._phase(f"start-up: {what}")
+        self._beat()
 
     def start(self, _trainer: Any = None) -> None:
-        self.write()
-        self._thread.start()
+        self._beat()
+        if not self._thread.is_alive():  # an early heartbeat already beats
+            self._thread.start()
+
+    def _beat(self) -> None:
+        try:
+            self.write()
+        except OSError:  # the driver removed the directory: the run is being torn down
+            pass
 
     def _phase(self, phase: str) -> None:
         self.state.update(phase=phase, phase_since=time.time())
@@ -72,11 +104,12 @@ class Heartbeat:
         self.state["checkpoint"] = str(path)
 
     def write(self) -> None:
-        flight = RECORDER.snapshot()
-        beat = {**self.state, "time": time.time(), "flight": flight,
-                "open_op": flight["open"][0] if flight["open"] else None,
-                "last_op": flight["recent"][-1] if flight["recent"] else None}
-        decision.write_exclusive(self.path, json.dumps(beat).encode())
+        with self._write_lock:
+            flight = RECORDER.snapshot()
+            beat = {**self.state, "time": time.time(), "flight": flight,
+                    "open_op": flight["open"][0] if flight["open"] else None,
+                    "last_op": flight["recent"][-1] if flight["recent"] else None}
+            decision.write_exclusive(self.path, json.dumps(beat).encode())
 
     def failed(self, _error: BaseException | None = None) -> None:
         self.state["failed"] = True
@@ -121,14 +154,39 @@ class Heartbeat:
             pass
 
 
+_EARLY: Heartbeat | None = None  # this process's heartbeat started by `early_start`, taken over by `plugin`
+
+
+def early_start(rank: int) -> None:
+    """The launcher's prelude (`launch.start(prelude=...)`): beat first thing in the rank, before torch is
+    imported, and name each part of the start-up as it begins (`megatronapp.startup`). A rank stopped or stuck
+    during its start-up is then seen, with what it was doing, while its peers wait for it."""
+    global _EARLY
+    directory = os.environ.get(DIR_ENV)
+    if not directory or _EARLY is not None:
+        return
+    round_ = os.environ.get(ROUND_ENV)
+    hb = Heartbeat(Path(directory), None, float(os.environ.get(PERIOD_ENV, "1.0")),
+                   int(round_) if round_ is not None else None, rank=rank)
+    startup.on_phase(hb.startup_phase)
+    hb.start()
+    _EARLY = hb
+
+
 def plugin(trainer: Any) -> None:
-    """Plug-in entry: beat to the supervisor's directory, if this rank was started by one."""
+    """Plug-in entry: beat to the supervisor's directory, if this rank was started by one (taking over the
+    heartbeat `early_start` began, if it did)."""
     directory = os.environ.get(DIR_ENV)
     if not directory:
         return
     round_ = os.environ.get(ROUND_ENV)
-    hb = Heartbeat(Path(directory), trainer, float(os.environ.get(PERIOD_ENV, "1.0")),
-                   int(round_) if round_ is not None else None)
+    hb = _EARLY
+    if hb is not None and hb.state["rank"] == trainer.rank and hb.directory == Path(directory):
+        startup.off_phase(hb.startup_phase)
+        hb.bind(trainer)
+    else:
+        hb = Heartbeat(Path(directory), trainer, float(os.environ.get(PERIOD_ENV, "1.0")),
+                       int(round_) if round_ is not None else None)
     trainer.hooks.on("rank_start", hb.start)
     trainer.hooks.on("failure", hb.failed)
     trainer.hooks.on("step_start", hb.step_start)

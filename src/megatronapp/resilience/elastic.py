@@ -26,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatronapp import faults
 from megatronapp.config import ConfigError, RunConfig
 from megatronapp.launch import init_distributed
 from megatronapp.resilience import agent, decision
@@ -80,17 +81,20 @@ def prepare(cfg: RunConfig, heartbeat_dir: str, heartbeat_s: float) -> RunConfig
     # driver must then give the new start its start-up allowance instead of judging it by the old clock
     start_id: list[Any] = [uuid.uuid4().hex[:12] if rank == 0 else None]
     dist.broadcast_object_list(start_id, src=0)
+    # a drill fires once; a kill-save drill that names this torchrun restart is this restart's
+    kept = faults.armed_in_restart(cfg.inject, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
     if rank == 0:
         for note in notes:
             print(f"megatronapp: checkpoint {note}", file=sys.stderr, flush=True)
         if restarted:
             print(f"megatronapp: round {round_} (torchrun restart counts {sorted(set(counts))}): resuming from "
-                  f"{Path(resume).name if resume else 'scratch (no checkpoint yet)'}; fault drills off",
+                  f"{Path(resume).name if resume else 'scratch (no checkpoint yet)'}; fault drills off"
+                  + (f" but this restart's: {', '.join(kept)}" if kept else ""),
                   file=sys.stderr, flush=True)
     os.environ.update({agent.DIR_ENV: str(hb_dir), agent.PERIOD_ENV: str(heartbeat_s),
                        agent.ROUND_ENV: str(round_), agent.START_ENV: start_id[0]})
     run = dataclasses.replace(cfg, attach=list(dict.fromkeys([*cfg.attach, AGENT_PLUGIN])))
     if restarted:
-        run.inject = []
+        run.inject = kept
     run.train = dataclasses.replace(cfg.train, resume=resume)
     return run

@@ -17,6 +17,7 @@ not do, and is refused.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import shutil
 from pathlib import Path
 
@@ -82,12 +83,15 @@ def reshard(src: Path, dst_root: Path, cfg: RunConfig, replicas: list[int]) -> P
         raise ValueError(f"replicas {replicas} must name {new.dp} of the checkpoint's {old.dp} DP replicas")
     step = int(meta["step"])
     shutil.rmtree(dst_root, ignore_errors=True)
+    # the engine's commit protocol: a temporary directory unique to this attempt, checked and committed by
+    # finalize (never a name an earlier, crashed reshard could have used)
+    attempt = secrets.token_hex(8)
     for r in range(new.world_size):
         c = coord_of(r, new.tp, new.pp, new.dp)
         source = rank_of(dataclasses.replace(c, dp=replicas[c.dp]), old.tp, old.dp)
         state = ckpt.load_rank(src, source)  # checksum-checked, weights only
         state["coord"] = dataclasses.asdict(c)
-        ckpt.save_rank(dst_root, step, r, state)
+        ckpt.save_rank(dst_root, step, r, state, attempt)
     out_meta = {**{k: v for k, v in meta.items() if k != "files"}, "world_size": new.world_size,
                 "config": cfg.to_dict(), "resharded_from": {"path": str(src), "dp": old.dp, "replicas": replicas}}
-    return ckpt.finalize(dst_root, step, out_meta)
+    return ckpt.finalize(dst_root, step, out_meta, attempt=attempt)

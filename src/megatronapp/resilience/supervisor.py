@@ -39,6 +39,7 @@ from megatronapp.train import plugins
 from megatronapp.train.trainer import run_rank
 
 AGENT_PLUGIN = "megatronapp.resilience.agent:plugin"
+EARLY_HEARTBEAT = "megatronapp.resilience.agent:early_start"
 
 
 @dataclass
@@ -46,7 +47,9 @@ class Options:
     hang_timeout_s: float | None = None  # None: 10x the slowest step seen, at least 30 s
     max_restarts: int = 3
     heartbeat_s: float = 1.0
-    startup_timeout_s: float = 300.0  # before the first step of an attempt (imports, model build, resume)
+    # before the first step of an attempt (imports, model build, resume), while no rank has finished its start-up
+    # and every rank still beats (watch.ProgressClock)
+    startup_timeout_s: float = 300.0
     threads: int | None = None
     diagnose_on_restart: bool = True  # run the diagnostics on the job's layout before each restart
     diagnose_budget_s: float = 120.0  # wall-clock budget of those diagnostics
@@ -100,14 +103,16 @@ class Attempt:
         threads = self.opts.threads or max(1, (os.cpu_count() or 1) // self.world)
         job = launch.start(run_rank, self.world, self.cfg.to_dict(), str(result),
                            backend=launch.pick_backend(self.cfg.parallel.backend), threads=threads,
-                           env={agent.DIR_ENV: str(self.hb_dir), agent.PERIOD_ENV: str(self.opts.heartbeat_s)})
+                           env={agent.DIR_ENV: str(self.hb_dir), agent.PERIOD_ENV: str(self.opts.heartbeat_s)},
+                           prelude=EARLY_HEARTBEAT)  # each rank beats before it imports torch
         try:
             return self._watch(job, result)
         finally:
             job.close()
 
     def _watch(self, job: launch.LocalJob, result: Path) -> dict[str, Any] | Failure:
-        clock = ProgressClock(self.world, self.opts.hang_timeout_s, self.opts.startup_timeout_s)
+        clock = ProgressClock(self.world, self.opts.hang_timeout_s, self.opts.startup_timeout_s, early=True,
+                              state_of=lambda r: _process_state(job.pids[r]))
         while True:
             job.wait(0.2)
             if job.exits():

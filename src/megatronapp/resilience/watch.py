@@ -132,20 +132,33 @@ def read_beats(hb_dir: Path, world: int) -> dict[int, dict[str, Any]]:
 class ProgressClock:
     """Step progress of one attempt (one launch of every rank) and when it last moved."""
 
-    def __init__(self, world: int, hang_timeout_s: float | None, startup_timeout_s: float):
+    def __init__(self, world: int, hang_timeout_s: float | None, startup_timeout_s: float, early: bool = False,
+                 state_of: Callable[[int], str | None] | None = None):
+        """`early`: every rank beats from the first thing it does (`agent.early_start`), so a rank that never
+        beat while its peers did is missing, not slow; without it a rank beats only once its trainer is built.
+        `state_of(rank)`: the rank's process state where it is visible (the local supervisor: 'T' stopped, 'Z'
+        dead, None gone); then a silent rank counts only if its process is stopped or dead, since on an
+        overloaded host a running rank's heartbeat (or its very first one) can be late by more than the hang
+        timeout (seen: 7 s at load 68)."""
         self.world, self.hang_timeout_s, self.startup_timeout_s = world, hang_timeout_s, startup_timeout_s
+        self.early, self.state_of = early, state_of
         self.start_step: int | None = None
         self.progress: tuple | None = None
         self.last_progress = time.time()
         self.step_times: list[float] = []
         self.first_step_at: float | None = None
+        self.first_beat_at: float | None = None  # the first heartbeat of this attempt, from any rank
 
     def steps(self, beats: dict[int, dict[str, Any]]) -> tuple:
         return tuple(beats.get(r, {}).get("step", -1) for r in range(self.world))
 
     def update(self, beats: dict[int, dict[str, Any]]) -> None:
         steps = self.steps(beats)
-        if self.start_step is None and len(beats) == self.world:
+        if beats and self.first_beat_at is None:
+            self.first_beat_at = time.time()
+        # the step an attempt starts from is known once every rank has built its trainer (an early heartbeat
+        # says step -1 in a "start-up: ..." phase)
+        if self.start_step is None and len(beats) == self.world and not any(map(in_startup, beats.values())):
             self.start_step = min(steps)
         if steps != self.progress:
             self.progress, self.last_progress = steps, time.time()
@@ -167,16 +180,41 @@ class ProgressClock:
         # Start-up judged by progress: once a rank has finished its start-up (it began a step: groups built,
         # model loaded), a rank that is still silent or has not begun is behind its peers, who wait for it in
         # their first collective; it is judged by the hang timeout. The long allowance only covers a start-up
-        # no rank has finished, or a first step every rank has begun (warm-up). Safe against slow imports: a
-        # rank beats only after the trainer's process groups are built, a rendezvous of every rank, so what a
-        # peer that is behind still has to do is local (model build, its own checkpoint read).
+        # no rank has finished, or a first step every rank has begun (warm-up), while every rank beats.
         begun = [r for r, b in beats.items() if b.get("step_time_s") is not None
                  or str(b.get("phase", "")).startswith("step ")]
         behind = bool(begun) and len(begun) < self.world
         timeout = self.timeout()
-        limit = timeout if (started or behind) and not finishing else max(timeout, self.startup_timeout_s)
+        # A rank silent for the hang timeout while a peer still beats is stopped or dead (its heartbeat thread
+        # beats whatever its training thread does, from the first thing the rank does: agent.early_start), or
+        # it never started while its peers did: no start-up allowance covers that either.
+        silent = bool(self.silent(beats, timeout)) and any(time.time() - b["time"] <= timeout
+                                                           for b in beats.values())
+        limit = timeout if (started or behind or silent) and not finishing \
+            else max(timeout, self.startup_timeout_s)
         idle = time.time() - self.last_progress
         return idle if idle > limit else None
+
+    def silent(self, beats: dict[int, dict[str, Any]], timeout: float) -> list[int]:
+        """With early heartbeats, ranks without a heartbeat for `timeout` s: one that stopped beating (not because
+        it is exiting), or one that never beat although a peer has beaten for that long. Without them (the
+        multi-host driver) none: there a start's ranks beat only from rank_start, and during a torchrun restart the
+        files still hold the previous start's stale beats, which the driver tells apart by their start id."""
+        if not self.early:
+            return []
+        now = time.time()
+        never = self.first_beat_at is not None and now - self.first_beat_at > timeout
+        quiet = [r for r in range(self.world)
+                 if (r not in beats and never)
+                 or (r in beats and now - beats[r]["time"] > timeout and beats[r].get("phase") != "shutdown")]
+        if self.state_of is None:
+            return quiet
+        return [r for r in quiet if self.state_of(r) in ("T", "Z", None)]
+
+
+def in_startup(beat: dict[str, Any]) -> bool:
+    """Whether a heartbeat comes from a rank still starting (imports, process groups, model build, resume)."""
+    return str(beat.get("phase", "")).startswith("start-up")
 
 
 def settle(beats: dict[int, dict[str, Any]], reread: Callable[[], dict[int, dict[str, Any]]],
@@ -210,7 +248,7 @@ def judge_hang(beats: dict[int, dict[str, Any]], world: int, labels: dict[int, s
         b = beats.get(r)
         if b is None or now - b["time"] > stale_after:
             unresponsive.append(r)
-            age = "never" if b is None else f"not for {now - b['time']:.1f} s"
+            age = "never" if b is None else f"not for {now - b['time']:.1f} s, last in phase '{b['phase']}'"
             if state_of is None:  # a remote rank: its process is out of sight
                 notes[r] = f"heartbeat stopped (the process is stopped or dead); heartbeat {age}"
             else:

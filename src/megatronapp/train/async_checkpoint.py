@@ -164,6 +164,7 @@ class AsyncSaver:
     def _write(self, step: int, snap: dict[str, Any], meta: dict[str, Any], copier: _Copier,
                attempt: str | None) -> None:
         try:
+            ckpt.save_stage("copy", step, self.rank)
             copier.finish()
             ckpt.save_rank(self.root, step, self.rank, snap, attempt)
             if self.rank == 0:

@@ -23,9 +23,11 @@ import io
 import json
 import os
 import random
+import secrets
 import shutil
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -50,14 +52,20 @@ def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.pt"
 
 
+# The attempt id of a save that one process writes and commits alone (the driver's reshard, tools, tests): drawn
+# once per process, so it is unique to this process. Never a launcher's run id (TORCHELASTIC_RUN_ID is `none`
+# under static rendezvous and the same across torchrun restarts; a fixed name would meet a crashed attempt's files).
+_PROCESS_ATTEMPT = secrets.token_hex(8)
+
+
 def _run_id() -> str:
-    # Identical on every rank of one launch (our launcher or torchrun), different across restarts.
-    return os.environ.get("MEGATRONAPP_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "job"
+    return _PROCESS_ATTEMPT
 
 
 def temp_dir(root: Path, step: int, attempt: str | None = None) -> Path:
-    """The step's temporary directory for save attempt `attempt` (None: the launcher's run id, for callers that
-    save from one process and cannot meet an earlier attempt's files)."""
+    """The step's temporary directory for save attempt `attempt`: the id every rank of a launch agreed on
+    (`trainer.agree_attempt`); None: this process's own attempt id, for a save one process writes alone (several
+    ranks must pass their agreed id: without it each would write its own directory and the commit would refuse)."""
     return root / f".{step_dir(root, step).name}.{attempt or _run_id()}"
 
 
@@ -82,8 +90,9 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 class _HashingWriter(io.RawIOBase):
     """A write-only file that hashes what passes through (checksum without a second read)."""
 
-    def __init__(self, f: BinaryIO):
+    def __init__(self, f: BinaryIO, first_write: Callable[[], None] | None = None):
         self.f, self.sha, self.n = f, hashlib.sha256(), 0
+        self.first_write = first_write
 
     def writable(self) -> bool:
         return True
@@ -91,13 +100,45 @@ class _HashingWriter(io.RawIOBase):
     def write(self, b: Any) -> int:
         self.sha.update(b)
         self.n += len(b)
-        return self.f.write(b)
+        written = self.f.write(b)
+        if self.first_write is not None:
+            call, self.first_write = self.first_write, None
+            self.f.flush()  # the partial file is on disk when the drill fires
+            call()
+        return written
 
 
-def write_durable(obj: Any, path: Path) -> dict[str, Any]:
-    """torch.save `obj` to `path`, fsync it; returns its size and SHA-256."""
+# -- the stages of a save, for fault drills (`faults.py`: kill-save) -------------------------------------------
+SAVE_STAGES = {
+    "copy": "the background copy into host memory has begun (asynchronous saves)",
+    "write": "the rank file is partly written",
+    "sum": "the rank file is durable, its .sum side file not yet written",
+    "marker": "every rank's .sum is there; the committer (rank 0) has not checked them nor written meta.json",
+    "commit": "meta.json and COMPLETE are written in the temporary directory, not yet renamed into place",
+}
+_stage_listeners: list[Callable[[str, int, int], None]] = []
+
+
+def on_save_stage(listener: Callable[[str, int, int], None]) -> None:
+    """Call `listener(stage, step, rank)` as a save of this process reaches each of SAVE_STAGES."""
+    _stage_listeners.append(listener)
+
+
+def off_save_stage(listener: Callable[[str, int, int], None]) -> None:
+    if listener in _stage_listeners:
+        _stage_listeners.remove(listener)
+
+
+def save_stage(stage: str, step: int, rank: int) -> None:
+    for listener in list(_stage_listeners):
+        listener(stage, step, rank)
+
+
+def write_durable(obj: Any, path: Path, first_write: Callable[[], None] | None = None) -> dict[str, Any]:
+    """torch.save `obj` to `path`, fsync it; returns its size and SHA-256. `first_write` is called once the first
+    bytes are in the file (a drill's "partly written")."""
     with open(path, "wb") as f:
-        w = _HashingWriter(f)
+        w = _HashingWriter(f, first_write)
         torch.save(obj, w)
         f.flush()
         os.fsync(f.fileno())
@@ -134,7 +175,8 @@ def save_rank(root: Path, step: int, rank: int, state: dict[str, Any], attempt: 
     d = temp_dir(root, step, attempt)
     d.mkdir(parents=True, exist_ok=True)
     path = d / rank_file(rank)
-    info = write_durable(state, path)
+    info = write_durable(state, path, lambda: save_stage("write", step, rank))
+    save_stage("sum", step, rank)
     _atomic_write_bytes(d / (path.name + ".sum"), json.dumps(info).encode())
     return path
 
@@ -144,6 +186,7 @@ def finalize(root: Path, step: int, meta: dict[str, Any], keep: int = 0, attempt
     rank wrote, checksums into meta.json, the marker, then rename the directory into place and point `latest` at
     it. Keeps the newest `keep` steps (0: all)."""
     tmp, final = temp_dir(root, step, attempt), step_dir(root, step)
+    save_stage("marker", step, 0)
     files = {}
     for s in sorted(tmp.glob("*.pt.sum")):
         name = s.name.removesuffix(".sum")
@@ -166,6 +209,7 @@ def finalize(root: Path, step: int, meta: dict[str, Any], keep: int = 0, attempt
     # the marker seals meta.json as meta.json seals the rank files (older checkpoints hold "ok": not checked)
     _atomic_write_bytes(tmp / MARKER, json.dumps({"meta_sha256": hashlib.sha256(meta_bytes).hexdigest()}).encode())
     fsync_dir(tmp)
+    save_stage("commit", step, 0)
     if final.exists():  # a replayed step saved again after a restart: swap, never mix the two
         trash = root / f".trash.{final.name}.{attempt or _run_id()}"
         os.replace(final, trash)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatronapp import tracing
+from megatronapp import startup, tracing
 from megatronapp.config import FBD_TRAIN, RunConfig, micro_batch_size, plugin_entries, validate
 from megatronapp.data.dataset import build_batch_source, build_valid_source, split_microbatches
 from megatronapp.data.prefetch import Prefetcher
@@ -169,6 +169,7 @@ class Trainer:
                          else nullcontext())
         self.load_s = 0.0  # seconds the resume load took (the recovery benchmark splits a restart with it)
         if t.resume:
+            startup.phase("resume")
             t_load = time.perf_counter()
             self.load(ckpt.resolve(t.resume))
             self.load_s = time.perf_counter() - t_load
@@ -345,6 +346,7 @@ def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str |
     cfg = RunConfig.from_dict(cfg_dict)
     validate(cfg, world)
     comm.reset()
+    startup.phase("model build")
     tr = Trainer(cfg, rank)
     t = cfg.train
     lead = rank == 0
