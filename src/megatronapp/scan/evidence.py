@@ -154,7 +154,9 @@ def floor_findings(tb: Table, excl: np.ndarray, iters: np.ndarray, th: Threshold
                 others = np.delete(members, i)
                 ref[r] = np.nanmedian(floor[others], axis=0)
                 ref_it[r] = np.nanmedian(per_it[others], axis=0)
-        ok = np.isfinite(floor) & np.isfinite(ref)
+        # An op whose peers' floor is 0 (a marker span, a zero-length kernel) gives no ratio to judge by: a finite
+        # cost over nothing was written as `Infinity` into the JSON report.
+        ok = np.isfinite(floor) & np.isfinite(ref) & (ref > 0)
         mine = np.where(ok, floor * count, 0).sum(axis=1)
         theirs = np.where(ok, ref * count, 0).sum(axis=1)
         ratio = mine / np.maximum(theirs, 1e-9)
