@@ -20,6 +20,7 @@ and named in `problems`; reading stops at an unknown tag (the framing is lost).
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import zlib
@@ -384,14 +385,15 @@ def read_rank(path: str | Path, shared: dict | None = None) -> RankTrace:
     if not 0 < world <= MAX_WORLD or not 0 <= rank < world:
         raise TraceFormatError(f"{p.name}: header claims rank {str(header['rank'])[:20]} of world "
                                f"{str(header['world'])[:20]}; a world holds 1 to {MAX_WORLD} ranks")
-    if any(m >= world or m < 0 for _, members in groups for m in members):
+    # min/max per group (C loops), not a Python test per member: 1.5 million at 12,288 ranks.
+    if any(members and (min(members) < 0 or max(members) >= world) for _, members in groups):
         raise TraceFormatError(f"{p.name}: its group table names a rank outside its world of {world}")
     is_open = cols["dur"] == OPENED
     if is_open.any():
         opened = {c: v[is_open] for c, v in cols.items()}
         cols = {c: v[~is_open] for c, v in cols.items()}
-    else:  # the common case: no copies
-        opened = {c: v[:0] for c, v in cols.items()}
+    else:  # the common case: no copies (and no views: a view keeps the whole column alive once it is released)
+        opened = {c: np.empty(0, v.dtype) for c, v in cols.items()}
     return RankTrace(rank=rank, world=world, coord=coord, topo=topo, header=header, names=names, groups=groups,
                      problems=problems, opened=opened, **cols)
 
@@ -407,9 +409,10 @@ def read_dir(path: str | Path) -> tuple[list[RankTrace], list[str]]:
     problems: list[str] = []
     seen: dict[int, str] = {}
     shared: dict = {}
-    for f in sorted(d.iterdir()):
-        if not FILE_PATTERN.search(f.name):
+    for name in sorted(e.name for e in os.scandir(d)):  # names, not Paths: Path comparison is slow at scale
+        if not FILE_PATTERN.search(name):
             continue
+        f = d / name
         try:
             t = read_rank(f, shared)
         except TraceFormatError as e:
