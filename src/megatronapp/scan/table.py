@@ -240,9 +240,10 @@ def _union_by_key(key: np.ndarray, s: np.ndarray, e: np.ndarray) -> tuple[np.nda
 _CHUNK_ROWS = 1 << 20  # rows per pass of the per-rank sweeps: bounded temporaries at any scale
 
 
-def rank_chunks(tb: Table, rows: int = _CHUNK_ROWS) -> list[tuple[int, int]]:
+def rank_chunks(tb: Table, rows: int | None = None) -> list[tuple[int, int]]:
     """Row ranges [a, b) of the table, each holding whole ranks and about `rows` rows (one range when the table is
     not sorted by rank). Work that never crosses a rank runs range by range, its temporaries sized by the range."""
+    rows = rows or _CHUNK_ROWS
     n = len(tb.rank)
     if n <= rows or np.any(tb.rank[1:] < tb.rank[:-1]):
         return [(0, n)]
