@@ -49,7 +49,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
     from megatronapp.scan.detect import detect
 
     traces, offsets, clock = _load(args.dir, args.align)
-    report = detect(traces, offsets, clock=clock)
+    report = detect(traces, offsets, clock=clock, release_traces=True)
     print(report.to_json() if args.json else report.to_text())
     return 1 if (args.fail_on_finding and report.findings) else 0
 
@@ -60,7 +60,7 @@ def cmd_heatmap(args: argparse.Namespace) -> int:
 
     traces, offsets, clock = _load(args.dir, args.align)
     try:
-        out = heatmap.write(analyse(traces, offsets, clock=clock), args.out)
+        out = heatmap.write(analyse(traces, offsets, clock=clock, release_traces=True), args.out)
     except ValueError as e:
         print(f"scan heatmap: {e}", file=sys.stderr)
         return 2
@@ -73,7 +73,7 @@ def cmd_summary(args: argparse.Namespace) -> int:
     from megatronapp.scan.summary import summary_table
 
     traces, offsets, clock = _load(args.dir, args.align)
-    an = analyse(traces, offsets, clock=clock)
+    an = analyse(traces, offsets, clock=clock, release_traces=True)
     print(summary_table(an, limit=None if args.all else args.limit))
     print()
     print(an.report.to_text())

@@ -64,15 +64,19 @@ class Analysis:
 
 
 def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
-            thresholds: Thresholds | None = None, clock: dict | None = None) -> Analysis:
-    """Run all detectors; return the report together with the per-rank phase and wait matrices."""
+            thresholds: Thresholds | None = None, clock: dict | None = None,
+            release_traces: bool = False) -> Analysis:
+    """Run all detectors; return the report together with the per-rank phase and wait matrices.
+
+    `release_traces`: the traces' span columns are emptied once joined into the table (table.join), for a caller
+    that reads the traces only to analyse them (the CLI): one copy of every span in memory instead of two."""
     if not traces:
         raise ValueError("no rank traces to analyse (empty trace directory?)")
     th = thresholds or Thresholds()
     hangs = hang_findings(traces)
     if hangs:  # what a hang cut short is no evidence of speed: judge the iterations every rank finished
         traces = _finished_iterations(traces)
-    tb = join(traces)
+    tb = join(traces, release=release_traces)
     ph = phases(tb)
     # Stage costs: the headers' cost model (the engine writes its FLOPs), else measured from per-layer spans (any
     # job traced per layer). A declared model goes first: measured units are noisy by 15-25% per rank on a busy
@@ -144,7 +148,8 @@ def _stage_work(traces: list[RankTrace]) -> dict[int, float] | None:
 
 
 def detect(traces: list[RankTrace], offsets: dict[int, int] | None = None,
-           thresholds: Thresholds | None = None, clock: dict | None = None) -> Report:
+           thresholds: Thresholds | None = None, clock: dict | None = None,
+           release_traces: bool = False) -> Report:
     """Ranked root-cause findings for a set of rank traces (offsets: ns to subtract per rank, optional; clock:
-    the report of align.estimate_offsets, whose per-rank drift then applies too)."""
-    return analyse(traces, offsets, thresholds, clock).report
+    the report of align.estimate_offsets, whose per-rank drift then applies too; release_traces: see analyse)."""
+    return analyse(traces, offsets, thresholds, clock, release_traces).report

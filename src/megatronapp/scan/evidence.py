@@ -24,6 +24,7 @@ import numpy as np
 
 from megatronapp.scan.findings import Finding, Thresholds
 from megatronapp.scan.format import CAT_INDEX
+from megatronapp.scan.stats import by_key_then_value
 from megatronapp.scan.table import Table, coord
 
 MS = 1e6
@@ -54,7 +55,7 @@ def excursion_noise(x: np.ndarray, present: np.ndarray) -> float:
 # ----------------------------------------------------------------------------- helpers
 def group_quantile(keys: np.ndarray, vals: np.ndarray, q: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(unique keys, lower q-quantile of vals per key, count per key), by one sort."""
-    o = np.lexsort((vals, keys))
+    o = by_key_then_value(keys, vals)
     k, v = keys[o], vals[o]
     uk, start, cnt = np.unique(k, return_index=True, return_counts=True)
     return uk, v[start + np.floor(q * (cnt - 1)).astype(np.int64)], cnt
@@ -65,7 +66,7 @@ def loo_median(keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
     out = np.full(len(vals), np.nan)
     if not len(vals):
         return out
-    o = np.lexsort((vals, keys))
+    o = by_key_then_value(keys, vals)
     k, v = keys[o], vals[o].astype(float)
     uk, start, cnt = np.unique(k, return_index=True, return_counts=True)
     g = np.searchsorted(uk, k)
@@ -154,7 +155,9 @@ def floor_findings(tb: Table, excl: np.ndarray, iters: np.ndarray, th: Threshold
                 others = np.delete(members, i)
                 ref[r] = np.nanmedian(floor[others], axis=0)
                 ref_it[r] = np.nanmedian(per_it[others], axis=0)
-        ok = np.isfinite(floor) & np.isfinite(ref)
+        # An op whose peers' floor is 0 (a marker span, a zero-length kernel) gives no ratio to judge by: a finite
+        # cost over nothing was written as `Infinity` into the JSON report.
+        ok = np.isfinite(floor) & np.isfinite(ref) & (ref > 0)
         mine = np.where(ok, floor * count, 0).sum(axis=1)
         theirs = np.where(ok, ref * count, 0).sum(axis=1)
         ratio = mine / np.maximum(theirs, 1e-9)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from statistics import NormalDist
 
@@ -82,9 +83,11 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
-        return json.dumps({"world": self.world, "iterations": self.iterations, "step_ms": self.step_ms,
-                           "findings": [{**asdict(f), "link": f.link} for f in self.findings],
-                           "waited_for": self.waited_for, "notes": self.notes}, indent=1)
+        """Strict JSON (RFC 8259): a value that is not a finite number is written as null, never as the
+        `Infinity`/`NaN` Python's json emits by default, which strict readers (jq, JavaScript, Go) refuse."""
+        return json.dumps(_finite({"world": self.world, "iterations": self.iterations, "step_ms": self.step_ms,
+                                   "findings": [{**asdict(f), "link": f.link} for f in self.findings],
+                                   "waited_for": self.waited_for, "notes": self.notes}), indent=1, allow_nan=False)
 
     def to_text(self) -> str:
         lines = [(f"MegaScan detect: {self.world} ranks, {self.iterations} iterations, "
@@ -126,3 +129,14 @@ class Report:
             lines.append(f"who everyone waits for (direct waits caused, victims excluded): {top}")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _finite(obj: object) -> object:
+    """`obj` with every non-finite float replaced by None (dicts, lists and tuples walked)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj

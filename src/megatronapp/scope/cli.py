@@ -4,9 +4,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from megatronapp.scope.generate import ScopeModel
 from megatronapp.scope.security import Guard, resolve_token
+
+if TYPE_CHECKING:  # the model imports torch (6 s): `megatronapp scan ...` builds this parser too and needs none
+    from megatronapp.scope.generate import ScopeModel
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -105,6 +108,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def load_model(args: argparse.Namespace) -> ScopeModel:
     """The model named by --hf / --checkpoint, else the embedded default."""
     from megatronapp.data.tokenizer import ByteTokenizer, load_tokenizer
+    from megatronapp.scope.generate import ScopeModel
 
     if args.hf:
         from megatronapp.model.hf import config_from_hf, load_hf_weights
@@ -128,6 +132,7 @@ def _from_checkpoint(path: Path) -> ScopeModel:
     """Load a trainer checkpoint of any layout (tp/pp/vpp shards are consolidated into one model)."""
     from megatronapp.config import RunConfig
     from megatronapp.data.tokenizer import load_tokenizer
+    from megatronapp.scope.generate import ScopeModel
     from megatronapp.train import checkpoint as ckpt
     from megatronapp.train.consolidate import load_model as load_consolidated
 
