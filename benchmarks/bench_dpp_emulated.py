@@ -291,6 +291,12 @@ def _forward_ms(result: dict[str, Any]) -> str:
     return "a chunk's forward " + ", ".join(ms)
 
 
+def _host(share: float) -> str:
+    """A host share, flagged when the run was out of the accelerator regime (its ratios are not figures)."""
+    out = share > emu.parse_spec("tflops=1").host_share
+    return f"{share:.2f}" + (" (out of the accelerator regime: not a figure)" if out else "")
+
+
 def _load(avg: Any) -> str:
     """A load average triple, rounded, or 'not recorded' (older stored results)."""
     return str(tuple(round(x, 1) for x in avg)) if avg else "not recorded"
@@ -310,7 +316,7 @@ def docs_block(result: dict[str, Any]) -> str:
             lines.append(f"| {name} | {sc['scenario']} | {stats.fmt(r['dpp-zb/interleaved-1f1b'])} "
                          f"| {stats.fmt(r['dpp-zb/zb-h1'])} | {stats.fmt(r['dpp-adaptive/interleaved-1f1b'])} "
                          f"| {r['dpp-zb/interleaved-1f1b']['simulated']:.3f} | {worst:+.1%} "
-                         f"| {max(sc['host_share'].values()):.2f} "
+                         f"| {_host(max(sc['host_share'].values()))} "
                          f"| {pk['interleaved-1f1b']:.2f} / {pk['dpp-zb']:.2f} / {pk['zb-h1']:.2f} |")
     text = "\n".join(lines)
     after = ", ".join(f"{n} {_load(sz.get('load_avg_at_end'))}" for n, sz in result["sizes"].items())
