@@ -319,6 +319,12 @@ def docs_block(result: dict[str, Any]) -> str:
                          f"| {_host(max(sc['host_share'].values()))} "
                          f"| {pk['interleaved-1f1b']:.2f} / {pk['dpp-zb']:.2f} / {pk['zb-h1']:.2f} |")
     text = "\n".join(lines)
+    for name, sz in result["sizes"].items():
+        for sc in sz["scenarios"]:
+            if "appended" in sc:
+                a = sc["appended"]
+                text += (f"\n\n{name} {sc['scenario']}: added by a later run ({a['timestamp']}), load average at "
+                         f"its start {_load(a['load_avg_at_start'])}, at its end {_load(a['load_avg_at_end'])}.")
     after = ", ".join(f"{n} {_load(sz.get('load_avg_at_end'))}" for n, sz in result["sizes"].items())
     text += (f"\n\n{result['reps']} paired steps per scenario and launch after {result['warmup']} warm-up, "
              f"{stats.blocks_label(result['blocks'])}; worst sim error: the schedule whose median (simulated / "
@@ -350,6 +356,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="keep the stored result's sizes not run now, and the stored result as the earlier run")
     ap.add_argument("--cli", action="store_true", help="also run the CLI check")
     ap.add_argument("--cli-only", action="store_true", help="run the CLI check again into the stored result")
+    ap.add_argument("--append", action="store_true",
+                    help="add the scenarios run now to the stored result's latest run (their load recorded)")
     ap.add_argument("--from-json", action="store_true", help="re-render the docs blocks from the stored result")
     args = ap.parse_args(argv)
     if args.from_json or args.cli_only:
@@ -369,6 +377,14 @@ def main(argv: list[str] | None = None) -> None:
                  "pp8": [s for s in args.pp8_scenarios.split(",") if s]}
     earlier = json.loads(RESULTS.read_text()) if args.keep_earlier and RESULTS.exists() else None
     result = run(sizes, scenarios, reps=args.reps, warmup=2, blocks=args.blocks)
+    if args.append:
+        stored = json.loads(RESULTS.read_text())
+        for name, sz in result["sizes"].items():
+            for sc in sz["scenarios"]:
+                sc["appended"] = {"timestamp": result["timestamp"], "load_avg_at_start": result["load_avg_at_start"],
+                                  "load_avg_at_end": sz["load_avg_at_end"]}
+            stored["sizes"].setdefault(name, {**sz, "scenarios": []})["scenarios"] += sz["scenarios"]
+        result = stored
     if args.cli:
         result["cli"] = cli_check()
     if earlier is not None:
