@@ -54,7 +54,11 @@ ONE_CHUNK = ("1f1b", "zb-h1")
 DYNAMIC = ("dpp-adaptive", "dpp-zb")
 PAIRS = (("dpp-zb", "interleaved-1f1b"), ("dpp-zb", "zb-h1"), ("dpp-adaptive", "interleaved-1f1b"),
          ("zb-h1", "interleaved-1f1b"), ("interleaved-1f1b", "1f1b"))
-FORWARD_S = 0.015  # device seconds of one chunk's forward of one microbatch (a layer of the tiny model)
+# Device seconds of one chunk's forward of one microbatch (a layer of the tiny model). 15 ms put pp 4 out of the
+# accelerator regime on the shared 2-core host (host share 0.56-0.68 at load average 15-54, dpp-zb worst: its
+# split backward has the most, and the shortest, tasks); 30 ms kept pp 8 (4 ranks per core) at 0.13-0.49.
+FORWARD_S = 0.03
+FORWARD_S_BY_SIZE: dict[str, float] = {}
 WIRE_FRACTION = 0.5  # slow-wire case: a modelled activation's wire time, as a share of a chunk's forward
 # name -> (extra spec keys, --inject specs)
 SCENARIOS: dict[str, tuple[str, list[str]]] = {
@@ -87,10 +91,15 @@ def base_config(schedule: str, size: dict[str, int]) -> dict[str, Any]:
                       "out": str(Path(tempfile.gettempdir()) / "megatronapp-bench-dpp-emulated")}}
 
 
+def forward_s(size: dict[str, int]) -> float:
+    """Device seconds of a middle chunk's forward of one microbatch at this size."""
+    return FORWARD_S_BY_SIZE.get(f"pp{size['pp']}", FORWARD_S)
+
+
 def tflops_for(size: dict[str, int]) -> float:
-    """The device rate at which a middle chunk's forward of one microbatch takes FORWARD_S."""
+    """The device rate at which a middle chunk's forward of one microbatch takes forward_s(size)."""
     cfg = RunConfig.from_dict(base_config("interleaved-1f1b", size))
-    return emu.chunk_flops(cfg, 1)[0][0] / FORWARD_S / 1e12
+    return emu.chunk_flops(cfg, 1)[0][0] / forward_s(size) / 1e12
 
 
 def run_config(schedule: str, size: dict[str, int], scenario: str) -> dict[str, Any]:
@@ -103,7 +112,7 @@ def run_config(schedule: str, size: dict[str, int], scenario: str) -> dict[str, 
 
 def wire_size(size: dict[str, int]) -> dict[str, Any]:
     """bench_dpp_real's link model inputs: a modelled activation takes WIRE_FRACTION of a chunk's forward."""
-    return {"pp": size["pp"], "wire_ms": WIRE_FRACTION * FORWARD_S * 1e3}
+    return {"pp": size["pp"], "wire_ms": WIRE_FRACTION * forward_s(size) * 1e3}
 
 
 def worker(rank: int, world: int, size: dict[str, int], scenarios: list[str], reps: int, warmup: int,
@@ -226,7 +235,7 @@ def run(sizes: dict[str, dict[str, int]], scenarios: dict[str, list[str]], reps:
         blocks: int) -> dict[str, Any]:
     """Every size x its scenarios, in `blocks` launches of fresh processes each."""
     t0 = time.perf_counter()
-    result: dict[str, Any] = {"sizes": {}}
+    result: dict[str, Any] = {"sizes": {}, "load_avg_at_start": os.getloadavg()}
     for name, size in sizes.items():
         launches = []
         for _ in range(blocks):
@@ -234,9 +243,11 @@ def run(sizes: dict[str, dict[str, int]], scenarios: dict[str, list[str]], reps:
                 spawn(worker, size["pp"], size, scenarios[name], reps, warmup, tmp)
                 per_rank = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(size["pp"])]
             launches.append([summarise(per_rank, size, sc) for sc in scenarios[name]])
-        result["sizes"][name] = {"size": size, "tflops": tflops_for(size), "dpp_max_inflight": dpp_cap(size),
+        result["sizes"][name] = {"size": size, "tflops": tflops_for(size), "forward_s": forward_s(size),
+                                 "dpp_max_inflight": dpp_cap(size),
                                  "scenarios": [pooled([launch[i] for launch in launches])
                                                for i in range(len(scenarios[name]))]}
+        result["sizes"][name]["load_avg_at_end"] = os.getloadavg()
         print(f"{name} done at {time.perf_counter() - t0:.0f} s, load {os.getloadavg()}", flush=True)
     result.update(benchmark="MegaDPP on emulated devices", timestamp=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                   wall_s=round(time.perf_counter() - t0, 1), blocks=blocks, reps=reps, warmup=warmup,
@@ -274,6 +285,23 @@ def cli_check(steps: int = 6) -> dict[str, Any]:
     return out
 
 
+def _forward_ms(result: dict[str, Any]) -> str:
+    """'a chunk's forward pp4 15 ms, pp8 30 ms': the device time per size of a stored result."""
+    ms = [f"{n} {1e3 * sz.get('forward_s', result['forward_s']):.0f} ms" for n, sz in result["sizes"].items()]
+    return "a chunk's forward " + ", ".join(ms)
+
+
+def _host(share: float) -> str:
+    """A host share, flagged when the run was out of the accelerator regime (its ratios are not figures)."""
+    out = share > emu.parse_spec("tflops=1").host_share
+    return f"{share:.2f}" + (" (out of the accelerator regime: not a figure)" if out else "")
+
+
+def _load(avg: Any) -> str:
+    """A load average triple, rounded, or 'not recorded' (older stored results)."""
+    return str(tuple(round(x, 1) for x in avg)) if avg else "not recorded"
+
+
 def docs_block(result: dict[str, Any]) -> str:
     """docs/benchmarks.md's table: per size and scenario the paired ratios with intervals, simulator error,
     host share and peak activations."""
@@ -288,17 +316,28 @@ def docs_block(result: dict[str, Any]) -> str:
             lines.append(f"| {name} | {sc['scenario']} | {stats.fmt(r['dpp-zb/interleaved-1f1b'])} "
                          f"| {stats.fmt(r['dpp-zb/zb-h1'])} | {stats.fmt(r['dpp-adaptive/interleaved-1f1b'])} "
                          f"| {r['dpp-zb/interleaved-1f1b']['simulated']:.3f} | {worst:+.1%} "
-                         f"| {max(sc['host_share'].values()):.2f} "
+                         f"| {_host(max(sc['host_share'].values()))} "
                          f"| {pk['interleaved-1f1b']:.2f} / {pk['dpp-zb']:.2f} / {pk['zb-h1']:.2f} |")
     text = "\n".join(lines)
+    for name, sz in result["sizes"].items():
+        for sc in sz["scenarios"]:
+            if "appended" in sc:
+                a = sc["appended"]
+                text += (f"\n\n{name} {sc['scenario']}: added by a later run ({a['timestamp']}), load average at "
+                         f"its start {_load(a['load_avg_at_start'])}, at its end {_load(a['load_avg_at_end'])}.")
+    after = ", ".join(f"{n} {_load(sz.get('load_avg_at_end'))}" for n, sz in result["sizes"].items())
     text += (f"\n\n{result['reps']} paired steps per scenario and launch after {result['warmup']} warm-up, "
              f"{stats.blocks_label(result['blocks'])}; worst sim error: the schedule whose median (simulated / "
              f"emulated step - 1) is largest; host share: host time over device time, worst rank and schedule; "
-             f"load average at the end {tuple(round(x, 1) for x in result['machine']['load_avg_at_end'])}.")
-    cli = result.get("cli")
-    if cli:
+             f"load average (1, 5, 15 min) at the start {_load(result.get('load_avg_at_start'))}, after each size "
+             f"{after}, at the end {_load(result['machine']['load_avg_at_end'])}.")
+    for cli in [result.get("cli")] + result.get("cli_reruns", []):
+        if not cli:
+            continue
+        again = (f" (run again; load average at its end {_load(cli['load_avg_at_end'])})"
+                 if cli is not result.get("cli") else "")
         text += (f"\n\nCLI check (`megatronapp train --nproc 4 --pp 4 --layers 8 --microbatches 16 --global-batch 16 "
-                 f"--emulate-device {cli['spec']}`, {cli['steps']} steps, median after the first): dpp-zb / "
+                 f"--emulate-device {cli['spec']}`, {cli['steps']} steps, median after the first){again}: dpp-zb / "
                  f"interleaved-1f1b {cli['dpp-zb/interleaved-1f1b']:.3f}, dpp-zb / zb-h1 {cli['dpp-zb/zb-h1']:.3f}; "
                  f"host shares {', '.join(f'{k} {v:.2f}' for k, v in cli['host_share'].items())}.")
     return text
@@ -312,11 +351,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", default="pp4,pp8")
     ap.add_argument("--pp8-scenarios", default="jitter lognormal 0.5,no jitter",
                     help="scenarios run at pp 8 (comma-separated names; all four at pp 4)")
+    ap.add_argument("--pp4-scenarios", default=",".join(SCENARIOS), help="scenarios run at pp 4")
+    ap.add_argument("--keep-earlier", action="store_true",
+                    help="keep the stored result's sizes not run now, and the stored result as the earlier run")
     ap.add_argument("--cli", action="store_true", help="also run the CLI check")
+    ap.add_argument("--cli-only", action="store_true", help="run the CLI check again into the stored result")
+    ap.add_argument("--append", action="store_true",
+                    help="add the scenarios run now to the stored result's latest run (their load recorded)")
     ap.add_argument("--from-json", action="store_true", help="re-render the docs blocks from the stored result")
     args = ap.parse_args(argv)
-    if args.from_json:
-        write_docs(json.loads(RESULTS.read_text()))
+    if args.from_json or args.cli_only:
+        stored = json.loads(RESULTS.read_text())
+        if args.cli_only:
+            stored.setdefault("cli_reruns", []).append(cli_check())
+            RESULTS.write_text(json.dumps(stored, indent=1) + "\n")
+        write_docs(stored)
         return
     if args.quick:
         result = run(QUICK, {"pp2": ["jitter lognormal 0.5"]}, reps=2, warmup=2, blocks=1)
@@ -324,10 +373,23 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({k: v for k, v in result["sizes"]["pp2"]["scenarios"][0].items() if k != "blocks"}))
         return
     sizes = {k: SIZES[k] for k in args.sizes.split(",")}
-    scenarios = {"pp4": list(SCENARIOS), "pp8": [s for s in args.pp8_scenarios.split(",") if s]}
+    scenarios = {"pp4": [s for s in args.pp4_scenarios.split(",") if s],
+                 "pp8": [s for s in args.pp8_scenarios.split(",") if s]}
+    earlier = json.loads(RESULTS.read_text()) if args.keep_earlier and RESULTS.exists() else None
     result = run(sizes, scenarios, reps=args.reps, warmup=2, blocks=args.blocks)
+    if args.append:
+        stored = json.loads(RESULTS.read_text())
+        for name, sz in result["sizes"].items():
+            for sc in sz["scenarios"]:
+                sc["appended"] = {"timestamp": result["timestamp"], "load_avg_at_start": result["load_avg_at_start"],
+                                  "load_avg_at_end": sz["load_avg_at_end"]}
+            stored["sizes"].setdefault(name, {**sz, "scenarios": []})["scenarios"] += sz["scenarios"]
+        result = stored
     if args.cli:
         result["cli"] = cli_check()
+    if earlier is not None:
+        earlier.pop("earlier_run", None)
+        result["earlier_run"] = earlier
     print(docs_block(result))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
@@ -342,6 +404,10 @@ def write_docs(result: dict[str, Any]) -> None:
         text = ("Latest run (current code: a queued task starts where the previous one ended on the device), one "
                 "launch:\n\n" + docs_block(result["later_run"]) + "\n\nFirst run (before that change: a late "
                 "wake-up of the host counted as device time), one launch, all four scenarios:\n\n" + text)
+    if result.get("earlier_run"):
+        e = result["earlier_run"]
+        text = (f"Latest run ({result['timestamp']}, {_forward_ms(result)}):\n\n{text}\n\n"
+                f"Earlier run ({e['timestamp']}, {_forward_ms(e)}):\n\n{docs_block(e)}")
     if result.get("not_measured"):
         text += "\n\nNot measured: " + result["not_measured"] + "."
     for doc in (DOCS, ROOT / "docs" / "megadpp.md"):

@@ -70,8 +70,8 @@ def emulated_runs(steps: int = 5) -> dict[str, Any]:
     load_at_start = os.getloadavg()
     tflops = _tflops()
     t_fwd, t_bwd = costs(tflops)
-    out: dict[str, Any] = {"layout": LAYOUT, "tflops": tflops, "steps": steps, "t_fwd_s": t_fwd, "t_bwd_s": t_bwd,
-                           "runs": []}
+    out: dict[str, Any] = {"layout": LAYOUT, "tflops": tflops, "forward_s": EMU_FORWARD_S, "steps": steps,
+                           "t_fwd_s": t_fwd, "t_bwd_s": t_bwd, "runs": []}
     coupled = measure(LAYOUT, False, steps, run_dict("coupled", steps, tflops))
     recompute = measure(LAYOUT, False, steps, run_dict("coupled-recompute", steps, tflops))
     coupled_cfg = RunConfig.from_dict(run_dict("coupled", steps, tflops))
@@ -120,7 +120,8 @@ def remeasure(result: dict[str, Any], which: list[tuple[int, int]], steps: int =
 def emulated_table(result: dict[str, Any]) -> str:
     """Markdown: step times vs coupled and the simulator; activation bytes per stage for the three designs."""
     c = result["coupled"]
-    lines = [f"Coupled 1F1B (pp 4, emulated): {c['step_s']:.3f} s/step, simulated {c['simulated_s']:.3f} s "
+    fwd = f", a middle virtual stage's forward {1e3 * result['forward_s']:.0f} ms" if "forward_s" in result else ""
+    lines = [f"Coupled 1F1B (pp 4, emulated{fwd}): {c['step_s']:.3f} s/step, simulated {c['simulated_s']:.3f} s "
              f"({c['sim_error']:+.1%}), host share {c['host_share']:.2f}.", "",
              "| forward devices | forward instances | MegaFBD step | vs coupled | simulated | sim error | host share |",
              "|---|---|---:|---:|---:|---:|---:|"]

@@ -65,7 +65,15 @@ def test_jitter_is_a_seeded_mean_one_function_of_the_task():
     draws = [emu.jitter(spec, step, 0, 1, "F", 0, mb) for step in range(40) for mb in range(50)]
     assert sum(draws) / len(draws) == pytest.approx(1.0, abs=0.05)
     assert emu.jitter(spec, 3, 0, 1, "B", 1, 2) == emu.jitter(spec, 3, 0, 1, "B", 1, 2)
-    assert emu.jitter(spec, 3, 0, 1, "B", 1, 2) != emu.jitter(spec, 3, 0, 1, "W", 1, 2)
+    # one draw per whole backward: its B and W halves share it; the forward and other tasks draw their own
+    assert emu.jitter(spec, 3, 0, 1, "B", 1, 2) == emu.jitter(spec, 3, 0, 1, "W", 1, 2)
+    assert emu.jitter(spec, 3, 0, 1, "B", 1, 2) != emu.jitter(spec, 3, 0, 1, "F", 1, 2)
+    assert emu.jitter(spec, 3, 0, 1, "B", 1, 2) != emu.jitter(spec, 3, 0, 1, "B", 1, 3)
+    cfg = RunConfig.from_dict({**ec.base_case(), "emulate_device": "tflops=1,jitter=lognormal:0.5"})
+    dev = emu.EmulatedDevice(emu.parse_spec(cfg.emulate_device), cfg, 0, 0, 0, local_params=1)
+    dev.begin_step(3)
+    split = dev.task_seconds("B", 0, 2) + dev.task_seconds("W", 0, 2)
+    assert dev.task_seconds("BW", 0, 2) == pytest.approx(split)  # a split backward costs what the whole one does
     assert emu.jitter(emu.parse_spec("tflops=1"), 3, 0, 1, "B", 1, 2) == 1.0
 
 

@@ -16,15 +16,19 @@ The cost model: device time = FLOPs / rate * jitter / speed * slow.
     a weight-gradient backward (W) 2n; the output layer adds 2hV to each. Recompute is work the device does:
     full recompute adds the layers' forward to B, selective the attention core (4HQT). TP ranks do 1/tp of it.
     An optimizer step costs OPTIMIZER_FLOPS_PER_PARAM per local parameter (AdamW's element-wise work).
-  * jitter: a multiplier with mean 1 per F, B and W task, a pure function of (seed, step, dp, stage, kind,
-    chunk, microbatch): every schedule compared on one seed sees the same slow tasks (common random numbers),
-    TP peers of a stage draw alike, and `cost_tables` hands the very same draws to `dpp simulate`.
+  * jitter: a multiplier with mean 1 per forward and per backward, a pure function of (seed, step, dp, stage,
+    F or backward, chunk, microbatch): every schedule compared on one seed sees the same slow tasks (common
+    random numbers), TP peers of a stage draw alike, and `cost_tables` hands the very same draws to
+    `dpp simulate`. A split backward's B and W halves share their backward's draw: they are the same layers'
+    kernels on the same device state moments apart, so what slows one (clocks, contention, memory layout)
+    slows the other -- the model `dpp simulate` uses by default (one draw per whole backward). Independent
+    draws would average a backward's slowness away across its halves and understate jitter per backward.
   * per-rank speed factors for heterogeneous devices, and `--inject slow-compute` (which, with emulation on,
     multiplies device time instead of stretching host time).
 
 SPEC is comma-separated KEY=VALUE:
   tflops=T              device rate in TFLOP/s (required), e.g. tflops=0.001
-  jitter=lognormal:S    per-task lognormal multiplier with mean 1 and log-sd S (default none)
+  jitter=lognormal:S    lognormal multiplier per forward and per backward, mean 1, log-sd S (default none)
   speed=RANKS:FACTOR    repeatable: the devices of RANKS run at FACTOR times the rate (0.5: twice as slow);
                         RANKS is one rank (3), a list joined by '+' (1+5) or a range (4-7)
   seed=N                jitter seed (default 0)
@@ -54,7 +58,7 @@ from megatronapp.pipeline.partition import split_layers
 KINDS = ("F", "B", "W", "R", "O")
 FIELDS = ("count", "host_s", "cpu_s", "device_s", "overruns", "late_s")  # late_s: woken after the device time
 OPTIMIZER_FLOPS_PER_PARAM = 12.0  # AdamW: moments, bias corrections, sqrt, divide, decay, update
-_KEY_CODE = {"F": 1, "B": 2, "W": 3, "R": 4}
+_KEY_CODE = {"F": 1, "B": 2, "W": 2, "R": 4}  # W shares B's code: one jitter draw per whole backward
 QUEUE_GAP_S = 0.002  # host time between two tasks below which the second was queued behind the first
 SPEC_HELP = ("tflops=T[,jitter=lognormal:S][,speed=RANKS:FACTOR ...][,seed=N][,host_share=X], e.g. "
              "tflops=0.001,jitter=lognormal:0.5,speed=1:0.5")
@@ -205,7 +209,8 @@ def chunk_flops(cfg: RunConfig, stage: int) -> list[tuple[float, float, float]]:
 
 
 def jitter(spec: DeviceSpec, step: int, dp: int, stage: int, kind: str, chunk: int, microbatch: int) -> float:
-    """The seeded mean-1 multiplier of one task: a pure function of its identity, not of when it runs."""
+    """The seeded mean-1 multiplier of one task: a pure function of its identity, not of when it runs. The B and
+    W halves of one backward get the same multiplier (see the module docstring)."""
     if spec.sigma <= 0:
         return 1.0
     rng = np.random.default_rng([spec.seed, step, dp, stage, _KEY_CODE[kind], chunk, microbatch])
