@@ -76,8 +76,10 @@ QUICK = {"hidden": 32, "layers": 2, "heads": 4, "seq": 16, "global_batch": 8, "m
          "warmup": 1, "reps": 2}
 
 
-def row_configs(layout: dict[str, Any], size: dict[str, int]) -> list[dict[str, Any]]:
-    """The cumulative run config of every row on one layout (a Llama: SwiGLU, RMSNorm, RoPE)."""
+def row_configs(layout: dict[str, Any], size: dict[str, int],
+                rows: list[tuple[str, str, dict[str, dict[str, Any]]]] | None = None) -> list[dict[str, Any]]:
+    """The cumulative run config of every row (default ROWS) on one layout (a Llama: SwiGLU, RMSNorm, RoPE).
+    "if-sp" turns TP overlap on only with sequence parallelism and tp > 1, "if-pp" PP overlap only with pp > 1."""
     cfg: dict[str, Any] = {
         "model": {"family": "llama", "vocab_size": 256, "hidden_size": size["hidden"], "num_layers": size["layers"],
                   "num_heads": size["heads"], "num_kv_heads": size["heads"], "max_seq_len": size["seq"]},
@@ -87,13 +89,15 @@ def row_configs(layout: dict[str, Any], size: dict[str, int]) -> list[dict[str, 
                   "out": str(Path(tempfile.gettempdir()) / "megatronapp-bench-ablation")},
     }
     out = []
-    for _name, _gain, add in ROWS:
+    for _name, _gain, add in ROWS if rows is None else rows:
         for section, values in add.items():
             for key, value in values.items():
                 if key == "sliding_window" and value == "quarter":
                     value = size["seq"] // 4
                 if key == "tp_comm_overlap" and value == "if-sp":
                     value = bool(cfg["parallel"].get("sequence_parallel")) and cfg["parallel"]["tp"] > 1
+                if key == "pp_overlap" and value == "if-pp":
+                    value = cfg["parallel"]["pp"] > 1
                 if key == "batch_x":  # more microbatches of the same size: 4x the tokens per step
                     cfg["train"]["global_batch_size"] = size["global_batch"] * value
                     cfg["parallel"]["microbatches"] = size["microbatches"] * value

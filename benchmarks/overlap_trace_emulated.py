@@ -2,7 +2,7 @@
 
 `bench_ablation --emulated` shows what overlap buys; this shows why, from the engine's own spans (the MegaScan
 trace: compute spans per task, a comm span per collective from its issue). Each rank records the spans of a few
-steps of two trainers that differ only in `dp_overlap` and `pp_overlap`, on the same emulated devices and
+steps of three trainers: no overlap, DP overlap alone, DP and PP overlap, on the same emulated devices and
 modelled wires as the ablation. Per rank and setting it reports: how many DP gradient all-reduces were issued
 while a backward task was running (on its device), and the gap from the end of the last backward to the start of
 the optimizer step: the DP wire time left exposed, plus the small gradient-norm collectives.
@@ -25,6 +25,7 @@ from megatronapp.launch import spawn
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overlap_trace_emulated.json"
 STEPS = 3
+NAMES = ("overlap off", "dp overlap only", "overlap on")  # emu.QUICK_ROWS: none, DP alone, DP + PP
 
 
 class Recorder:
@@ -73,7 +74,7 @@ def worker(rank: int, world: int, configs: list[dict[str, Any]], outdir: str) ->
     wire = LinkModel(emu.LINKS_GBPS).install()
     out = {}
     try:
-        for name, tr in zip(("overlap off", "overlap on"), trainers):
+        for name, tr in zip(NAMES, trainers):
             emu._fenced_step(tr)  # warm-up, untraced
             rec = Recorder()
             tracing.install(rec)
@@ -90,8 +91,8 @@ def worker(rank: int, world: int, configs: list[dict[str, Any]], outdir: str) ->
 
 def main() -> None:
     size = dict(emu.EMU_QUICK)
-    configs = emu.emulated_configs(ROWS, LAYOUTS["pp=2 x dp=2"], size, emu.SPEC, row_configs)
-    configs = [c for r, c in zip(ROWS, configs) if r[0] in emu.QUICK_ROWS]
+    pairs = emu.emulated_configs(emu.emulated_rows(ROWS), LAYOUTS["pp=2 x dp=2"], size, emu.SPEC, row_configs)
+    configs = [c for r, c in pairs if r[0] in emu.QUICK_ROWS]
     with tempfile.TemporaryDirectory() as tmp:
         spawn(worker, 4, configs, tmp, backend="gloo", threads=1)
         ranks = {r: json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(4)}
