@@ -261,6 +261,27 @@ def table(result: dict[str, Any]) -> str:
 
 
 TRACE = Path(__file__).resolve().parent / "results" / "overlap_trace_emulated.json"
+OVERLAP = Path(__file__).resolve().parent / "results" / "ablation_emulated_overlap.json"
+OVERLAP_REPS = 36  # `--overlap`: the quick mode's three rows, with this many repetitions
+
+
+def overlap_note() -> str:
+    """DP and PP overlap measured on their own (`bench_ablation --emulated --overlap`), if that was run."""
+    if not OVERLAP.is_file():
+        return "(`python -m benchmarks.bench_ablation --emulated --overlap` not run.)"
+    res = json.loads(OVERLAP.read_text())
+    lay = res["layouts"][0]
+    rows = {r["row"]: r for r in lay["rows"]}
+    line = quick_line(res)
+    return (f"**DP and PP overlap on their own** (`python -m benchmarks.bench_ablation --emulated --overlap`: "
+            f"{lay['layout']}, only the three rows none / DP overlap / DP + PP overlap, {res['size']['reps']} "
+            f"rotated repetitions, `{lay.get('spec', res['spec'])}`, the same links): DP overlap over none "
+            f"{stats.fmt(rows['+ DP overlap']['vs_previous'])}; PP overlap over DP overlap alone "
+            f"{stats.fmt(rows['+ PP overlap']['vs_previous'])}; both over none "
+            f"{stats.fmt(rows['+ PP overlap']['vs_no_overlap'])}; host share (worst rank) at most "
+            f"{line['host_share_max']:.2f}; load average {tuple(round(x, 1) for x in lay['load_avg_at_start'])} "
+            f"at its start, {tuple(round(x, 1) for x in lay['load_avg_at_end'])} at its end; recorded "
+            f"{lay['recorded']}. Raw: `benchmarks/results/ablation_emulated_overlap.json`.")
 
 
 def trace_note() -> str:
@@ -268,13 +289,17 @@ def trace_note() -> str:
     if not TRACE.is_file():
         return "(`python -m benchmarks.overlap_trace_emulated` not run: no trace summary.)"
     t = json.loads(TRACE.read_text())
-    parts = []
+    parts, pp = [], []
     for r, v in sorted(t["ranks"].items(), key=lambda x: int(x[0])):
         off, on = v["overlap off"], v["overlap on"]
         parts.append(f"rank {r}: {on['issued_during_backward']}/{on['dp_grad_all_reduces']} issued during a "
                      f"backward with overlap ({off['issued_during_backward']}/{off['dp_grad_all_reduces']} "
                      f"without), last backward -> optimizer {1e3 * off['median_backward_end_to_optimizer_s']:.0f} "
                      f"-> {1e3 * on['median_backward_end_to_optimizer_s']:.0f} ms")
+        dp_only = v.get("dp overlap only", {})
+        if dp_only.get("median_pp_send_span_s") is not None:
+            pp.append(f"rank {r} {1e3 * dp_only['median_pp_send_span_s']:.0f} ms of a "
+                      f"{1e3 * dp_only['median_step_span_s']:.0f} ms step")
     return ("Where the time goes (`python -m benchmarks.overlap_trace_emulated`: the engine's own spans, as "
             f"MegaScan records them, of {t['steps']} steps of the pp=2 x dp=2 overlap rows, load "
             f"{t['load_avg'][0]:.0f}): " + "; ".join(parts) + ". With overlap every DP gradient all-reduce is "
@@ -283,7 +308,10 @@ def trace_note() -> str:
             "microbatch's backward (they accumulate over microbatches, as in Megatron), and at these link speeds "
             "a stage's DP wire time is longer than that one backward: the rest stays exposed. Ranks 2 and 3 (the "
             "last stage) also wait there for stage 0's last backward (the gradient-norm all-reduce spans the "
-            "pipeline), which is the 1F1B drain, not DP.")
+            "pipeline), which is the 1F1B drain, not DP." + (
+                " PP: without PP overlap every pipeline send is waited where it is issued; the training thread "
+                "is held in those sends for " + ", ".join(pp) + " (median), which is all that PP overlap can "
+                "give back here: the PP row's gain is bounded by that share of the step." if pp else ""))
 
 
 def docs_body(result: dict[str, Any]) -> str:
@@ -301,6 +329,7 @@ def docs_body(result: dict[str, Any]) -> str:
          "the worst rank's host wall time over its device time in that row's tasks (the run is in the "
          "accelerator regime below 0.5)."), "",
         table(result),
+        overlap_note(), "",
         ("Link speeds are set for communication's share of the step, not a real machine's GB/s: this model does "
          "~10^3 FLOPs per gradient byte where a large run does ~10^5, so at real link speeds the wire would be "
          "free. What the emulation judges: DP and PP overlap (wire time hidden behind device time) -- an "

@@ -51,8 +51,14 @@ def analyse(spans: list[list[Any]]) -> dict[str, Any]:
         if s[0] == "optimizer":
             steps.append(cur)
             cur = []
-    inside, total, gaps = 0, 0, []
+    inside, total, gaps, sends, lengths = 0, 0, [], [], []
     for st in steps:
+        # pipeline sends: without PP overlap each is waited where it is issued, so their spans are time the
+        # training thread is held (the most PP overlap can give back); with it they run beside the compute
+        sends.append(sum(s[4] - s[3] for s in st if s[0] == "send" and s[4] is not None
+                         and str(s[2]["group"]).startswith("pp")))
+        ends = [s[4] for s in st if s[4] is not None]
+        lengths.append(max(ends) - min(s[3] for s in st) if ends else 0.0)
         backs = [(s[3], s[4]) for s in st if s[0] == "backward" and s[4] is not None]
         for s in st:
             if s[0] == "all_reduce" and s[2]["group"] == "dp" and (s[2]["bytes"] or 0) > 64:
@@ -62,7 +68,9 @@ def analyse(spans: list[list[Any]]) -> dict[str, Any]:
         if backs:
             gaps.append(opt[3] - max(b for _, b in backs))
     return {"steps": len(steps), "dp_grad_all_reduces": total, "issued_during_backward": inside,
-            "median_backward_end_to_optimizer_s": statistics.median(gaps) if gaps else None}
+            "median_backward_end_to_optimizer_s": statistics.median(gaps) if gaps else None,
+            "median_pp_send_span_s": statistics.median(sends) if sends else None,
+            "median_step_span_s": statistics.median(lengths) if lengths else None}
 
 
 def worker(rank: int, world: int, configs: list[dict[str, Any]], outdir: str) -> None:
@@ -103,7 +111,9 @@ def main() -> None:
         for name, a in v.items():
             print(f"rank {r} {name}: {a['issued_during_backward']}/{a['dp_grad_all_reduces']} DP grad all-reduces "
                   f"issued during a backward; last backward end -> optimizer "
-                  f"{1e3 * a['median_backward_end_to_optimizer_s']:.0f} ms (median of {a['steps']} steps)")
+                  f"{1e3 * a['median_backward_end_to_optimizer_s']:.0f} ms; PP send spans "
+                  f"{1e3 * a['median_pp_send_span_s']:.0f} ms of a {1e3 * a['median_step_span_s']:.0f} ms step "
+                  f"(median of {a['steps']} steps)")
     print(f"load {result['load_avg']}")
 
 
