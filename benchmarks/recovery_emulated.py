@@ -139,6 +139,9 @@ building the model; load: the checkpoint load (both for the rank that started tr
 up to the total); first step: until every rank has finished a step again. \
 Dominant: **{res['dominant'].replace('_', ' ')}**. \
 Load average {min(loads):.1f}-{max(loads):.1f} on 2 cores shared with other jobs: restart is mostly 8 Python \
-processes importing torch on those cores, which a machine with a core per rank does in parallel. Host share of \
+processes importing torch on those cores (about 2.4 s of CPU each for torch and the trainer's modules, measured \
+apart: 19 CPU-seconds for 8 ranks, at least 10 s on 2 idle cores and several times that on 2 loaded ones), which \
+a machine with a core per rank does in parallel; detection (the driver polls its children's exits), stop and \
+load are each under 1.5 s, and the first step is one step's device time plus the pipeline's fill. Host share of \
 the recovered run (worst rank, host over device time): {', '.join(f'{x:.2f}' for x in shares) or 'n/a'}{regime}. \
 Recorded {res['timestamp']}; raw drills: `benchmarks/results/recovery_emulated.json`."""

@@ -64,3 +64,22 @@ def test_stall_ratios_are_inverted_and_an_interval_through_zero_has_no_upper_bou
     noisy = cse.inverse(_ratio_of_medians([-0.002, 0.0005, 0.001, -0.001, 0.0002], sync))
     assert noisy["ratio"] == pytest.approx(1.0 / cse.FLOOR_S)  # a median stall below 1 ms counts as 1 ms
     assert noisy["ci95"][1] is None and noisy["ci95"][0] > 0
+
+
+def test_a_slower_layout_keeps_the_ratio_of_wire_to_device_time():
+    spec, links = emu.slowed("tflops=0.001,jitter=lognormal:0.5", {"tp": 0.06, "dp": 0.005}, 4.0)
+    assert spec == "tflops=0.00025,jitter=lognormal:0.5"
+    assert links == pytest.approx({"tp": 0.015, "dp": 0.00125})
+
+
+def test_overlap_trace_counts_dp_reduces_in_backward_and_time_held_in_pipeline_sends():
+    from benchmarks.overlap_trace_emulated import analyse
+
+    dp, pp = {"group": "dp", "bytes": 4096}, {"group": "pp.act.up", "bytes": 4096}
+    spans = [["forward", "compute", {}, 0.0, 1.0], ["send", "comm", pp, 1.0, 1.2],
+             ["backward", "compute", {}, 1.2, 2.0], ["all_reduce", "comm", dp, 1.5, 2.5],
+             ["all_reduce", "comm", dp, 2.1, 2.6], ["optimizer", "compute", {}, 2.7, 3.0]]
+    a = analyse(spans)
+    assert a["steps"] == 1 and a["dp_grad_all_reduces"] == 2 and a["issued_during_backward"] == 1
+    assert a["median_backward_end_to_optimizer_s"] == pytest.approx(0.7)
+    assert a["median_pp_send_span_s"] == pytest.approx(0.2) and a["median_step_span_s"] == pytest.approx(3.0)
