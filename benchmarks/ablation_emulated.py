@@ -241,6 +241,7 @@ def table(result: dict[str, Any]) -> str:
         lines += [f"**{lay['layout']}**, emulated (`{lay.get('spec', result['spec'])}` per rank; links "
                   + ", ".join(f"{k} {v:g} GB/s" for k, v in lay.get("links_gbps", result["links_gbps"]).items())
                   + f"; rank 0's modelled wire time over the whole run: {busy}; recorded {lay.get('recorded', '?')}, "
+                  f"n={lay['rows'][1]['vs_previous']['n'] if len(lay['rows']) > 1 else '?'} repetitions; "
                   f"load average at its start {tuple(round(x, 1) for x in lay.get('load_avg_at_start', ()))}, "
                   f"at its end {tuple(round(x, 1) for x in lay.get('load_avg_at_end', ()))})", "",
                   "| row | MegaScale (MFU points) | emulation judges it | tokens/s | MFU (of emulated peak) "
@@ -281,7 +282,15 @@ def overlap_note() -> str:
             f"{stats.fmt(rows['+ PP overlap']['vs_no_overlap'])}; host share (worst rank) at most "
             f"{line['host_share_max']:.2f}; load average {tuple(round(x, 1) for x in lay['load_avg_at_start'])} "
             f"at its start, {tuple(round(x, 1) for x in lay['load_avg_at_end'])} at its end; recorded "
-            f"{lay['recorded']}. Raw: `benchmarks/results/ablation_emulated_overlap.json`.")
+            f"{lay['recorded']}. Raw: `benchmarks/results/ablation_emulated_overlap.json`." + (
+                "" if rows["+ PP overlap"]["vs_previous"]["ci95"][0] > 1 else
+                " PP overlap's interval holds 1.0, in this run and in the full ablation above: what it can hide "
+                "is the time the training thread is held in its pipeline sends without it, 55 ms of a 2.0 s step "
+                "(2.7%) in the trace below, where PP overlap shortened the step by about 30 ms (1.5%); the "
+                "paired intervals here are a few per cent wide at these loads, so a gain that small cannot be "
+                "shown. PP's wire is this small because an activation is 64 KiB per microbatch against ~100 "
+                "MFLOP of a stage's forward (at real scale it is smaller still, ~1% of a step); a slower PP "
+                "link would show more but would no longer be the DP-class link the model states."))
 
 
 def trace_note() -> str:
@@ -299,9 +308,10 @@ def trace_note() -> str:
         dp_only = v.get("dp overlap only", {})
         if dp_only.get("median_pp_send_span_s") is not None:
             pp.append(f"rank {r} {1e3 * dp_only['median_pp_send_span_s']:.0f} ms of a "
-                      f"{1e3 * dp_only['median_step_span_s']:.0f} ms step")
+                      f"{1e3 * dp_only['median_step_span_s']:.0f} ms step (with PP overlap the step spanned "
+                      f"{1e3 * on['median_step_span_s']:.0f} ms)")
     return ("Where the time goes (`python -m benchmarks.overlap_trace_emulated`: the engine's own spans, as "
-            f"MegaScan records them, of {t['steps']} steps of the pp=2 x dp=2 overlap rows, load "
+            f"MegaScan records them, of {t['steps']} steps of each of the pp=2 x dp=2 rows none / DP / DP + PP, load "
             f"{t['load_avg'][0]:.0f}): " + "; ".join(parts) + ". With overlap every DP gradient all-reduce is "
             "issued while a backward task is on its device, and the gap from the last backward to the optimizer "
             "shrinks; it does not vanish because a stage's gradients are reduced only after its *final* "
@@ -318,14 +328,14 @@ def docs_body(result: dict[str, Any]) -> str:
     s = result["size"]
     return "\n".join([
         ("`python -m benchmarks.bench_ablation --emulated` runs the same cumulative rows as the CPU-bound table "
-         "below on emulated devices: each of the 4 ranks has a modelled accelerator (`--emulate-device "
+         "above on emulated devices: each of the 4 ranks has a modelled accelerator (`--emulate-device "
          f"{result['spec']}`: every task computes its real tensors, then the rank sleeps out the task's FLOPs "
          "at the device rate, so its host core is free) and every collective and P2P send takes its bytes over "
          "a modelled link (`parallel/link_model.py`, ring byte counts, one wire per group, serialised). Llama "
          f"hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads, seq {s['seq']}, global batch "
          f"{s['global_batch']}, {s['microbatches']} microbatches per replica, DP buckets of {s['bucket_mb']} MB; "
-         f"{s['reps']} rotated repetitions after {s['warmup']} warm-up, paired ratios against the row above with a "
-         "bootstrap 95% interval. MegaScale's \"+ communication overlap\" row is split into DP, PP and TP "
+         "rotated repetitions (their count, n, per layout below) after warm-up, paired ratios against the row "
+         "above with a bootstrap 95% interval. MegaScale's \"+ communication overlap\" row is split into DP, PP and TP "
          "overlap, each measured against the row above (a row that changes nothing on a layout, PP overlap on "
          "tp=2 x dp=2 or TP overlap on pp=2 x dp=2, is left out), and all of a layout's overlap together is "
          "given against the last row without any. MFU is against the emulated peak (4 devices at the layout's "
