@@ -282,15 +282,29 @@ def overlap_note() -> str:
             f"{stats.fmt(rows['+ PP overlap']['vs_no_overlap'])}; host share (worst rank) at most "
             f"{line['host_share_max']:.2f}; load average {tuple(round(x, 1) for x in lay['load_avg_at_start'])} "
             f"at its start, {tuple(round(x, 1) for x in lay['load_avg_at_end'])} at its end; recorded "
-            f"{lay['recorded']}. Raw: `benchmarks/results/ablation_emulated_overlap.json`." + (
-                "" if rows["+ PP overlap"]["vs_previous"]["ci95"][0] > 1 else
-                " PP overlap's interval holds 1.0, in this run and in the full ablation above: what it can hide "
-                "is the time the training thread is held in its pipeline sends without it, 55 ms of a 2.0 s step "
-                "(2.7%) in the trace below, where PP overlap shortened the step by about 30 ms (1.5%); the "
-                "paired intervals here are a few per cent wide at these loads, so a gain that small cannot be "
-                "shown. PP's wire is this small because an activation is 64 KiB per microbatch against ~100 "
-                "MFLOP of a stage's forward (at real scale it is smaller still, ~1% of a step); a slower PP "
-                "link would show more but would no longer be the DP-class link the model states."))
+            f"{lay['recorded']}. Raw: `benchmarks/results/ablation_emulated_overlap.json`." + earlier_overlap() +
+            " PP overlap's gain is small by construction: what it can hide is the time the training thread is "
+            "held in its pipeline sends without it, 55 ms of a 2.0 s step (2.7%) in the trace below, where PP "
+            "overlap shortened the step by about 30 ms; the full ablation's paired intervals above are several "
+            "per cent wide at its load, so its PP row cannot show that, while these 36 repetitions of three rows "
+            "can when the machine is quiet. PP's wire is this small because an activation is 64 KiB per "
+            "microbatch against ~100 MFLOP of a stage's forward (at real scale it is smaller still); a slower "
+            "PP link would show more but would no longer be the DP-class link the model states.")
+
+
+def earlier_overlap() -> str:
+    """The same rows' earlier run under heavy load (kept), for the noise it shows."""
+    f = OVERLAP.with_name("ablation_emulated_overlap_loaded.json")
+    if not f.is_file():
+        return ""
+    res = json.loads(f.read_text())
+    lay = res["layouts"][0]
+    rows = {r["row"]: r for r in lay["rows"]}
+    return (f" An earlier run of the same rows ({lay['recorded']}, load average {lay['load_avg_at_start'][0]:.0f} "
+            f"at its start and {lay['load_avg_at_end'][0]:.0f} at its end, host share up to "
+            f"{max(r['host_share'] for r in rows.values()):.2f}; `ablation_emulated_overlap_loaded.json`) gave DP "
+            f"{stats.fmt(rows['+ DP overlap']['vs_previous'])} and PP "
+            f"{stats.fmt(rows['+ PP overlap']['vs_previous'])}.")
 
 
 def trace_note() -> str:
