@@ -24,7 +24,8 @@ Run: python -m benchmarks.bench_ablation          (writes benchmarks/results/abl
      python -m benchmarks.bench_ablation --quick  (tiny model, 2 repetitions, writes nothing)
      python -m benchmarks.bench_ablation --emulated [--quick] [--emulate-device SPEC]
                                                    (emulated devices and modelled wires: ablation_emulated.py;
-                                                    --quick: pp2 x dp2, overlap off vs on, last line one JSON)
+                                                    --quick: pp2 x dp2, overlap none / DP / DP+PP, last line
+                                                    one JSON; --overlap: the same rows, 36 repetitions, kept)
 """
 from __future__ import annotations
 
@@ -76,8 +77,10 @@ QUICK = {"hidden": 32, "layers": 2, "heads": 4, "seq": 16, "global_batch": 8, "m
          "warmup": 1, "reps": 2}
 
 
-def row_configs(layout: dict[str, Any], size: dict[str, int]) -> list[dict[str, Any]]:
-    """The cumulative run config of every row on one layout (a Llama: SwiGLU, RMSNorm, RoPE)."""
+def row_configs(layout: dict[str, Any], size: dict[str, int],
+                rows: list[tuple[str, str, dict[str, dict[str, Any]]]] | None = None) -> list[dict[str, Any]]:
+    """The cumulative run config of every row (default ROWS) on one layout (a Llama: SwiGLU, RMSNorm, RoPE).
+    "if-sp" turns TP overlap on only with sequence parallelism and tp > 1, "if-pp" PP overlap only with pp > 1."""
     cfg: dict[str, Any] = {
         "model": {"family": "llama", "vocab_size": 256, "hidden_size": size["hidden"], "num_layers": size["layers"],
                   "num_heads": size["heads"], "num_kv_heads": size["heads"], "max_seq_len": size["seq"]},
@@ -87,13 +90,15 @@ def row_configs(layout: dict[str, Any], size: dict[str, int]) -> list[dict[str, 
                   "out": str(Path(tempfile.gettempdir()) / "megatronapp-bench-ablation")},
     }
     out = []
-    for _name, _gain, add in ROWS:
+    for _name, _gain, add in ROWS if rows is None else rows:
         for section, values in add.items():
             for key, value in values.items():
                 if key == "sliding_window" and value == "quarter":
                     value = size["seq"] // 4
                 if key == "tp_comm_overlap" and value == "if-sp":
                     value = bool(cfg["parallel"].get("sequence_parallel")) and cfg["parallel"]["tp"] > 1
+                if key == "pp_overlap" and value == "if-pp":
+                    value = cfg["parallel"]["pp"] > 1
                 if key == "batch_x":  # more microbatches of the same size: 4x the tokens per step
                     cfg["train"]["global_batch_size"] = size["global_batch"] * value
                     cfg["parallel"]["microbatches"] = size["microbatches"] * value
@@ -276,6 +281,15 @@ def emulated_main(args: argparse.Namespace) -> None:
         stats.write_section(DOCS, EMU_SECTION, emu.docs_body(json.loads(EMU_RESULTS.read_text())))
         print(f"re-rendered {DOCS.relative_to(ROOT)} from {EMU_RESULTS.relative_to(ROOT)}")
         return
+    if args.overlap:  # the quick rows (pp2 x dp2: none, DP, DP + PP overlap) with many repetitions, kept
+        result = emu.run(ROWS, LAYOUTS, row_configs, spec, quick=True, reps=args.reps or emu.OVERLAP_REPS)
+        print(emu.table(result))
+        print(json.dumps(emu.quick_line(result)))
+        emu.OVERLAP.write_text(json.dumps(result, indent=1) + "\n")
+        if EMU_RESULTS.is_file():
+            stats.write_section(DOCS, EMU_SECTION, emu.docs_body(json.loads(EMU_RESULTS.read_text())))
+        print(f"wrote {emu.OVERLAP.relative_to(ROOT)} and {DOCS.relative_to(ROOT)}")
+        return
     result = emu.run(ROWS, LAYOUTS, row_configs, spec, quick=args.quick, reps=args.reps, only_layout=args.layout)
     print(emu.table(result))
     print(f"wall {result['wall_s']} s, load average {tuple(round(x, 2) for x in result['load_avg_at_end'])}")
@@ -301,6 +315,9 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"emulated devices and modelled wires (benchmarks/ablation_emulated.py), spec {emu.SPEC}")
     ap.add_argument("--layout", choices=("tp", "pp"), default=None,
                     help="with --emulated: only this layout (its record replaces the stored one)")
+    ap.add_argument("--overlap", action="store_true",
+                    help=f"with --emulated: pp2 x dp2, overlap none / DP / DP + PP only, {emu.OVERLAP_REPS} "
+                         "repetitions (--reps), written to results/ablation_emulated_overlap.json")
     ap.add_argument("--emulate-device", metavar="SPEC", default=None,
                     help="as --emulated, with this device spec (see megatronapp train --emulate-device)")
     args = ap.parse_args(argv)

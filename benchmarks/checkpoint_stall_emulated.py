@@ -64,13 +64,15 @@ def docs_body(res: dict[str, Any]) -> str:
     verdict = ("met (the whole interval above 20x)" if lo >= 20 else
                f"met by the median, not by the whole interval (its low end is {lo:.1f}x: more rounds, or a quieter "
                "machine, would tell)" if sync["ratio"] >= 20 else "**not met**")
+    goal = ("met by the whole interval" if lo >= 50 else "met by the median, not by the whole interval"
+            if sync["ratio"] >= 50 else "not met")
     dcp_lo, dcp_hi = dcp_s["ci95"]
     dcp = ("ours stalls less (interval above 1)" if (dcp_lo or 0.0) > 1 else
            "**ours stalls more**" if dcp_hi is not None and dcp_hi < 1 else "within noise (interval holds 1)")
     plain = statistics.median(v for m in res["per_method"].values() for v in m["plain_step_s"])
     return f"""**Checkpoint stall on an emulated accelerator** (`python -m benchmarks.bench_checkpoint_stall \
 --emulated`): the same state ({res['state_mib']} MiB: weights and two AdamW moments) and the same cycles as the \
-CPU-bound table above, but each step runs on an emulated device: the host does a few launches' worth of matmul \
+CPU-bound table below, but each step runs on an emulated device: the host does a few launches' worth of matmul \
 work, waits at the snapshot barrier, applies the in-place update and then sleeps until the step's device time \
 ({res['step_s_target']} s; plain step {plain:.3f} s median) has passed, so the host cores are free for most of \
 the step, as on a GPU host. {res['rounds']} rounds after one warm-up, methods in a fresh random order each round.
@@ -80,7 +82,7 @@ the step, as on a GPU host. {res['rounds']} rounds after one warm-up, methods in
 All-in stall per save, synchronous `torch.save` + fsync over the two-stage async save: \
 **{_ratio(sync)}** (ratio of median stalls, ours' floored at {1e3 * FLOOR_S:.0f} ms; 95% bootstrap interval \
 over rounds, formed as ours over the peer and inverted, "inf" where ours' stall cannot be told from 0; \
-n={sync['n']}; target 20x: {verdict}; goal 50x). DCP `async_save` over ours: {_ratio(dcp_s)}: {dcp}. \
+n={sync['n']}; target 20x: {verdict}; goal 50x: {goal}). DCP `async_save` over ours: {_ratio(dcp_s)}: {dcp}. \
 DCP copies ("stages") the whole state inside `async_save`, so the \
 training thread waits for that copy; ours copies it in the background during the next step and the training \
 thread waits at the barrier before the update only for pieces not yet copied. Host share: the host's wall time \

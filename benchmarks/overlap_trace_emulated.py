@@ -2,7 +2,7 @@
 
 `bench_ablation --emulated` shows what overlap buys; this shows why, from the engine's own spans (the MegaScan
 trace: compute spans per task, a comm span per collective from its issue). Each rank records the spans of a few
-steps of two trainers that differ only in `dp_overlap` and `pp_overlap`, on the same emulated devices and
+steps of three trainers: no overlap, DP overlap alone, DP and PP overlap, on the same emulated devices and
 modelled wires as the ablation. Per rank and setting it reports: how many DP gradient all-reduces were issued
 while a backward task was running (on its device), and the gap from the end of the last backward to the start of
 the optimizer step: the DP wire time left exposed, plus the small gradient-norm collectives.
@@ -25,6 +25,7 @@ from megatronapp.launch import spawn
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overlap_trace_emulated.json"
 STEPS = 3
+NAMES = ("overlap off", "dp overlap only", "overlap on")  # emu.QUICK_ROWS: none, DP alone, DP + PP
 
 
 class Recorder:
@@ -50,8 +51,14 @@ def analyse(spans: list[list[Any]]) -> dict[str, Any]:
         if s[0] == "optimizer":
             steps.append(cur)
             cur = []
-    inside, total, gaps = 0, 0, []
+    inside, total, gaps, sends, lengths = 0, 0, [], [], []
     for st in steps:
+        # pipeline sends: without PP overlap each is waited where it is issued, so their spans are time the
+        # training thread is held (the most PP overlap can give back); with it they run beside the compute
+        sends.append(sum(s[4] - s[3] for s in st if s[0] == "send" and s[4] is not None
+                         and str(s[2]["group"]).startswith("pp")))
+        ends = [s[4] for s in st if s[4] is not None]
+        lengths.append(max(ends) - min(s[3] for s in st) if ends else 0.0)
         backs = [(s[3], s[4]) for s in st if s[0] == "backward" and s[4] is not None]
         for s in st:
             if s[0] == "all_reduce" and s[2]["group"] == "dp" and (s[2]["bytes"] or 0) > 64:
@@ -61,7 +68,9 @@ def analyse(spans: list[list[Any]]) -> dict[str, Any]:
         if backs:
             gaps.append(opt[3] - max(b for _, b in backs))
     return {"steps": len(steps), "dp_grad_all_reduces": total, "issued_during_backward": inside,
-            "median_backward_end_to_optimizer_s": statistics.median(gaps) if gaps else None}
+            "median_backward_end_to_optimizer_s": statistics.median(gaps) if gaps else None,
+            "median_pp_send_span_s": statistics.median(sends) if sends else None,
+            "median_step_span_s": statistics.median(lengths) if lengths else None}
 
 
 def worker(rank: int, world: int, configs: list[dict[str, Any]], outdir: str) -> None:
@@ -73,7 +82,7 @@ def worker(rank: int, world: int, configs: list[dict[str, Any]], outdir: str) ->
     wire = LinkModel(emu.LINKS_GBPS).install()
     out = {}
     try:
-        for name, tr in zip(("overlap off", "overlap on"), trainers):
+        for name, tr in zip(NAMES, trainers):
             emu._fenced_step(tr)  # warm-up, untraced
             rec = Recorder()
             tracing.install(rec)
@@ -90,8 +99,8 @@ def worker(rank: int, world: int, configs: list[dict[str, Any]], outdir: str) ->
 
 def main() -> None:
     size = dict(emu.EMU_QUICK)
-    configs = emu.emulated_configs(ROWS, LAYOUTS["pp=2 x dp=2"], size, emu.SPEC, row_configs)
-    configs = [c for r, c in zip(ROWS, configs) if r[0] in emu.QUICK_ROWS]
+    pairs = emu.emulated_configs(emu.emulated_rows(ROWS), LAYOUTS["pp=2 x dp=2"], size, emu.SPEC, row_configs)
+    configs = [c for r, c in pairs if r[0] in emu.QUICK_ROWS]
     with tempfile.TemporaryDirectory() as tmp:
         spawn(worker, 4, configs, tmp, backend="gloo", threads=1)
         ranks = {r: json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(4)}
@@ -102,7 +111,9 @@ def main() -> None:
         for name, a in v.items():
             print(f"rank {r} {name}: {a['issued_during_backward']}/{a['dp_grad_all_reduces']} DP grad all-reduces "
                   f"issued during a backward; last backward end -> optimizer "
-                  f"{1e3 * a['median_backward_end_to_optimizer_s']:.0f} ms (median of {a['steps']} steps)")
+                  f"{1e3 * a['median_backward_end_to_optimizer_s']:.0f} ms; PP send spans "
+                  f"{1e3 * a['median_pp_send_span_s']:.0f} ms of a {1e3 * a['median_step_span_s']:.0f} ms step "
+                  f"(median of {a['steps']} steps)")
     print(f"load {result['load_avg']}")
 
 
