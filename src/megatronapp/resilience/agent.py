@@ -148,10 +148,7 @@ class Heartbeat:
     def stop(self) -> None:
         self._phase("shutdown")
         self._stop.set()
-        try:
-            self.write()
-        except OSError:
-            pass
+        self._beat()
 
 
 _EARLY: Heartbeat | None = None  # this process's heartbeat started by `early_start`, taken over by `plugin`
