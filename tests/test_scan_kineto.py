@@ -21,6 +21,7 @@ from megatronapp.launch import spawn
 from megatronapp.scan import cli
 from megatronapp.scan.detect import detect
 from megatronapp.scan.kineto import read_kineto_dir
+from megatronapp.scan.table import join, phases
 from megatronapp.scan.traces import read_traces
 
 WORLD = 3
@@ -150,3 +151,40 @@ def test_a_missing_directory_is_a_clear_error_not_a_traceback(tmp_path):
 
     with pytest.raises(SystemExit, match="does not exist"):
         _main(["scan", "detect", str(tmp_path / "nowhere")])
+
+
+def _cpu_events() -> list[dict]:
+    """One step of a CPU (gloo) FSDP trace, in µs: the main thread (tid 1) waits in `FSDP::all_gather` for the
+    all-gather gloo runs on its worker thread (tid 9), computes an `aten::mm` while an all-reduce runs on the
+    worker, then waits in `FSDP::post_backward_reduce` for that all-reduce's last 100 µs."""
+    def x(name: str, cat: str, tid: int, ts: float, dur: float, **args) -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "pid": 5, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    return [x("ProfilerStep#1", "user_annotation", 1, 0, 1000),
+            x("FSDP::all_gather (0)", "user_annotation", 1, 10, 390),
+            x("c10d::_allgather_base_", "cpu_op", 1, 20, 10),
+            x("gloo:all_gather", "user_annotation", 9, 25, 365, **{"Input Dims": [[1024]]}),
+            x("aten::select", "cpu_op", 9, 385, 3),  # the collective's own copy, on its worker thread
+            x("aten::mm", "cpu_op", 1, 400, 300),
+            x("gloo:all_reduce", "user_annotation", 9, 450, 350, **{"Input Dims": [[2048]]}),
+            x("FSDP::post_backward_reduce (0)", "user_annotation", 1, 700, 200)]
+
+
+def test_cpu_trace_waits_are_stretches_with_no_op_while_a_collective_runs(tmp_path):
+    """Waiting is where the thread runs no op while a collective is in flight; an op overlapping a collective
+    (compute overlapped with an async all-reduce) stays compute, and the worker thread's ops are not the rank's."""
+    pgs = [{"pg_name": "0", "ranks": [0, 1]}]
+    for r in (0, 1):
+        (tmp_path / f"r{r}.json").write_text(json.dumps(_trace(r, 2, _cpu_events(), backend="gloo", pg_config=pgs)))
+    traces, problems = read_traces(tmp_path)
+    assert problems == [], problems
+    t = traces[0]
+    names = np.array(t.names)[t.name]
+    assert "aten::select" not in names
+    flight = names == "in flight"
+    got = sorted(zip((t.ts[flight] - t.ts[names == "step"][0]).tolist(), t.dur[flight].tolist()))
+    # ns: [25, 30) in the all-gather's launch once it runs, [30, 390) blocked after it, [700, 800) in the reduce
+    assert got == [(25_000, 5_000), (30_000, 360_000), (700_000, 100_000)], got
+    ph = phases(join(traces))
+    # work spans 390 + 300 + 200 µs, less the 465 µs waited: 0.425 ms of compute on each rank
+    assert np.allclose(ph.compute, 0.425), ph.compute
