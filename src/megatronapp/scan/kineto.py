@@ -11,7 +11,10 @@ profiling window), each with `distributedInfo` (rank, world_size, process groups
   so the same collective has the same number on every rank. Point-to-point ops have no peer in these args:
   they count as communication time but are not matched as links.
 - compute: on a GPU trace every other kernel and memcpy; on a CPU trace the outermost op of each thread
-  (`Optimizer.*` as optimizer, DataLoader iterations as data), nested ops are inside it.
+  (`Optimizer.*` as optimizer, DataLoader iterations as data), nested ops are inside it, less the waits: the
+  stretches where the thread runs no op (an annotation such as `FSDP::all_gather` or a loop's `backward` with
+  nothing running inside it, or a collective's launch) while a collective is in flight. The ops of a
+  collective's worker thread (gloo's copies) are the collective's, not the rank's work.
 Every rank is one data-parallel replica of one stage (coord (rank, 0, 0)): Kineto records no TP/PP layout.
 Nothing in a file decides what code runs: it is parsed as JSON and read as numbers and names. Files above
 `max_bytes` (decompressed) are skipped and named, as are files that are no trace or carry no rank.
