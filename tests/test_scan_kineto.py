@@ -78,10 +78,10 @@ def test_collectives_match_across_ranks_with_group_size_and_instance_number():
 
 
 def test_cli_views_accept_a_profiler_trace_directory(tmp_path, capsys):
-    d = str(_recorded() / "slow-fsdp")
+    d = str(_recorded() / "slow-ddp")  # DDP's traces are the smaller: each view reads them again
     assert _main(["scan", "detect", d, "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["world"] == WORLD and rep["findings"][0]["ranks"] == [2]
+    assert rep["world"] == WORLD and rep["findings"][0]["ranks"] == [0]
     assert _main(["scan", "summary", d]) == 0
     assert "slow-compute" in capsys.readouterr().out
     assert _main(["scan", "heatmap", d, "-o", str(tmp_path / "heat.html")]) == 0
@@ -89,7 +89,7 @@ def test_cli_views_accept_a_profiler_trace_directory(tmp_path, capsys):
     capsys.readouterr()
     assert _main(["scan", "aggregate", d, "-o", str(tmp_path / "all.json"), "--only-flagged", "--json"]) == 0
     agg = json.loads(capsys.readouterr().out)
-    assert 2 in agg["written_ranks"], agg
+    assert 0 in agg["written_ranks"], agg
     assert json.loads((tmp_path / "all.json").read_text())["traceEvents"]
 
 
