@@ -315,6 +315,8 @@ def to_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankT
         # thread sits in an annotation with nothing inside it. Those stretches, where a collective is in flight,
         # are copied as comm spans inside the work span ("in flight"), which its exclusive time leaves out: a rank
         # waiting for a slow peer is not itself slow, while a slow rank's ops (however named) stay its compute.
+        # (The table nests a comm span in the latest work span started before it: right for one working thread,
+        # the training loop's; a second thread's spans starting between would take the wait from it.)
         w = np.flatnonzero(work)
         ids, ide = _idle(ts[w], ts[w] + dur[w], thread[w], is_op[w])
         wts, wend = _covered(ids, ide, ts[comm], ts[comm] + dur[comm])
