@@ -1,5 +1,5 @@
 """PyTorch profiler (Kineto) traces in: `scan detect`, `aggregate`, `heatmap` and `summary` read a directory of
-torch.profiler Chrome traces. Real traces are recorded here, in one launch of 4 gloo ranks (benchmarks/kinetojob.py)
+torch.profiler Chrome traces. Real traces are recorded here, in one launch of 3 gloo ranks (benchmarks/kinetojob.py)
 running six jobs in turn: DDP and FSDP2, each healthy, with a rank that computes slowly, and with a rank that stalls
 before every micro-batch (sleeping on I/O or spinning on CPU-bound input preparation); the faulty rank differs
 from job to job. Assertions are about WHO and WHAT, never timings. The reader's edges (gzip,
@@ -24,9 +24,11 @@ from megatronapp.scan.kineto import read_kineto_dir
 from megatronapp.scan.table import join, phases
 from megatronapp.scan.traces import read_traces
 
-WORLD = 4  # 3 ranks on 2 busy cores: a stalled rank's own excess swelled the noise of the leave-one-out reference
+# 3 ranks: each judged against two peers. Every size has its failure under a load of 20-30 on the 2-core machine
+# (docs/megascan.md, Kineto): 2 ranks judge a stall against its own jitter, 4 share the cores two to one.
+WORLD = 3
 RUNS = [("healthy-fsdp", "fsdp", None, -1), ("slow-fsdp", "fsdp", "slow", 2), ("stall-fsdp", "fsdp", "stall", 1),
-        ("healthy-ddp", "ddp", None, -1), ("slow-ddp", "ddp", "slow", 0), ("decode-ddp", "ddp", "decode", 3)]
+        ("healthy-ddp", "ddp", None, -1), ("slow-ddp", "ddp", "slow", 0), ("decode-ddp", "ddp", "decode", 2)]
 KIND = {"slow": "slow-compute", "stall": "late-arrival", "decode": "late-arrival"}
 
 
