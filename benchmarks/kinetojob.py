@@ -2,10 +2,17 @@
 on gloo ranks, healthy or with one rank at fault. Used by tests/test_scan_kineto.py: `scan detect` must name the
 faulty rank from the traces users already hold.
 
-Faults (one rank, every step): `slow` redoes each layer's forward and backward SLOW - 1 more times (real compute,
-results thrown away: benchmarks/anyjob.py's drill, heavier); `stall` sleeps STALL_MS before each micro-batch (a data
-loader that keeps the rank waiting: time in no op, as a slow input pipeline shows in a profile).
-The loop marks forward and backward with record_function, as profiled training loops do.
+Faults (one rank, every step):
+- `slow`: each layer's forward and backward do their matmuls SLOW more times (a slow device: real compute, results
+  thrown away). The extra work is plain `aten::linear` / `aten::mm` ops in the layer's own forward and in the
+  backward of its output, named as the layer's own work is: no op of its own for a reader to look for.
+- `stall`: sleeps STALL_MS before each micro-batch (an input pipeline waiting for storage: time in no op, as a
+  slow input pipeline shows in a profile);
+- `decode`: spins in Python for STALL_MS before each micro-batch (CPU-bound input preparation in the training
+  process: time in no op too, but holding a core, so the rank gets no scheduler credit for having slept).
+Loops of two styles: DDP jobs mark forward and backward with record_function (as profiled training loops often
+do); FSDP2 jobs mark nothing, so the trace holds only FSDP's own annotations (`FSDP::pre_forward`,
+`FSDP::all_gather`, `FSDP::post_backward_reduce` ...), the aten ops and the autograd engine's.
 Profiling windows: two per run (schedule repeat=2), so each rank writes two files; odd ranks write .json.gz.
 """
 from __future__ import annotations
@@ -18,15 +25,41 @@ import torch
 from benchmarks.anyjob import _build
 
 MICROBATCHES = 2
-SLOW = 12  # the profiler's per-op cost dwarfs these tiny layers: the slow rank's layers do 12x their work
+SLOW = 12  # extra matmuls per layer matmul on the slow rank: 13x the layer work, above a busy machine's noise
 STALL_MS = 60.0
 WAIT, WARMUP, ACTIVE, REPEAT = 0, 1, 4, 2  # 8 profiled steps: the consistency test needs 7+
 STEPS = REPEAT * (WAIT + WARMUP + ACTIVE)
 
 
+def _slow_down(layer: torch.nn.Linear, times: int) -> None:
+    """Make `layer` a slow device's: its forward and the backward of its output redo their matmuls `times` more
+    times through hooks (results thrown away, the job's results unchanged)."""
+    w = torch.randn(layer.out_features, layer.in_features)  # own weights: FSDP2 frees the layer's after forward
+    seen: list[torch.Tensor] = []
+
+    def forward(_m: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        x = args[0].detach()
+        with torch.no_grad():
+            for _ in range(times):
+                torch.nn.functional.linear(x, w)
+        seen[:] = [x]
+        if out.requires_grad:
+            out.register_hook(backward)
+
+    def backward(grad: torch.Tensor) -> None:
+        with torch.no_grad():
+            for _ in range(times):
+                grad @ w
+                grad.t() @ seen[0]
+
+    layer.register_forward_hook(forward)
+
+
 def job(rank: int, world: int, out: str, runs: list[tuple[str, str, str | None, int]]) -> None:
     """One rank (under `megatronapp.launch.spawn`): for each (run name, 'ddp' or 'fsdp', fault or None, faulty
     rank) train the same seeded model, profiled, writing out/<run>/rank<r>.w<window>.pt.trace.json[.gz]."""
+    import contextlib
+
     from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
     torch.set_num_threads(1)
@@ -35,8 +68,10 @@ def job(rank: int, world: int, out: str, runs: list[tuple[str, str, str | None, 
         inner = m.module if kind == "ddp" else m
         if fault == "slow" and rank == bad:
             for block in inner:
-                block.repeat = SLOW
-        stall = STALL_MS / 1e3 if fault == "stall" and rank == bad else 0.0
+                _slow_down(block.lin, SLOW)
+        stall = STALL_MS / 1e3 if fault in ("stall", "decode") and rank == bad else 0.0
+        spin = fault == "decode"
+        mark = record_function if kind == "ddp" else lambda _name: contextlib.nullcontext()
         opt = torch.optim.SGD(m.parameters(), lr=0.05)
         gen = torch.Generator().manual_seed(1000 + rank)
         d = Path(out) / run
@@ -52,12 +87,16 @@ def job(rank: int, world: int, out: str, runs: list[tuple[str, str, str | None, 
                      schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE, repeat=REPEAT)) as prof:
             for _ in range(STEPS):
                 for _ in range(MICROBATCHES):
-                    if stall:
+                    if stall and spin:
+                        until = time.perf_counter() + stall
+                        while time.perf_counter() < until:
+                            pass
+                    elif stall:
                         time.sleep(stall)
                     x = torch.randn(384, 256, generator=gen)
-                    with record_function("forward"):
+                    with mark("forward"):
                         loss = m(x).square().mean()
-                    with record_function("backward"):
+                    with mark("backward"):
                         loss.backward()
                 opt.step()
                 opt.zero_grad()

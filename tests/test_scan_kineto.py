@@ -1,7 +1,8 @@
 """PyTorch profiler (Kineto) traces in: `scan detect`, `aggregate`, `heatmap` and `summary` read a directory of
-torch.profiler Chrome traces. Real traces are recorded here, in one launch of 2 gloo ranks (benchmarks/kinetojob.py):
-a healthy DDP job, a DDP job whose rank 1 computes slowly, an FSDP2 job whose rank 0 stalls before every
-micro-batch (a slow input pipeline). Assertions are about WHO and WHAT, never timings. The reader's edges (gzip,
+torch.profiler Chrome traces. Real traces are recorded here, in one launch of 3 gloo ranks (benchmarks/kinetojob.py)
+running six jobs in turn: DDP and FSDP2, each healthy, with a rank that computes slowly, and with a rank that stalls
+before every micro-batch (sleeping on I/O or spinning on CPU-bound input preparation); the faulty rank differs
+from job to job. Assertions are about WHO and WHAT, never timings. The reader's edges (gzip,
 several files per rank, bad files, the size limit, a GPU trace's NCCL kernels as in the public HTA samples) are
 checked on small files written here."""
 from __future__ import annotations
@@ -20,15 +21,21 @@ from megatronapp.launch import spawn
 from megatronapp.scan import cli
 from megatronapp.scan.detect import detect
 from megatronapp.scan.kineto import read_kineto_dir
+from megatronapp.scan.table import join, phases
 from megatronapp.scan.traces import read_traces
 
-RUNS = [("healthy", "ddp", None, -1), ("slow", "ddp", "slow", 1), ("stall", "fsdp", "stall", 0)]
+# 3 ranks: each judged against two peers. Every size has its failure under a load of 20-30 on the 2-core machine
+# (docs/megascan.md, Kineto): 2 ranks judge a stall against its own jitter, 4 share the cores two to one.
+WORLD = 3
+RUNS = [("healthy-fsdp", "fsdp", None, -1), ("slow-fsdp", "fsdp", "slow", 2), ("stall-fsdp", "fsdp", "stall", 1),
+        ("healthy-ddp", "ddp", None, -1), ("slow-ddp", "ddp", "slow", 0), ("decode-ddp", "ddp", "decode", 2)]
+KIND = {"slow": "slow-compute", "stall": "late-arrival", "decode": "late-arrival"}
 
 
 @functools.lru_cache(maxsize=1)
 def _recorded() -> Path:
     out = Path(tempfile.mkdtemp(prefix="megascan-kineto-"))
-    spawn(job, 2, str(out), RUNS)
+    spawn(job, WORLD, str(out), RUNS)
     return out
 
 
@@ -39,44 +46,49 @@ def _main(argv: list[str]) -> int:
     return args.func(args)
 
 
-def test_real_profiler_traces_name_the_faulty_rank_and_nothing_on_the_healthy_job():
+def test_real_profiler_traces_name_the_faulty_rank_first_and_nothing_persistent_on_healthy_jobs():
     out = _recorded()
     for run, kind, fault, bad in RUNS:
         traces, problems = read_traces(out / run)
-        assert problems == [] and [t.rank for t in traces] == [0, 1], (run, problems)
+        assert problems == [] and [t.rank for t in traces] == list(range(WORLD)), (run, problems)
         for t in traces:  # two profiling windows per rank, merged; steps and both kinds of spans mapped
             assert len(t.header["files"]) == REPEAT and t.header["source"] == "kineto"
             names = set(np.array(t.names)[t.name].tolist())
-            assert {"forward", "backward", "step"} <= names, names
-            want = {"ddp": {"all_reduce"}, "fsdp": {"all_gather"}}[kind]
-            assert want <= names, names
+            # DDP's loop marks forward and backward; FSDP2's marks nothing: FSDP's own annotations and aten ops
+            want = {"ddp": {"all_reduce", "forward", "backward"},
+                    "fsdp": {"all_gather", "all_reduce", "FSDP::pre_forward (1)", "aten::linear"}}[kind]
+            assert want | {"step"} <= names, (run, names)
         rep = detect(traces)
         if fault is None:
-            assert rep.findings == [], rep.to_text()
+            # Nothing persistent. A process descheduled for 8-40 ms between the DDP loop's `forward` and `backward`
+            # (nothing else runs there) reads as a one-iteration pause at c 0.70 on a loaded host: a profiler trace
+            # records no CPU wait to tell it from a real pause (docs/megascan.md, Kineto). Only that may stand.
+            odd = [f for f in rep.findings if f.kind != "transient-pause" or len(f.evidence.get("iterations", [])) != 1
+                   or f.confidence > 0.7]
+            assert odd == [], (run, rep.to_text())
             continue
         assert rep.findings, (run, rep.to_text())
         top = rep.findings[0]
-        assert top.ranks == (bad,), rep.to_text()
-        assert top.kind == {"slow": "slow-compute", "stall": "late-arrival"}[fault], rep.to_text()
+        assert top.ranks == (bad,) and top.kind == KIND[fault], (run, rep.to_text())
 
 
 def test_collectives_match_across_ranks_with_group_size_and_instance_number():
-    traces, _ = read_traces(_recorded() / "slow")
+    traces, _ = read_traces(_recorded() / "slow-ddp")
     inst = []
     for t in traces:
         comm = (t.gid >= 0) & (t.seq >= 0)
         assert comm.any()
-        assert t.groups[int(t.gid[comm][0])] == ("pg0", (0, 1))
+        assert t.groups[int(t.gid[comm][0])] == ("pg0", tuple(range(WORLD)))
         assert (t.nbytes[comm] > 0).all()  # from the annotation's input dims
         inst.append(sorted(zip(t.seq[comm].tolist(), np.array(t.names)[t.name[comm]].tolist())))
-    assert inst[0] == inst[1]
+    assert all(i == inst[0] for i in inst)
 
 
 def test_cli_views_accept_a_profiler_trace_directory(tmp_path, capsys):
-    d = str(_recorded() / "slow")
+    d = str(_recorded() / "slow-ddp")  # DDP's traces are the smaller: each view reads them again
     assert _main(["scan", "detect", d, "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["world"] == 2 and rep["findings"][0]["ranks"] == [1]
+    assert rep["world"] == WORLD and rep["findings"][0]["ranks"] == [0]
     assert _main(["scan", "summary", d]) == 0
     assert "slow-compute" in capsys.readouterr().out
     assert _main(["scan", "heatmap", d, "-o", str(tmp_path / "heat.html")]) == 0
@@ -84,7 +96,7 @@ def test_cli_views_accept_a_profiler_trace_directory(tmp_path, capsys):
     capsys.readouterr()
     assert _main(["scan", "aggregate", d, "-o", str(tmp_path / "all.json"), "--only-flagged", "--json"]) == 0
     agg = json.loads(capsys.readouterr().out)
-    assert 1 in agg["written_ranks"], agg
+    assert 0 in agg["written_ranks"], agg
     assert json.loads((tmp_path / "all.json").read_text())["traceEvents"]
 
 
@@ -146,3 +158,40 @@ def test_a_missing_directory_is_a_clear_error_not_a_traceback(tmp_path):
 
     with pytest.raises(SystemExit, match="does not exist"):
         _main(["scan", "detect", str(tmp_path / "nowhere")])
+
+
+def _cpu_events() -> list[dict]:
+    """One step of a CPU (gloo) FSDP trace, in µs: the main thread (tid 1) waits in `FSDP::all_gather` for the
+    all-gather gloo runs on its worker thread (tid 9), computes an `aten::mm` while an all-reduce runs on the
+    worker, then waits in `FSDP::post_backward_reduce` for that all-reduce's last 100 µs."""
+    def x(name: str, cat: str, tid: int, ts: float, dur: float, **args) -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "pid": 5, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    return [x("ProfilerStep#1", "user_annotation", 1, 0, 1000),
+            x("FSDP::all_gather (0)", "user_annotation", 1, 10, 390),
+            x("c10d::_allgather_base_", "cpu_op", 1, 20, 10),
+            x("gloo:all_gather", "user_annotation", 9, 25, 365, **{"Input Dims": [[1024]]}),
+            x("aten::select", "cpu_op", 9, 385, 3),  # the collective's own copy, on its worker thread
+            x("aten::mm", "cpu_op", 1, 400, 300),
+            x("gloo:all_reduce", "user_annotation", 9, 450, 350, **{"Input Dims": [[2048]]}),
+            x("FSDP::post_backward_reduce (0)", "user_annotation", 1, 700, 200)]
+
+
+def test_cpu_trace_waits_are_stretches_with_no_op_while_a_collective_runs(tmp_path):
+    """Waiting is where the thread runs no op while a collective is in flight; an op overlapping a collective
+    (compute overlapped with an async all-reduce) stays compute, and the worker thread's ops are not the rank's."""
+    pgs = [{"pg_name": "0", "ranks": [0, 1]}]
+    for r in (0, 1):
+        (tmp_path / f"r{r}.json").write_text(json.dumps(_trace(r, 2, _cpu_events(), backend="gloo", pg_config=pgs)))
+    traces, problems = read_traces(tmp_path)
+    assert problems == [], problems
+    t = traces[0]
+    names = np.array(t.names)[t.name]
+    assert "aten::select" not in names
+    flight = names == "in flight"
+    got = sorted(zip((t.ts[flight] - t.ts[names == "step"][0]).tolist(), t.dur[flight].tolist()))
+    # ns: [25, 30) in the all-gather's launch once it runs, [30, 390) blocked after it, [700, 800) in the reduce
+    assert got == [(25_000, 5_000), (30_000, 360_000), (700_000, 100_000)], got
+    ph = phases(join(traces))
+    # work spans 390 + 300 + 200 µs, less the 465 µs waited: 0.425 ms of compute on each rank
+    assert np.allclose(ph.compute, 0.425), ph.compute

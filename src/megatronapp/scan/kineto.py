@@ -11,7 +11,10 @@ profiling window), each with `distributedInfo` (rank, world_size, process groups
   so the same collective has the same number on every rank. Point-to-point ops have no peer in these args:
   they count as communication time but are not matched as links.
 - compute: on a GPU trace every other kernel and memcpy; on a CPU trace the outermost op of each thread
-  (`Optimizer.*` as optimizer, DataLoader iterations as data), nested ops are inside it.
+  (`Optimizer.*` as optimizer, DataLoader iterations as data), nested ops are inside it, less the waits: the
+  stretches where the thread runs no op (an annotation such as `FSDP::all_gather` or a loop's `backward` with
+  nothing running inside it, or a collective's launch) while a collective is in flight. The ops of a
+  collective's worker thread (gloo's copies) are the collective's, not the rank's work.
 Every rank is one data-parallel replica of one stage (coord (rank, 0, 0)): Kineto records no TP/PP layout.
 Nothing in a file decides what code runs: it is parsed as JSON and read as numbers and names. Files above
 `max_bytes` (decompressed) are skipped and named, as are files that are no trace or carry no rank.
@@ -33,6 +36,8 @@ _STEP = re.compile(r"^ProfilerStep#(\d+)$")
 _COMM_ANNOTATION = re.compile(r"^(?:nccl|gloo|mpi|ucc|xccl):(\w+)$")
 _NCCL_KERNEL = re.compile(r"^nccl(?:Dev)?Kernel_([A-Za-z]+)")
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+# CPU events that are no computation of their own: a collective's launch or wait, an annotation, Python code
+_NOT_OP = re.compile(r"^(?:c10d::|_c10d_functional::|c10d_functional::|record_param_comms$)|wait")
 _DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "half": 2, "float16": 2, "bfloat16": 2,
                 "long": 8, "int64": 8, "int": 4, "int32": 4, "short": 2, "int16": 2, "char": 1, "int8": 1,
                 "byte": 1, "uint8": 1, "bool": 1}
@@ -159,13 +164,49 @@ def _outermost(ts: np.ndarray, end: np.ndarray, thread: np.ndarray) -> np.ndarra
     return keep
 
 
-def _in_flight(ws: np.ndarray, we: np.ndarray, cs: np.ndarray, ce: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Pieces of the work spans [ws, we) covered by the union of the comm spans [cs, ce): (start, end, index of
-    the work span, count)."""
+def _idle(ts: np.ndarray, end: np.ndarray, thread: np.ndarray, is_op: np.ndarray
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """(start, end) of the stretches of each thread's time whose innermost event is no op: an annotation
+    (`FSDP::all_gather`, a loop's `backward`), a Python function or a collective's launch, with nothing running
+    inside it. A thread blocked in a collective's wait shows so (the wait itself records no op); its compute
+    shows as ops (`aten::mm`, an autograd node's own code) however slow they run."""
+    o = np.lexsort((-end, ts, thread))
+    out_s: list[int] = []
+    out_e: list[int] = []
+    stack: list[tuple[int, bool]] = []  # (end, is_op) of the open events, outermost first
+    cur_thread, cursor = None, 0
+
+    def advance(to: int) -> None:
+        nonlocal cursor
+        while stack and stack[-1][0] <= to:
+            e, op = stack.pop()
+            if not op and e > cursor:
+                out_s.append(cursor)
+                out_e.append(e)
+            cursor = max(cursor, e)
+        if stack and not stack[-1][1] and to > cursor:
+            out_s.append(cursor)
+            out_e.append(to)
+        cursor = max(cursor, to)
+
+    for i in o.tolist():
+        if thread[i] != cur_thread:
+            advance(np.iinfo(np.int64).max)
+            cur_thread, cursor = thread[i], int(ts[i])
+        advance(int(ts[i]))
+        e = int(end[i])
+        if stack:
+            e = min(e, stack[-1][0])  # overlapping without nesting: cut at the enclosing event's end
+        stack.append((e, bool(is_op[i])))
+    advance(np.iinfo(np.int64).max)
+    return np.array(out_s, np.int64), np.array(out_e, np.int64)
+
+
+def _covered(ws: np.ndarray, we: np.ndarray, cs: np.ndarray, ce: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pieces of the spans [ws, we) covered by the union of the spans [cs, ce): (start, end)."""
     if not len(cs) or not len(ws):
         z = np.zeros(0, np.int64)
-        return z, z, z, z
+        return z, z
     o = np.argsort(cs, kind="stable")
     cs, ce = cs[o], np.maximum.accumulate(ce[o])
     new = np.r_[True, cs[1:] > ce[:-1]]  # union intervals: a start past every earlier end
@@ -175,11 +216,7 @@ def _in_flight(ws: np.ndarray, we: np.ndarray, cs: np.ndarray, ce: np.ndarray
     idx = np.repeat(np.arange(len(ws)), np.maximum(last - first, 0))
     u = np.concatenate([np.arange(a, b) for a, b in zip(first, last) if b > a]) if len(idx) else idx
     s, e = np.maximum(us[u], ws[idx]), np.minimum(ue[u], we[idx])
-    # Only collectives that finish inside the op: a wait ends when its collective does. One still running when the
-    # op ends was not waited for (gloo closes its annotation a little after handing the result over: the next
-    # forward overlaps its tail and would lose all its time).
-    ok = (e > s) & (ue[u] <= we[idx])
-    return s[ok], e[ok], idx[ok], np.flatnonzero(ok)
+    return s[e > s], e[e > s]
 
 
 def to_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankTrace:
@@ -197,8 +234,9 @@ def to_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankT
     device = any(e.get("cat") in _DEVICE_CATS for e in events)
     names: dict[str, int] = {}
     groups: dict[tuple[str, tuple[int, ...]], int] = {}
-    rows: list[tuple] = []  # (ts_ns, dur_ns, cat, name id, gid, nbytes, seq arg, thread key)
+    rows: list[tuple] = []  # (ts_ns, dur_ns, cat, name id, gid, nbytes, seq arg, thread key, is an op)
     steps: list[tuple[int, int, int]] = []
+    step_threads: set[str] = set()
     for e in events:
         name, cat, args = e["name"], e.get("cat"), e.get("args") if isinstance(e.get("args"), dict) else {}
         ts, dur = int(round(e["ts"] * 1000)), int(round(e["dur"] * 1000))
@@ -206,6 +244,7 @@ def to_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankT
         m = _STEP.match(name)
         if m and cat in ("user_annotation", "cpu_op"):
             steps.append((ts, ts + dur, int(m.group(1))))
+            step_threads.add(thread)
             continue
         op, kind = None, None
         if device:
@@ -231,7 +270,8 @@ def to_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankT
             gid = groups.setdefault(g, len(groups)) if g else -1
             nbytes = _nbytes(args)
             seq = int(args["Seq"]) if isinstance(args.get("Seq"), int) else -1
-        rows.append((ts, dur, CAT_INDEX[kind], names.setdefault(op, len(names)), gid, nbytes, seq, thread))
+        is_op = cat == "cpu_op" and not _NOT_OP.search(name)
+        rows.append((ts, dur, CAT_INDEX[kind], names.setdefault(op, len(names)), gid, nbytes, seq, thread, is_op))
     if not steps:
         raise KinetoError(f"rank {rank} ({', '.join(p.name for p, _ in docs)}): no ProfilerStep#N annotations "
                           "(profile with a schedule and call prof.step() each iteration); skipped")
@@ -243,12 +283,16 @@ def to_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankT
     gid = np.array([r[4] for r in rows], np.int32)
     nbytes = np.array([r[5] for r in rows], np.int64)
     seq = np.array([r[6] for r in rows], np.int64)
-    thread = np.unique(np.array([r[7] for r in rows], object), return_inverse=True)[1].ravel() if rows \
-        else np.zeros(0, np.int64)
+    is_op = np.array([r[8] for r in rows], bool)
+    thread_key = np.array([r[7] for r in rows], object)
+    thread = np.unique(thread_key, return_inverse=True)[1].ravel() if rows else np.zeros(0, np.int64)
     comm = cat == CAT_INDEX["comm"]
-    # Work spans: the outermost of each thread (nested ops are part of it); comm spans all kept.
+    # Work spans: the outermost of each thread (nested ops are part of it); comm spans all kept. The ops on a
+    # collective's worker thread (gloo runs each collective there: a thread with collectives and no profiler
+    # step) are the collective's own (copies, the average of a reduce-scatter), no work of the rank.
     keep = comm.copy()
-    work = ~comm
+    workers = set(thread_key[comm].tolist()) - step_threads
+    work = ~comm & ~np.isin(thread_key, list(workers)) if workers else ~comm
     keep[work] = _outermost(ts[work], ts[work] + dur[work], thread[work])
     s_ts = np.array([s[0] for s in steps], np.int64)
     s_end = np.array([s[1] for s in steps], np.int64)
@@ -266,22 +310,26 @@ def to_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankT
         seq[o] = it[o] * _SEQ_STRIDE + (np.arange(len(o)) - start)
     sel = np.flatnonzero(keep)
     if not device:
-        # A CPU op that waits for a collective (FSDP's pre-forward waiting for its all-gather, a backward hook for
-        # a reduce-scatter) holds the wait inside its own time: gloo runs the collective on a worker thread, so it
-        # is not nested in the op. The time a work op overlaps a collective that finishes inside it is copied as a
-        # comm span inside the op ("in flight"), which the op's exclusive time leaves out: a rank waiting for a
-        # slow peer is not itself slow. (Compute overlapped with an async collective that ends inside it is left
-        # out too: alike on every rank of a healthy job.)
-        w_rows, c_rows = sel[~comm[sel]], np.flatnonzero(comm)
-        wts, wend, wit, cut = _in_flight(ts[w_rows], ts[w_rows] + dur[w_rows], ts[c_rows], ts[c_rows] + dur[c_rows])
-        if len(cut):
+        # A thread that waits for a collective (FSDP's pre-forward for its all-gather, DDP's end of backward for
+        # its all-reduce) records no op while it waits: gloo runs the collective on a worker thread, the waiting
+        # thread sits in an annotation with nothing inside it. Those stretches, where a collective is in flight,
+        # are copied as comm spans inside the work span ("in flight"), which its exclusive time leaves out: a rank
+        # waiting for a slow peer is not itself slow, while a slow rank's ops (however named) stay its compute.
+        # (The table nests a comm span in the latest work span started before it: right for one working thread,
+        # the training loop's; a second thread's spans starting between would take the wait from it.)
+        w = np.flatnonzero(work)
+        ids, ide = _idle(ts[w], ts[w] + dur[w], thread[w], is_op[w])
+        wts, wend = _covered(ids, ide, ts[comm], ts[comm] + dur[comm])
+        if len(wts):
             fid = names.setdefault("in flight", len(names))
             k = len(ts)
+            ks = np.searchsorted(s_ts, wts, side="right") - 1
+            wit = np.where((ks >= 0) & (wts < s_end[np.maximum(ks, 0)]), s_n[np.maximum(ks, 0)], -1)
             ts, dur = np.r_[ts, wts], np.r_[dur, wend - wts]
             cat = np.r_[cat, np.full(len(wts), CAT_INDEX["comm"], np.int8)]
             name = np.r_[name, np.full(len(wts), fid, np.int32)]
             gid, nbytes = np.r_[gid, np.full(len(wts), -1, np.int32)], np.r_[nbytes, np.zeros(len(wts), np.int64)]
-            seq, it = np.r_[seq, np.full(len(wts), -1, np.int64)], np.r_[it, it[w_rows][wit]]
+            seq, it = np.r_[seq, np.full(len(wts), -1, np.int64)], np.r_[it, wit]
             sel = np.r_[sel, np.arange(k, k + len(wts))]
     step_cols = {"ts": s_ts, "dur": s_end - s_ts, "it": s_n}
     n_step = len(steps)
