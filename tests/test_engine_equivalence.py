@@ -102,6 +102,9 @@ def _cases_world4() -> list[tuple[str, dict]]:
     return cases
 
 
+_REFS: dict[str, dict] = {}  # single-process results by case label: the native and regimes tests share them
+
+
 def _run(world: int, cases: list[tuple[str, dict]], modes: tuple[str, ...]) -> None:
     runs = []
     for label, case in cases:
@@ -113,13 +116,12 @@ def _run(world: int, cases: list[tuple[str, dict]], modes: tuple[str, ...]) -> N
             runs.append((f"{label} [{mode}]", c))
     with tempfile.TemporaryDirectory() as tmp:
         spawn(ec.worker, world, [c for _, c in runs], tmp)
-        refs: dict[str, dict] = {}
         for i, (label, case) in enumerate(runs):
             results = [torch.load(Path(tmp) / f"case{i}_rank{r}.pt", weights_only=False) for r in range(world)]
             key = label.rsplit(" [", 1)[0]
-            if key not in refs:
-                refs[key] = ec.reference(case)
-            ec.compare(results, refs[key], label)
+            if key not in _REFS:
+                _REFS[key] = ec.reference(case)
+            ec.compare(results, _REFS[key], label)
 
 
 MODES = {"native": ("native",), "nccl regimes": ("nccl-eager", "nccl-lazy")}

@@ -11,7 +11,7 @@ import megatronapp
 
 PKG = Path(megatronapp.__file__).parent
 ENGINE_DIRS = ("parallel", "model", "pipeline", "data", "train")
-ENGINE_FILES = ("config.py", "launch.py", "tracing.py")
+ENGINE_FILES = ("config.py", "launch.py", "tracing.py", "eager_optim.py")
 # the modules, and fault drills (a plug-in of its own, megatronapp/faults.py)
 FORBIDDEN = tuple(f"megatronapp.{m}" for m in ("scan", "dpp", "scope", "fbd", "resilience", "faults"))
 

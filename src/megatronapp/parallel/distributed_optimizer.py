@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from megatronapp.config import TrainConfig
+from megatronapp.eager_optim import AdamW, Eager
 from megatronapp.parallel import comm
 from megatronapp.parallel.data_parallel import GradReducer, _Bucket
 from megatronapp.parallel.topology import Topology
@@ -50,7 +51,7 @@ class _Segment:
     shard: nn.Parameter  # what the optimizer steps: an alias of `data` (the parameter is its own fp32 master)
 
 
-class _ShardedLAMB(torch.optim.Optimizer):
+class _ShardedLAMB(Eager, torch.optim.Optimizer):
     """LAMB (as `train/optim.LAMB`) over parameter slices: whole-parameter norms come from partial sums over DP."""
 
     def __init__(self, groups: list[dict], owner: DistributedOptimizer, lr: float, betas: tuple[float, float],
@@ -124,7 +125,7 @@ class DistributedOptimizer(GradReducer):
         groups = [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         betas = (tcfg.beta1, tcfg.beta2)
         if tcfg.optimizer == "adamw":
-            self.inner: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=tcfg.lr, betas=betas, eps=tcfg.eps)
+            self.inner: torch.optim.Optimizer = AdamW(groups, lr=tcfg.lr, betas=betas, eps=tcfg.eps)
         elif tcfg.optimizer == "lamb":
             self.inner = _ShardedLAMB(groups, self, lr=tcfg.lr, betas=betas, eps=tcfg.eps)
         else:

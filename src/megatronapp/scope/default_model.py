@@ -18,6 +18,7 @@ import torch
 from megatronapp.config import ModelConfig, preset
 from megatronapp.data.corpus import embedded_corpus
 from megatronapp.data.tokenizer import ByteTokenizer
+from megatronapp.eager_optim import AdamW
 from megatronapp.model.transformer import (
     TransformerChunk,
     build_model,
@@ -66,8 +67,8 @@ def train(recipe: Recipe, out_dir: Path = ASSETS, log_every: int = 50) -> dict:
     train_ids, val_ids = data[:split], data[split:]
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95))
+    opt = AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                 {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(recipe.seed)
 
     def batch(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

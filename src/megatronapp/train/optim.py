@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from megatronapp.config import ConfigError, TrainConfig
+from megatronapp.eager_optim import AdamW, Eager
 from megatronapp.parallel import comm
 from megatronapp.parallel.topology import Group
 
@@ -31,7 +32,7 @@ def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> l
     return groups
 
 
-class LAMB(torch.optim.Optimizer):
+class LAMB(Eager, torch.optim.Optimizer):
     """Layer-wise adaptive moments (You et al., 2019) with bias correction and decoupled decay in the update."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -100,11 +101,11 @@ class LAMB(torch.optim.Optimizer):
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], tcfg: TrainConfig,
                     tp_group: Group | None = None) -> torch.optim.Optimizer:
-    """AdamW (torch's) or LAMB as `tcfg.optimizer` says, with no weight decay on 1-D parameters."""
+    """AdamW (torch's, unguarded: eager_optim.py) or LAMB as `tcfg.optimizer` says; no decay on 1-D parameters."""
     groups = param_groups(params, tcfg.weight_decay)
     betas = (tcfg.beta1, tcfg.beta2)
     if tcfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=tcfg.lr, betas=betas, eps=tcfg.eps)
+        return AdamW(groups, lr=tcfg.lr, betas=betas, eps=tcfg.eps)
     if tcfg.optimizer == "lamb":
         return LAMB(groups, lr=tcfg.lr, betas=betas, eps=tcfg.eps, tp_group=tp_group)
     raise ConfigError(f"train.optimizer={tcfg.optimizer!r}: choose adamw or lamb")
