@@ -6,18 +6,91 @@ from __future__ import annotations
 import numpy as np
 
 
+def _composite(keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, int, int, np.ndarray | None, int] | None:
+    """One int64 per row whose order is (key, value): (key index << bits) | (value - vmin), with the key index
+    the key less its minimum (or its place among the distinct keys where that range is too wide). None unless
+    every value is an integer (durations and waits in ns are, as floats too) and both fit in 62 bits together.
+    Returns (composite, bits, vmin, distinct keys or None, key minimum)."""
+    if not len(keys) or keys.dtype.kind not in "iu" or vals.dtype.kind not in "iuf":
+        return None
+    if vals.dtype.kind == "f":
+        if not (np.abs(vals) < 2.0 ** 53).all():  # NaN and inf fail too
+            return None
+        vi = vals.astype(np.int64)
+        if not (vi == vals).all():
+            return None
+    else:
+        vi = vals.astype(np.int64)
+    vmin = int(vi.min())
+    bits = (int(vi.max()) - vmin).bit_length()
+    kmin, kmax = int(keys.min()), int(keys.max())
+    if bits > 61:
+        return None
+    if (kmax - kmin) >> (62 - bits) == 0:
+        k, uk = keys.astype(np.int64) - kmin, None
+    else:
+        uk = np.unique(keys)
+        if len(uk) >> (62 - bits):
+            return None
+        k = np.searchsorted(uk, keys).astype(np.int64)
+    k <<= bits
+    k |= vi - vmin
+    return k, bits, vmin, uk, kmin
+
+
 def by_key_then_value(keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
     """The order that sorts rows by key, then by value within a key (as np.lexsort((vals, keys)) up to the order
-    of equal values, which no order statistic sees). Two argsorts: values, then keys stably; 1.5-2x faster than
-    lexsort on the millions of rows of a 12,288-rank job."""
+    of equal values, which no order statistic sees). Integer values (ns): one argsort of one int64 composite key
+    (`_composite`); otherwise two argsorts: values, then keys stably (1.5-2x faster than lexsort)."""
+    c = _composite(keys, vals)
+    if c is not None:
+        return np.argsort(c[0])
     o = np.argsort(vals)
-    return o[np.argsort(keys[o], kind="stable")]
+    return o[_stable_order(keys[o])]
+
+
+def _stable_order(keys: np.ndarray) -> np.ndarray:
+    """np.argsort(keys, kind="stable") (the same permutation): integer keys with their row number packed below
+    them in one int64, sorted as values (no permutation to track: 3-8x faster than a stable argsort)."""
+    n = len(keys)
+    pos_bits = max(n - 1, 1).bit_length()
+    if n and keys.dtype.kind in "iu":
+        kmin, kmax = int(keys.min()), int(keys.max())
+        if (kmax - kmin) >> (62 - pos_bits) == 0:
+            c = keys.astype(np.int64) - kmin
+        else:
+            uk = np.unique(keys)
+            c = np.searchsorted(uk, keys).astype(np.int64) if len(uk) >> (62 - pos_bits) == 0 else None
+        if c is not None:
+            c <<= pos_bits
+            c |= np.arange(n, dtype=np.int64)
+            c.sort()
+            c &= (1 << pos_bits) - 1
+            return c
+    return np.argsort(keys, kind="stable")
 
 
 def group_median(keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(unique keys, median of vals per key, count per key), vectorised by one sort."""
     if not len(keys):
         return keys, vals.astype(float), keys
+    c = _composite(keys, vals)
+    if c is not None:
+        # Integer values: sort the composite keys themselves (no permutation to gather through): the values come
+        # back sorted within each key, exactly those an argsort would give (4x faster at 2 million rows).
+        comp, bits, vmin, uk_all, kmin = c
+        comp.sort()
+        kk = comp >> bits
+        new = np.empty(len(kk), bool)
+        new[0] = True
+        np.not_equal(kk[1:], kk[:-1], out=new[1:])
+        start = np.flatnonzero(new)
+        cnt = np.diff(np.append(start, len(kk)))
+        uk = (kk[start] + kmin if uk_all is None else uk_all[kk[start]]).astype(keys.dtype)
+        comp &= (1 << bits) - 1
+        v = (comp + vmin).astype(float)
+        med = (v[start + (cnt - 1) // 2] + v[start + cnt // 2]) / 2
+        return uk, med, cnt
     o = by_key_then_value(keys, vals)
     k, v = keys[o], vals[o].astype(float)
     uk, start, cnt = np.unique(k, return_index=True, return_counts=True)

@@ -314,9 +314,15 @@ def match_p2p(tb: Table, send: np.ndarray, recv: np.ndarray) -> tuple[np.ndarray
     src = np.r_[tb.rank[send], tb.peer[recv]]
     dst = np.r_[tb.peer[send], tb.rank[recv]]
     chan = np.r_[name[tb.gkey[send]], name[tb.gkey[recv]]]
-    _, pid = np.unique((chan * tb.world + src) * tb.world + dst, return_inverse=True)  # 1-D: fast
-    S = int(tb.seq[np.r_[send, recv]].max()) + 1
-    key = pid.ravel() * S + tb.seq[np.r_[send, recv]]
+    raw = (chan * tb.world + src) * tb.world + dst
+    seq = tb.seq[np.r_[send, recv]]
+    S = int(seq.max()) + 1
+    # The key as it is where it fits (the same order as dense ids): no np.unique sort of a million keys.
+    if max(-int(raw.min()), int(raw.max()) + 1) * S < 1 << 62:
+        key = raw * S + seq
+    else:
+        _, pid = np.unique(raw, return_inverse=True)  # 1-D: fast
+        key = pid.ravel() * S + seq
     ks, kr = key[:len(send)], key[len(send):]
     o = np.argsort(ks)
     pos = np.searchsorted(ks[o], kr).clip(0, len(ks) - 1)
