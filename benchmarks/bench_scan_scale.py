@@ -116,7 +116,8 @@ def timed(cmd: list[str]) -> dict:
 def cli_run(ranks: int, tmp: str) -> dict:
     """simulate (defaults but tp 8, pp 16), then detect --json and aggregate --only-flagged, as a user runs them."""
     cli = [sys.executable, "-m", "megatronapp", "scan"]
-    row = {"ranks": ranks, "tp": 8, "pp": 16, "simulate": timed(cli + ["simulate", "--ranks", str(ranks), "--tp", "8",
+    row = {"ranks": ranks, "tp": 8, "pp": 16, "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "simulate": timed(cli + ["simulate", "--ranks", str(ranks), "--tp", "8",
                                                                        "--pp", "16", "-o", tmp])}
     row["bytes_on_disk"] = sum(p.stat().st_size for p in Path(tmp).glob("rank*.mst"))
     row["detect"] = timed(cli + ["detect", tmp, "--json"])
@@ -155,6 +156,9 @@ def cli_main(ranks: int, blocks: int) -> None:
         rows.append(row)
         print(json.dumps(row))
     result = {"rows": rows, "targets": CLI_TARGETS}
+    if CLI_RESULTS.exists():  # earlier measurements stay on record (the table shows this run's)
+        before = json.loads(CLI_RESULTS.read_text())
+        result["earlier"] = before.get("earlier", []) + before.get("rows", [])
     CLI_RESULTS.parent.mkdir(exist_ok=True)
     CLI_RESULTS.write_text(json.dumps(result, indent=1))
     stats.write_block(DOCS, CLI_BLOCK, cli_table(result))

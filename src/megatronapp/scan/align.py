@@ -218,10 +218,12 @@ def estimate_offsets(traces: list[RankTrace], p2p_weight: float = 0.1) -> tuple[
         x = (ct - org[ci]).astype(np.float64)  # time since the shared instant (ppm-close on every clock)
         err = np.abs(cd - (model[cj, 0] + model[cj, 1] * x - model[ci, 0] - model[ci, 1] * x))
         residual = float(np.median(err))
-        for r in ranks:  # each rank's own residual: where one clock fits badly, its timeline is suspect
-            m = (ci == r) | (cj == r)
-            if m.any():
-                report["residual_by_rank"][r] = float(np.median(err[m]))
+        # Each rank's own residual (where one clock fits badly, its timeline is suspect): the median over the
+        # anchors it is either end of, all ranks by one grouped sort (a mask per rank took minutes at 12,288).
+        two = ci != cj
+        ur, rmed, _ = group_median(np.concatenate([ci, cj[two]]), np.concatenate([err, err[two]]))
+        by_rank = dict(zip(ur.tolist(), rmed.tolist()))
+        report["residual_by_rank"] = {r: by_rank[r] for r in ranks if r in by_rank}
     return offsets, residual, report
 
 

@@ -284,10 +284,12 @@ def _jsonable(o: Any) -> Any:
     return str(o)
 
 
-def read_rank(path: str | Path, shared: dict | None = None) -> RankTrace:
+def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False) -> RankTrace:
     """Read one rank file; a truncated or partly corrupt file yields what is intact plus `problems`.
 
-    `shared` (one dict across the files of a directory) lets equal group tables share their tuples."""
+    `shared` (one dict across the files of a directory) lets equal group tables share their tuples. `_views`
+    (read_dir only, which copies the columns into its store at once): columns as strided views of the records,
+    not copies of their own (one copy of every span less)."""
     shared = {} if shared is None else shared
     p = Path(path)
     try:
@@ -368,7 +370,8 @@ def read_rank(path: str | Path, shared: dict | None = None) -> RankTrace:
         if footer.get("dropped"):
             problems.append(f"{p.name}: the tracer dropped {footer['dropped']} spans (queue full)")
     rec = np.concatenate(spans) if len(spans) > 1 else (spans[0] if spans else np.zeros(0, dtype))
-    cols = {c: np.ascontiguousarray(rec[c]) if c in dtype.names else np.full(len(rec), -1, np.int64)
+    cols = {c: (rec[c] if _views else np.ascontiguousarray(rec[c])) if c in dtype.names
+            else np.full(len(rec), -1, np.int64)
             for c in COLUMNS}
     bad = (cols["name"] < 0) | (cols["name"] >= len(names)) | (cols["gid"] < -1) | (cols["gid"] >= len(groups))
     if bad.any():
@@ -415,7 +418,7 @@ def read_dir(path: str | Path) -> tuple[list[RankTrace], list[str]]:
     for name in names:
         f = d / name
         try:
-            t = read_rank(f, shared)
+            t = read_rank(f, shared, _views=True)
         except TraceFormatError as e:
             problems.append(str(e))
             continue
@@ -461,6 +464,8 @@ class _ColumnStore:
     def take(self, t: RankTrace) -> None:
         n = len(t)
         if self.pos + n > self.cap:  # cannot happen for files read whole; keep the trace's own arrays then
+            for c in COLUMNS:
+                setattr(t, c, np.ascontiguousarray(getattr(t, c)))  # not views of the file's bytes
             return
         a, b = self.pos, self.pos + n
         for c in COLUMNS:

@@ -52,8 +52,12 @@ def bridge_offsets(tb: Table, coll: np.ndarray, inst: np.ndarray, slow: set[int]
     keep = ~np.isin(tb.gkey[coll], list(slow))
     rows, key = coll[keep], inst[keep]
     end = tb.end[rows].astype(float)
-    ui, inv = np.unique(key, return_inverse=True)
-    first = np.full(len(ui), -1, np.int64)
+    if len(key) and int(key.max()) - int(key.min()) < 4 * len(key):  # instance ids are dense: index by them
+        inv, n_inst = key - key.min(), int(key.max()) - int(key.min()) + 1
+    else:  # (np.unique's sort of 2 million ids cost more than the rest of the bridge)
+        ui, inv = np.unique(key, return_inverse=True)
+        n_inst = len(ui)
+    first = np.full(n_inst, -1, np.int64)
     lead = np.array([tb.groups[g][1][0] for g in range(len(tb.groups))], np.int64)
     is_lead = tb.rank[rows] == lead[tb.gkey[rows]]
     first[inv[is_lead]] = np.flatnonzero(is_lead)

@@ -6,18 +6,104 @@ from __future__ import annotations
 import numpy as np
 
 
+def _composite(keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, int, int | np.ndarray, np.ndarray | None,
+                                                                int] | None:
+    """One int64 per row whose order is (key, value): (key index << bits) | (value - base), with the key index
+    the key less its minimum (or its place among the distinct keys where that range is too wide) and the base the
+    least value (or, where key and value do not fit in 62 bits together, the least value of the row's key: times
+    since the epoch differ by days between ranks, but by microseconds within a group). None unless every value is
+    an integer (durations and times in ns are, as floats too) and it all fits.
+    Returns (composite, bits, base (int, or per key index), distinct keys or None, key minimum)."""
+    if not len(keys) or keys.dtype.kind not in "iu" or vals.dtype.kind not in "iuf":
+        return None
+    if vals.dtype.kind == "f":
+        if not (np.abs(vals) < 2.0 ** 53).all():  # NaN and inf fail too
+            return None
+        vi = vals.astype(np.int64)
+        if not (vi == vals).all():
+            return None
+    else:
+        vi = vals.astype(np.int64)
+    n = len(keys)
+    vmin, vmax = int(vi.min()), int(vi.max())
+    bits = (vmax - vmin).bit_length()
+    kmin, kmax = int(keys.min()), int(keys.max())
+    base: int | np.ndarray = vmin
+    uk = None
+    if bits <= 62 and (kmax - kmin) >> (62 - bits) == 0:
+        k = keys.astype(np.int64) - kmin
+    else:
+        if kmax - kmin < 4 * n:
+            k, nk = keys.astype(np.int64) - kmin, kmax - kmin + 1
+        else:
+            uk = np.unique(keys)
+            k, nk = np.searchsorted(uk, keys).astype(np.int64), len(uk)
+        kbits = (nk - 1).bit_length()
+        if kbits + bits > 62:
+            base = np.full(nk, vmax, np.int64)
+            np.minimum.at(base, k, vi)
+            bits = int((vi - base[k]).max()).bit_length()
+            if kbits + bits > 62:
+                return None
+    k <<= bits
+    k |= vi - (base if isinstance(base, int) else base[k >> bits])
+    return k, bits, base, uk, kmin
+
+
 def by_key_then_value(keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
     """The order that sorts rows by key, then by value within a key (as np.lexsort((vals, keys)) up to the order
-    of equal values, which no order statistic sees). Two argsorts: values, then keys stably; 1.5-2x faster than
-    lexsort on the millions of rows of a 12,288-rank job."""
+    of equal values, which no order statistic sees). Integer values (ns): one argsort of one int64 composite key
+    (`_composite`); otherwise two argsorts: values, then keys stably (1.5-2x faster than lexsort)."""
+    c = _composite(keys, vals)
+    if c is not None:
+        return np.argsort(c[0])
     o = np.argsort(vals)
-    return o[np.argsort(keys[o], kind="stable")]
+    return o[_stable_order(keys[o])]
+
+
+def _stable_order(keys: np.ndarray) -> np.ndarray:
+    """np.argsort(keys, kind="stable") (the same permutation): integer keys with their row number packed below
+    them in one int64, sorted as values (no permutation to track: 3-8x faster than a stable argsort)."""
+    n = len(keys)
+    pos_bits = max(n - 1, 1).bit_length()
+    if n and keys.dtype.kind in "iu":
+        kmin, kmax = int(keys.min()), int(keys.max())
+        if (kmax - kmin) >> (62 - pos_bits) == 0:
+            c = keys.astype(np.int64) - kmin
+        else:
+            uk = np.unique(keys)
+            c = np.searchsorted(uk, keys).astype(np.int64) if len(uk) >> (62 - pos_bits) == 0 else None
+        if c is not None:
+            c <<= pos_bits
+            c |= np.arange(n, dtype=np.int64)
+            c.sort()
+            c &= (1 << pos_bits) - 1
+            return c
+    return np.argsort(keys, kind="stable")
 
 
 def group_median(keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(unique keys, median of vals per key, count per key), vectorised by one sort."""
     if not len(keys):
         return keys, vals.astype(float), keys
+    c = _composite(keys, vals)
+    if c is not None:
+        # Integer values: sort the composite keys themselves (no permutation to gather through): the values come
+        # back sorted within each key, exactly those an argsort would give (4x faster at 2 million rows).
+        comp, bits, base, uk_all, kmin = c
+        comp.sort()
+        kk = comp >> bits
+        new = np.empty(len(kk), bool)
+        new[0] = True
+        np.not_equal(kk[1:], kk[:-1], out=new[1:])
+        start = np.flatnonzero(new)
+        cnt = np.diff(np.append(start, len(kk)))
+        uk = (kk[start] + kmin if uk_all is None else uk_all[kk[start]]).astype(keys.dtype)
+        comp &= (1 << bits) - 1
+        comp += base if isinstance(base, int) else base[kk]
+        v = comp.astype(float)
+        med = (v[start + (cnt - 1) // 2] + v[start + cnt // 2]) / 2
+        return uk, med, cnt
     o = by_key_then_value(keys, vals)
     k, v = keys[o], vals[o].astype(float)
     uk, start, cnt = np.unique(k, return_index=True, return_counts=True)
