@@ -196,7 +196,8 @@ def pooled(rows: list[dict]) -> dict:
         runs = [r for r in ok if group_of(r["scenario"]) == g]
         groups[g] = {**_rates(runs), "load_avg": [min(r["load_avg"][0] for r in runs),
                                                   max(r["load_avg"][1] for r in runs)]}
-    return {"groups": groups, "all": _rates(ok)}
+    load = [min((r["load_avg"][0] for r in ok), default=0.0), max((r["load_avg"][1] for r in ok), default=0.0)]
+    return {"groups": groups, "all": {**_rates(ok), "load_avg": load}}
 
 
 def _cell(x: dict) -> str:
