@@ -12,7 +12,7 @@ from megatronapp.scan.detect import analyse
 from megatronapp.scan.evidence import posting_stall
 from megatronapp.scan.findings import Finding
 from megatronapp.scan.format import CAT_INDEX, read_dir
-from megatronapp.scan.linkfold import ends_explained_by_link_cost, link_end_costs
+from megatronapp.scan.linkfold import ends_explained_by_link_cost, link_end_costs, links_behind_slow_groups
 from megatronapp.scan.links import _activation_links
 from megatronapp.scan.perturb import Perturbation, perturb
 from megatronapp.scan.table import join
@@ -95,3 +95,18 @@ def test_a_wrap_around_link_carries_activations_by_its_channel_name():
     uu, ui = np.unique(pair, return_inverse=True)
     act = dict(zip(((int(p) // 4, int(p) % 4) for p in uu), _activation_links(tb, np.arange(len(rows)), uu, ui)))
     assert act == {(0, 1): True, (1, 0): False, (3, 0): True, (0, 3): False, (2, 3): True, (3, 2): False}
+
+
+def test_a_collective_one_step_from_a_slow_rank_folds_into_it():
+    """tp2pp2dp2: slow rank 5's DP pair 5-7 is already its evidence (fold.links_of_slow_ranks); the tied-embedding
+    pair 3-7 is slow through rank 7 and folds too. A collective link of ranks no slowed group holds, and a link
+    found by the stalls of its ends, stay."""
+    slow = _finding("slow-compute", (5,), 150.0, method="op floors",
+                    links_also_slow=[{"kind": "slow-link", "ranks": [5, 7], "what": "collective"}])
+    behind = _finding("slow-link", (3, 7), 4.8, what="collective")
+    elsewhere = _finding("slow-link", (0, 2), 4.8, what="collective")
+    stalled = _finding("slow-link", (3, 7), 20.0, what="collective", method="collective stalls")
+    p2p = _finding("slow-link", (6, 7), 4.8, what="P2P")
+    kept = links_behind_slow_groups([slow, behind, elsewhere, stalled, p2p])
+    assert kept == [slow, elsewhere, stalled, p2p]
+    assert slow.evidence["links_also_slow"][-1]["ranks"] == [3, 7] and behind.evidence["via_rank"] == 7

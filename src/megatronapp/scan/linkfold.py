@@ -19,6 +19,11 @@ Kept apart from fold.py (ranks: slow ranks' pauses and links, hangs) so the two 
    dropping such links lost 5 of its real links (recall 0.75 -> 0.625). So the evidence is called what it is,
    ambiguous: the link keeps its place in the list below confidence 0.5, after any cause the host cannot explain,
    and the report's notes say to confirm it.
+3. A slow rank makes its groups' collectives slow (fold.links_of_slow_ranks folds them into it); the other members
+   of such a group then post their NEXT collectives late, or see them queue behind the slow one, so a group that
+   shares a member with it looks slow too, one step removed (issue 25's real-run repeats: a 2x rank 5 of tp2pp2dp2,
+   its DP pair 5-7 folded into it, and the tied-embedding pair 3-7 at 3.35x beside it, confidence 0.88). Such a
+   collective link folds into the slow rank's finding too, noting the member it went through.
 """
 from __future__ import annotations
 
@@ -125,3 +130,28 @@ def links_within_cpu_waits(findings: list[Finding], tb: Table) -> tuple[list[Fin
                       f"to {max(f.evidence['cpu_wait_ms_per_span'] for f in demoted):.1f} ms) on this "
                       f"oversubscribed host: confidence at most {_STARVED_LINK_CONFIDENCE}, confirm with "
                       "`megatronapp diagnose`")
+
+
+def links_behind_slow_groups(findings: list[Finding]) -> list[Finding]:
+    """Fold a collective link found by its transfer times into a slow-compute finding when one of its members
+    belongs to a group already folded into that finding as slowed by the rank (rule 3 of this module); a link
+    with a slow-compute member of its own is left to fold.links_of_slow_ranks."""
+    slow = {f.ranks[0]: f for f in findings if f.kind == "slow-compute"}
+    via: dict[int, Finding] = {}  # member of a group the slow rank slowed -> that rank's finding
+    for r, f in slow.items():
+        for link in f.evidence.get("links_also_slow", []):
+            if link.get("what") == "collective":
+                for m in link["ranks"]:
+                    if m != r and m not in slow:
+                        via.setdefault(int(m), f)
+
+    def cause(f: Finding) -> Finding | None:
+        if f.kind != "slow-link" or f.evidence.get("what") != "collective" or \
+                f.evidence.get("method") in _STALL_METHODS or any(r in slow for r in f.ranks):
+            return None
+        m = next((r for r in f.ranks if r in via), None)
+        if m is None:
+            return None
+        f.evidence["via_rank"] = m
+        return via[m]
+    return fold_into(findings, cause, "links_also_slow")
