@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatronapp.scan.contention import STARVED, cpu_wait_share
+from megatronapp.scan.evidence import group_quantile
 from megatronapp.scan.findings import Finding
 from megatronapp.scan.fold import fold_into
 from megatronapp.scan.format import CAT_INDEX
@@ -97,8 +98,9 @@ def cpu_wait_per_span(tb: Table) -> np.ndarray:
     if tb.cpu_wait is None:
         return out
     m = np.isin(tb.cat, _WORK) & (tb.cpu_wait >= 0) & (tb.dur > 0)
-    for r in np.unique(tb.rank[m]):
-        out[r] = float(np.median(tb.cpu_wait[m & (tb.rank == r)])) / MS
+    if m.any():
+        ranks, med, _ = group_quantile(tb.rank[m], tb.cpu_wait[m].astype(float), 0.5)  # one sort, any world
+        out[ranks] = med / MS
     return out
 
 
@@ -109,6 +111,8 @@ def links_within_cpu_waits(findings: list[Finding], tb: Table) -> tuple[list[Fin
     """Demote links found by transfer times whose excess is within what their ends wait for a CPU on a starved
     host (rule 2 of this module): confidence at most _STARVED_LINK_CONFIDENCE, so a cause the host cannot
     explain ranks first; returns the findings and a report note naming the links demoted (or None)."""
+    if tb.cpu_wait is None or not any(f.kind == "slow-link" for f in findings):
+        return findings, None
     share = cpu_wait_share(tb)
     per_span = cpu_wait_per_span(tb)
     demoted = []
