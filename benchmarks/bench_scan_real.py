@@ -4,7 +4,11 @@ Each repeat is one fresh process that trains a tiny GPT-2 on gloo ranks with a f
 `megatronapp.faults`, traces every step and runs `analyse` on the traces. Repeats of all scenarios are
 interleaved (round-robin), so a burst of machine load hits every scenario alike rather than one. Per scenario:
 the detection rate (the top finding has the injected kind and ranks) with a 95% Wilson interval, the number of
-repeats with a false alarm (any finding that matches no injected fault) and the load average of each repeat.
+repeats with a false alarm (any finding that matches no injected fault) and the load average of each repeat; per
+scenario, per group of scenarios and pooled: precision over ALL findings (kind and ranks match an injected fault;
+a consequence folded into its cause's evidence is no finding) and recall, each with a Wilson interval.
+Before/after on identical runs: record with --keep DIR, then `--reanalyse --as-before LABEL` with the old
+detector on the path (stored as the before), then `--reanalyse --detector LABEL` with the new one.
 Peer: the same detector on the same scenario; the question is run-to-run stability, not a ratio.
 Each run's trace files are kept (--keep, default /tmp/megascan_real_runs), so `--reanalyse` judges the same
 runs again with the current detector (a detector change is then compared on identical runs, not new noise).
@@ -12,7 +16,9 @@ Run: python -m benchmarks.bench_scan_real [--repeats 5] [--only NAME,...] [--ste
 (--only re-measures those scenarios and keeps the stored rows of the others.) Two scenarios are a pure pipeline
 (pp = 4, one rank per stage) traced per layer, judged by measured stage work and layer floors; four are no engine
 run but a plain FSDP2 or DDP job on 2 ranks traced through `scan.instrument()` (benchmarks/anyjob.py, the job of
-tests/test_scan_anyjob.py), healthy or with rank 1 slowed 3x.
+tests/test_scan_anyjob.py), healthy or with rank 1 slowed 3x. Nine are pure pipelines (pp 4) under the
+interleaved (vpp 2), zb-h1 and dpp-zb (vpp 2) schedules, healthy, with a slow P2P link or a slow rank; two run
+beside SPINNERS CPU-spinning processes (an oversubscribed host), healthy and with a slow rank.
 """
 from __future__ import annotations
 
