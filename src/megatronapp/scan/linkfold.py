@@ -59,12 +59,14 @@ def link_end_costs(tb: Table, send_stall: np.ndarray, coll_stall: np.ndarray, it
     holds = np.array([a in r and b in r for _, r in tb.groups] + [False])
     out = {}
     for r, other in ((a, b), (b, a)):
-        m = (tb.rank == r) & (tb.cat == _COMM) & np.isin(tb.it, iters)
-        p2p = m & (tb.peer >= 0) & (tb.name == send_id)
-        coll = m & (tb.peer < 0) & (tb.gkey >= 0)
-        over = (p2p & (tb.peer == other)) | (coll & holds[tb.gkey])
+        lo, hi = np.searchsorted(tb.rank, [r, r + 1])  # rows are sorted by rank: this end's rows only, at any scale
+        rows = slice(int(lo), int(hi))
+        m = (tb.cat[rows] == _COMM) & np.isin(tb.it[rows], iters)
+        p2p = m & (tb.peer[rows] >= 0) & (tb.name[rows] == send_id)
+        coll = m & (tb.peer[rows] < 0) & (tb.gkey[rows] >= 0)
+        over = (p2p & (tb.peer[rows] == other)) | (coll & holds[tb.gkey[rows]])
         rest = (p2p | coll) & ~over
-        v = np.where(p2p, send_stall, coll_stall).astype(float) / MS
+        v = np.where(p2p, send_stall[rows], coll_stall[rows]).astype(float) / MS
         base = float(np.median(v[rest])) if rest.any() else 0.0
         out[r] = round(float(np.maximum(v[over] - base, 0).sum()) / max(len(iters), 1), 3)
     return out
