@@ -45,6 +45,7 @@ from megatronapp.scan.fold import (
 from megatronapp.scan.format import COLUMNS, RankTrace
 from megatronapp.scan.hang import hang_findings
 from megatronapp.scan.layercost import layer_findings, measured_stage_work
+from megatronapp.scan.linkfold import ends_explained_by_link_cost, links_behind_slow_groups, links_within_cpu_waits
 from megatronapp.scan.links import links_and_waits
 from megatronapp.scan.ranks import rank_findings
 from megatronapp.scan.structure import collective_stall_findings, lone_stage_findings, lone_stage_pauses
@@ -93,10 +94,12 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     findings = combine(findings, lone_stage_findings(tb, ph, waits, th, work))  # one per rank
     findings = combine(findings, lone_stage_pauses(tb, ph, th))
     findings = pauses_of_slow_ranks(findings, ph, tb)
-    stall = posting_stall(tb)
-    stall_f = stall_link_findings(tb, stall, ph.iters, th) + \
-        collective_stall_findings(tb, posting_stall(tb, comm_ends=True), ph.iters, th)
+    stall, coll_stall = posting_stall(tb), posting_stall(tb, comm_ends=True)
+    stall_f = stall_link_findings(tb, stall, ph.iters, th) + collective_stall_findings(tb, coll_stall, ph.iters, th)
     findings = links_of_slow_ranks(explained_by_links(findings, stall_f) + merge_directions(link_f + stall_f))
+    findings = links_behind_slow_groups(findings)
+    findings, host_note = links_within_cpu_waits(findings, tb)
+    findings = ends_explained_by_link_cost(findings, tb, stall, coll_stall, ph.iters)
     caused_total = waits.caused.sum(axis=1)
     for f in findings:
         f.evidence["others_waited_ms"] = round(float(caused_total[list(f.ranks)].sum()), 3)
@@ -120,6 +123,8 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     starved = starved_note(cpu_wait_share(tb))
     if starved:
         notes.append(starved)
+    if host_note:
+        notes.append(host_note)
     step_ms = float(np.nanmedian(ph.window)) if np.isfinite(ph.window).any() else 0.0
     report = Report(findings, tb.world, len(ph.iters), round(step_ms, 3), waited_for, notes)
     return Analysis(tb, ph, waits, report)
