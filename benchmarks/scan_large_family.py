@@ -37,7 +37,9 @@ def scenarios() -> list[tuple[str, int, int, int, list[Fault]]]:
     out: list[tuple[str, int, int, int, list[Fault]]] = []
     for ranks, pp in GRIDS.items():
         out.append((f"{ranks} healthy", ranks, pp, 7, []))
-    for k in range(6):
+    # Which kinds meet (slow compute, pause, late arrival, slow link): every pair at least once, triples too.
+    combos = [(0, 1), (0, 2, 3), (1, 2), (0, 1, 3), (2, 3), (0, 1, 2), (1, 3), (0, 3)]
+    for k, combo in enumerate(combos):
         ranks = 4096 if k % 2 == 0 else 8192
         pp = GRIDS[ranks]
         dp = ranks // (TP * pp)
@@ -49,8 +51,7 @@ def scenarios() -> list[tuple[str, int, int, int, list[Fault]]]:
         pool = [Fault("slow-compute", (a,), factor=1.2 + 0.1 * (k % 3)),
                 Fault("pause", (b,), ms=round(0.15 * self_ms, 1), every=2),
                 Fault("late-arrival", (c,), ms=round(0.1 * self_ms, 1)), link]
-        pick = rng.choice(len(pool), 2 + k % 2, replace=False)
-        faults = [pool[i] for i in sorted(pick)]
+        faults = [pool[i] for i in combo]
         out.append((f"{ranks} multi {k}: " + ", ".join(f.label() for f in faults), ranks, pp, 100 + k, faults))
     return out
 
