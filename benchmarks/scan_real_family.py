@@ -267,14 +267,18 @@ def docs_body(res: dict, stats) -> str:
              f"{res['faulty_scenarios']} faulty and "
              f"{res['healthy_runs']} healthy scenarios ({res['injected_faults']} injected faults) made by causal "
              "re-timing of four healthy REAL traced engine runs (pp4, tp2pp2dp2, dp4, pp2dp2; "
-             f"{where}/, 10 steps each; {which}: {_load_line(res)}; `scan/perturb.py`): slow compute 1.3-2x, "
+             f"{where}/, 10 steps each; {which}: {_load_line(res)}; plus, the same for every recording, an "
+             "interleaved pp4 vpp2 run in benchmarks/data/scan_real_interleaved/; `scan/perturb.py`): slow "
+             "compute 1.3-2x, "
              "slow P2P links, slow links "
-             "inside collectives (DP peers), pauses, late arrivals, hangs, a slow whole node (both TP ranks), "
+             "inside collectives (DP peers), pauses, late arrivals, hangs (also hangs that leave 2-6 finished "
+             "iterations), a slow whole node (both TP ranks), "
              "lone and heterogeneous stages, clocks days apart with drift, eager sends. A finding is correct "
              "when its kind and ranks equal an injected fault's (a link: exactly the pair). Deterministic: the "
              "same stored traces give the same counts. Separate from the simulator family above.", "",
              "| | value [95% Wilson CI] | target |", "|---|---|---|",
-             f"| precision | {res['precision']:.2f} ({tp}/{tp + fp}) [{p_lo:.2f}, {p_hi:.2f}] | >= 0.95 |",
+             f"| precision over all findings | {res['precision']:.2f} ({tp}/{tp + fp}) [{p_lo:.2f}, {p_hi:.2f}] "
+             "| >= 0.95 |",
              f"| recall | {res['recall']:.2f} ({tp}/{tp + fn}) [{r_lo:.2f}, {r_hi:.2f}] | >= 0.95 |",
              f"| healthy scenarios with a finding | {alarmed}/{res['healthy_runs']} | 0 |", "",
              "Misses and false findings:", ""]

@@ -36,6 +36,10 @@ def test_a_pause_of_a_rank_slow_in_nearly_every_iteration_is_its_slowness_whatev
     assert len(pauses_of_ranks_slow_throughout([_pause(140.0), _slow(list(range(8)))], 10)) == 1
     kept = pauses_of_ranks_slow_throughout([_pause(140.0), _slow(list(range(6)))], 10)
     assert sorted(f.kind for f in kept) == ["slow-compute", "transient-pause"]
+    # The view behind the lead counts too (fold.combine keeps the more confident one, the floors as 'also').
+    lead = _slow(list(range(6)), confidence=0.7)
+    lead.evidence["also"] = {"method": "op floors", "iterations": list(range(10))}
+    assert len(pauses_of_ranks_slow_throughout([_pause(140.0), lead], 10)) == 1
     # Another rank's pause is not this rank's slowness.
     other = _pause(140.0)
     other.ranks = (2,)

@@ -33,10 +33,14 @@ def slow_throughout(f: Finding, n_iterations: int) -> bool:
     """A slow-compute finding that holds in (nearly) every judged iteration."""
     if f.kind != "slow-compute" or n_iterations <= 0:
         return False
-    its = f.evidence.get("iterations")
-    if its is None:
-        return False
-    return len(set(its)) >= NEARLY_EVERY * n_iterations
+    return _slow_iterations(f) >= NEARLY_EVERY * n_iterations
+
+
+def _slow_iterations(f: Finding) -> int:
+    """In how many iterations a slow-compute finding holds, by its own view or the other view combined into it
+    (fold.combine keeps the more confident view; an op-floor view behind it may hold in every iteration)."""
+    views = [f.evidence, f.evidence.get("also") or {}]
+    return max((len(set(v.get("iterations") or ())) for v in views if isinstance(v, dict)), default=0)
 
 
 def pauses_of_ranks_slow_throughout(findings: list[Finding], n_iterations: int) -> list[Finding]:
@@ -48,7 +52,7 @@ def pauses_of_ranks_slow_throughout(findings: list[Finding], n_iterations: int) 
         g = slow.get(f.ranks[0]) if f.kind == "transient-pause" else None
         if g is None:
             return None
-        f.evidence["slow_in_iterations"] = len(set(g.evidence["iterations"]))  # why it is the slowness
+        f.evidence["slow_in_iterations"] = _slow_iterations(g)  # why it is the slowness
         g.confidence = max(g.confidence, f.confidence)
         return g
     return fold_into(findings, lead_of, "pauses_explained")
