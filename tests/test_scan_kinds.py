@@ -9,7 +9,7 @@ from megatronapp.scan.findings import Finding
 from megatronapp.scan.fold_kinds import (
     MIN_JUDGED,
     beside_a_short_hang,
-    pause_echoes,
+    echoes,
     pauses_of_ranks_slow_throughout,
 )
 from megatronapp.scan.format import read_dir
@@ -88,13 +88,13 @@ def test_a_pause_echoed_by_a_pipeline_neighbours_compute_folds_into_the_paused_r
     # 8,192 simulated ranks: rank 673 (DP20 PP1) paused 31 ms in iterations 1 and 3; the TP group of DP20 PP0
     # timed the wait as compute and read 8 more pauses of the same size in the same iterations.
     cause = _p(673, 20, 1, 1, 33.6, [1, 3], 4544.0)
-    echoes = [_p(160 + t, 20, 0, t, 27.0 + t, [1, 3], 100.0 - t) for t in range(8)]
-    kept = pause_echoes(echoes + [cause])
+    copies = [_p(160 + t, 20, 0, t, 27.0 + t, [1, 3], 100.0 - t) for t in range(8)]
+    kept = echoes(copies + [cause])
     assert kept == [cause] and len(cause.evidence["echoes"]) == 8
     # Not an echo: another DP replica, two stages away, other iterations, or a pause far bigger than the lead's.
     for other in (_p(200, 25, 0, 0, 30.0, [1, 3], 10.0), _p(2000, 20, 3, 0, 30.0, [1, 3], 10.0),
                   _p(161, 20, 0, 1, 30.0, [2, 4], 10.0), _p(162, 20, 0, 2, 80.0, [1, 3], 10.0)):
-        assert len(pause_echoes([other, _p(673, 20, 1, 1, 33.6, [1, 3], 4544.0)])) == 2
+        assert len(echoes([other, _p(673, 20, 1, 1, 33.6, [1, 3], 4544.0)])) == 2
 
 
 def test_a_tp_peer_echoing_a_slow_rank_folds_but_a_second_slow_device_of_the_node_stays():
@@ -102,6 +102,6 @@ def test_a_tp_peer_echoing_a_slow_rank_folds_but_a_second_slow_device_of_the_nod
         return Finding("slow-compute", (rank,), [{"rank": rank, "dp": 55, "pp": 0, "tp": tp}], "x", 1.2, excess, 0.6,
                        {"iterations": [0, 1, 2, 3, 4], "others_waited_ms": waited})
     cause = slow(443, 3, 84.7, 9000.0)
-    assert pause_echoes([slow(447, 7, 31.3, 50.0), cause]) == [cause]  # 8,192 ranks: +31 ms beside +85 ms
+    assert echoes([slow(447, 7, 31.3, 50.0), cause]) == [cause]  # 8,192 ranks: +31 ms beside +85 ms
     # Two slow devices of one node (perturbed real run: +24.8 and +16.8 ms) are both named.
-    assert len(pause_echoes([slow(4, 0, 24.8, 300.0), slow(5, 1, 16.8, 100.0)])) == 2
+    assert len(echoes([slow(4, 0, 24.8, 300.0), slow(5, 1, 16.8, 100.0)])) == 2

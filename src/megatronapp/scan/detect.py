@@ -42,7 +42,7 @@ from megatronapp.scan.fold import (
     merge_directions,
     pauses_of_slow_ranks,
 )
-from megatronapp.scan.fold_kinds import beside_a_short_hang, pause_echoes, pauses_of_ranks_slow_throughout
+from megatronapp.scan.fold_kinds import beside_a_short_hang, echoes, pauses_of_ranks_slow_throughout
 from megatronapp.scan.format import COLUMNS, RankTrace
 from megatronapp.scan.hang import hang_findings
 from megatronapp.scan.layercost import layer_findings, measured_stage_work
@@ -102,7 +102,7 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     caused_total = waits.caused.sum(axis=1)
     for f in findings:
         f.evidence["others_waited_ms"] = round(float(caused_total[list(f.ranks)].sum()), 3)
-    findings = pause_echoes(findings)  # a neighbour's compute that timed the wait for a paused rank
+    findings = echoes(findings)  # a neighbour whose compute timed the wait for a paused or slow rank
     findings.sort(key=lambda f: (-f.confidence, -f.evidence["others_waited_ms"], f.ranks))
     # A hung job: what it hangs in comes before how it was slow; beside a hang that left few finished iterations,
     # nothing else is judged a cause (fold_kinds).

@@ -90,11 +90,11 @@ def beside_a_short_hang(findings: list[Finding], hangs: list[Finding], n_finishe
 ECHO_SHARE = {"transient-pause": 1.5, "slow-compute": 0.5}  # an echo's excess at most this share of its cause's
 
 
-def pause_echoes(findings: list[Finding]) -> list[Finding]:
+def echoes(findings: list[Finding]) -> list[Finding]:
     """Fold each transient-pause or slow-compute that echoes a neighbour's finding of the same kind into it (module
     docstring); the lead is the one others waited longest for. Needs `others_waited_ms` in the evidence (set by
     detect before ranking)."""
-    pauses = sorted((f for f in findings if f.kind in ECHO_SHARE),
+    leads = sorted((f for f in findings if f.kind in ECHO_SHARE),
                     key=lambda f: -f.evidence.get("others_waited_ms", 0.0))
 
     def neighbours(a: dict, b: dict) -> bool:
@@ -104,7 +104,7 @@ def pause_echoes(findings: list[Finding]) -> list[Finding]:
         if f.kind not in ECHO_SHARE:
             return None
         its = set(f.evidence.get("iterations") or ())
-        for g in pauses:
+        for g in leads:
             if g is f or g.kind != f.kind or \
                     g.evidence.get("others_waited_ms", 0.0) <= f.evidence.get("others_waited_ms", 0.0):
                 continue
