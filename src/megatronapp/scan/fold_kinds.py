@@ -1,6 +1,6 @@
 """Findings of the wrong kind, folded into the fault that explains them (fold.py holds the other folds).
 
-Two families, each a consequence mistaken for a cause:
+Three families, each a consequence mistaken for a cause:
 
 - A pause of a rank that is slow in (nearly) every iteration is that slowness, not a pause. A slow rank falls
   behind by more in some iterations than in others (queueing, which micro-batches a window catches, a busy
@@ -10,21 +10,20 @@ Two families, each a consequence mistaken for a cause:
   its size: the user must first fix the slowness, and the pause stays in its evidence (`pauses_explained`).
   A slow-compute finding seen in fewer iterations leaves fold.pauses_of_slow_ranks' rule (a pause beyond 3x
   what the slowness costs stays its own) in charge.
-- A pause echoed by the ranks that exchange data with the paused one. Where a wait for a neighbour is timed
-  inside compute (the simulator's pipeline; on GPUs a host span that synchronises on a stream blocked in a
-  receive), the pipeline neighbours of a paused rank in its DP replica read the same pause as their own compute:
-  at 8,192 simulated ranks (tp 8, pp 16) a 31 ms pause of one stage-1 rank showed as 8 more transient-pauses, the
+- A pause (or slowness) echoed by the ranks that exchange data with the faulty one. Where a wait for a neighbour is
+  timed inside compute (the simulator's pipeline; on GPUs a host span that synchronises on a stream blocked in a
+  receive), the pipeline neighbours of a paused rank in its DP replica read the same pause as their own compute: at
+  8,192 simulated ranks (tp 8, pp 16) a 31 ms pause of one stage-1 rank showed as 8 more transient-pauses, the
   whole TP group of stage 0 of that replica, in the same 2 of 5 iterations, +27-35 ms each, confidence 0.58-0.69
-  (held out: a transient-pause at c 0.37 beside two true faults at 8,192 ranks). A pause is folded into
-  another rank's pause (`echoes`) when that rank is its TP peer or pipeline neighbour in the same DP replica,
-  paused in every iteration it did, by at least 2/3 of its excess, and others waited longer for it (the
-  waits view charges a delay to its origin, not to the ranks that pass it on). A whole node paused on its own
-  (no neighbour paused in those iterations) stays a finding per rank. The same for slow compute, with a
-  stricter size: the TP peers of a rank at 1.52x (+84.7 ms, 8,192 ranks) read 1.16-1.19x (+26-31 ms, at most
-  0.37 of its excess), and on a real 8-rank gloo run at load 20+ the TP peer of a 2x rank read 1.75x floors
-  (+9.9 ms) against its 10x (+120 ms, 0.08); an echo's excess must stay within half its cause's, since two
-  devices of one slow node are slow alike and both stay named (the perturbed real node of two 1.5x TP ranks
-  read +24.8 and +16.8 ms: 0.68).
+  (held out: a transient-pause at c 0.37 beside two true faults at 8,192 ranks). A pause is folded into another
+  rank's pause (`echoes`) when that rank is its TP peer or pipeline neighbour in the same DP replica, paused in
+  every iteration it did, by at least 2/3 of its excess, and others waited longer for it (the waits view charges a
+  delay to its origin, not to the ranks that pass it on). A whole node paused on its own (no neighbour paused in
+  those iterations) stays a finding per rank. The same for slow compute, with a stricter size: the TP peers of a
+  rank at 1.52x (+84.7 ms, 8,192 ranks) read 1.16-1.19x (+26-31 ms, at most 0.37 of its excess), and on a real
+  8-rank gloo run at load 20+ the TP peer of a 2x rank read 1.75x floors (+9.9 ms) against its 10x (+120 ms, 0.08);
+  an echo's excess must stay within half its cause's, since two devices of one slow node are slow alike and both
+  stay named (the perturbed real node of two 1.5x TP ranks read +24.8 and +16.8 ms: 0.68).
 - A hung job is judged on the iterations every rank finished before the hang. When those are few, every
   statistic of the run's own jitter rests on a handful of samples, and a healthy rank's noisy window reads as a
   slow rank, a late arrival or a one-off pause. Measured on the perturbed real hangs (every rank of the four
