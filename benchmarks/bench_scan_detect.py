@@ -18,6 +18,7 @@ ground truth (scenarios_real()). The detector was not built from these traces.
 Run: python -m benchmarks.bench_scan_detect              (writes benchmarks/results/scan_detect.json, docs block)
      python -m benchmarks.bench_scan_detect --from-json  (re-render the intervals from the stored result)
      python -m benchmarks.bench_scan_detect --family real  (perturbed real traces -> scan_detect_real.json)
+     python -m benchmarks.bench_scan_detect --family large (2-3 faults at once on 4,096 / 8,192 simulated ranks)
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import scan_real_family, stats
+from benchmarks import scan_large_family, scan_real_family, stats
 from megatronapp.scan.detect import analyse
 from megatronapp.scan.format import read_dir
 from megatronapp.scan.simulate import Fault, simulate
@@ -77,18 +78,19 @@ def scenarios() -> list[tuple[str, list[Fault]]]:
     return out
 
 
-def matches(finding, fault: Fault) -> bool:
+def matches(finding, fault: Fault, grid: tuple[int, int, int] = (TP, PP, RANKS)) -> bool:
     if finding.kind != KIND[fault.kind]:
         return False
-    if fault.kind == "slow-link" and _dp_neighbours(*fault.ranks):
+    if fault.kind == "slow-link" and _dp_neighbours(*fault.ranks, grid=grid):
         return set(fault.ranks) == set(finding.ranks)  # the pair inside the DP group, not the group
     return set(fault.ranks) <= set(finding.ranks) if fault.kind == "slow-link" else finding.ranks == fault.ranks
 
 
-def _dp_neighbours(a: int, b: int) -> bool:
+def _dp_neighbours(a: int, b: int, grid: tuple[int, int, int] = (TP, PP, RANKS)) -> bool:
     """Same stage and TP slot, different DP replica: a link inside a DP group (of more than two ranks)."""
-    dp = RANKS // (TP * PP)
-    return a % TP == b % TP and a // (TP * dp) == b // (TP * dp) and a != b and dp > 2
+    tp, pp, ranks = grid
+    dp = ranks // (tp * pp)
+    return a % tp == b % tp and a // (tp * dp) == b // (tp * dp) and a != b and dp > 2
 
 
 def reference_rule(an) -> set[int]:
@@ -138,8 +140,9 @@ def docs_block(res: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--from-json", action="store_true", help="re-render the docs intervals from the stored result")
-    ap.add_argument("--family", choices=["sim", "real"], default="sim",
-                    help="sim: the simulator's scenarios; real: faults injected into recorded real traces")
+    ap.add_argument("--family", choices=["sim", "real", "large"], default="sim",
+                    help="sim: the simulator's scenarios; real: faults injected into recorded real traces; "
+                    "large: several faults at once on 4,096 and 8,192 simulated ranks (a few minutes)")
     ap.add_argument("--recordings", choices=sorted(scan_real_family.RECORDINGS), default="busy",
                     help="which stored recordings --family real perturbs (and --record rewrites)")
     ap.add_argument("--record", action="store_true", help="re-record the healthy real traces of --family real")
@@ -150,6 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     if args.family == "real":
         return scan_real_family.run(DOCS, stats, args.recordings)
+    if args.family == "large":
+        return scan_large_family.run(DOCS, stats, matches)
     if args.from_json:
         res = json.loads(RESULTS.read_text())
         res["intervals"] = intervals(res)

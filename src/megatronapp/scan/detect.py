@@ -42,6 +42,7 @@ from megatronapp.scan.fold import (
     merge_directions,
     pauses_of_slow_ranks,
 )
+from megatronapp.scan.fold_kinds import beside_a_short_hang, echoes, pauses_of_ranks_slow_throughout
 from megatronapp.scan.format import COLUMNS, RankTrace
 from megatronapp.scan.hang import hang_findings
 from megatronapp.scan.layercost import layer_findings, measured_stage_work
@@ -94,6 +95,7 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     findings = combine(findings, lone_stage_findings(tb, ph, waits, th, work))  # one per rank
     findings = combine(findings, lone_stage_pauses(tb, ph, th))
     findings = pauses_of_slow_ranks(findings, ph, tb)
+    findings = pauses_of_ranks_slow_throughout(findings, len(ph.iters))  # slow every iteration: slow-compute first
     stall, coll_stall = posting_stall(tb), posting_stall(tb, comm_ends=True)
     stall_f = stall_link_findings(tb, stall, ph.iters, th) + collective_stall_findings(tb, coll_stall, ph.iters, th)
     findings = links_of_slow_ranks(explained_by_links(findings, stall_f) + merge_directions(link_f + stall_f))
@@ -103,12 +105,16 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     caused_total = waits.caused.sum(axis=1)
     for f in findings:
         f.evidence["others_waited_ms"] = round(float(caused_total[list(f.ranks)].sum()), 3)
+    findings = echoes(findings)  # a neighbour whose compute timed the wait for a paused or slow rank
     findings.sort(key=lambda f: (-f.confidence, -f.evidence["others_waited_ms"], f.ranks))
-    findings = hangs + fold_into_hangs(findings, hangs)  # a hung job: what it hangs in comes before how it was slow
+    # A hung job: what it hangs in comes before how it was slow; beside a hang that left few finished iterations,
+    # nothing else is judged a cause (fold_kinds).
+    findings, short_hang = beside_a_short_hang(fold_into_hangs(findings, hangs), hangs, len(ph.iters))
+    findings = hangs + findings
     top = np.argsort(-caused_total)[:10]
     waited_for = [{"rank": int(r), "ms": round(float(caused_total[r]), 3), "instances": int(waits.caused_count[r])}
                   for r in top if caused_total[r] > 0]
-    notes = []
+    notes = [short_hang] if short_hang else []
     named = {r for f in findings for r in f.ranks}
     if waited_for and waited_for[0]["rank"] not in named:
         notes.append(f"rank {waited_for[0]['rank']} made others wait most, but nothing it did itself stands out from "

@@ -1,0 +1,107 @@
+"""Findings of the wrong kind (scan/fold_kinds.py): a slow rank's pauses are its slowness; a short window beside a
+hang names no bystander. Cheap: synthetic findings and the stored real recordings, no process launch."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatronapp.scan.detect import analyse
+from megatronapp.scan.findings import Finding
+from megatronapp.scan.fold_kinds import (
+    MIN_JUDGED,
+    beside_a_short_hang,
+    echoes,
+    pauses_of_ranks_slow_throughout,
+)
+from megatronapp.scan.format import read_dir
+from megatronapp.scan.perturb import Perturbation, perturb
+
+DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
+COORD = [{"rank": 3, "dp": 0, "pp": 3, "tp": 0}]
+
+
+def _slow(iterations: list[int], confidence: float = 0.6) -> Finding:
+    return Finding("slow-compute", (3,), COORD, "1.60x compute at its fastest", 1.6, 14.0, confidence,
+                   {"method": "op floors", "iterations": iterations})
+
+
+def _pause(excess: float, confidence: float = 0.9) -> Finding:
+    return Finding("transient-pause", (3,), COORD, f"+{excess:.1f} ms in 3 of 10 iterations", 2.0, excess,
+                   confidence, {"iterations": [1, 4, 7]})
+
+
+def test_a_pause_of_a_rank_slow_in_nearly_every_iteration_is_its_slowness_whatever_its_size():
+    # The held-out miss: a lone slow last stage (pp 4, interleaved) listed first as a transient-pause of that rank
+    # (10x what its floor excess says the slowness costs), its slow-compute second.
+    folded = pauses_of_ranks_slow_throughout([_pause(140.0), _slow(list(range(10)))], 10)
+    assert [(f.kind, f.ranks) for f in folded] == [("slow-compute", (3,))]
+    assert folded[0].confidence == 0.9  # two views see the rank: the pause's confidence carries over
+    (pause,) = folded[0].evidence["pauses_explained"]
+    assert pause["kind"] == "transient-pause" and pause["slow_in_iterations"] == 10
+    # Slow in 8 of 10 is nearly every iteration; in 6 of 10 it is not, and the pause stays its own finding.
+    assert len(pauses_of_ranks_slow_throughout([_pause(140.0), _slow(list(range(8)))], 10)) == 1
+    kept = pauses_of_ranks_slow_throughout([_pause(140.0), _slow(list(range(6)))], 10)
+    assert sorted(f.kind for f in kept) == ["slow-compute", "transient-pause"]
+    # The view behind the lead counts too (fold.combine keeps the more confident one, the floors as 'also').
+    lead = _slow(list(range(6)), confidence=0.7)
+    lead.evidence["also"] = {"method": "op floors", "iterations": list(range(10))}
+    assert len(pauses_of_ranks_slow_throughout([_pause(140.0), lead], 10)) == 1
+    # Another rank's pause is not this rank's slowness.
+    other = _pause(140.0)
+    other.ranks = (2,)
+    assert len(pauses_of_ranks_slow_throughout([other, _slow(list(range(10)))], 10)) == 2
+
+
+def test_a_slow_rank_on_a_loaded_host_is_one_slow_compute_finding():
+    # Stored recording beside 10 CPU hogs, a rank stretched 2x: its uneven iterations once read as a second
+    # finding, 'transient-pause ... in 2 of 10 iterations' (a false one: the fault is the slowness).
+    traces, _ = read_dir(DATA / "scan_real_loaded" / "tp2pp2dp2")
+    found = analyse(perturb(traces, [Perturbation("slow-compute", (2,), factor=2.0)])).report.findings
+    assert [(f.kind, f.ranks) for f in found] == [("slow-compute", (2,))]
+
+
+def test_beside_a_hang_with_few_finished_iterations_no_bystander_is_named():
+    # A hang at iteration 4 leaves 4 finished iterations; a healthy pipeline neighbour's op floors over those read
+    # 1.66x (busy recording) and were listed as a slow-compute beside the hang.
+    traces, _ = read_dir(DATA / "scan_real" / "tp2pp2dp2")
+    report = analyse(perturb(traces, [Perturbation("hang", (6,), at_iteration=4)])).report
+    assert [(f.kind, f.ranks) for f in report.findings] == [("hang", (6,))], report.to_text()
+    beside = report.findings[0].evidence["beside_the_hang"]
+    assert beside and all(b["ranks"] != [6] for b in beside)
+    assert any("finished before the hang" in n for n in report.notes)
+
+
+def test_a_long_window_or_no_hang_keeps_every_finding():
+    hang = Finding("hang", (1,), [], "hangs", 1.0, 0.0, 0.95, {})
+    slow = _slow(list(range(10)))
+    assert beside_a_short_hang([slow], [hang], MIN_JUDGED) == ([slow], "")
+    assert beside_a_short_hang([slow], [], 2) == ([slow], "")
+    kept, note = beside_a_short_hang([slow], [hang], MIN_JUDGED - 1)
+    assert kept == [] and hang.evidence["beside_the_hang"][0]["kind"] == "slow-compute" and note
+
+
+def _p(rank: int, dp: int, pp: int, tp: int, excess: float, its: list[int], waited: float) -> Finding:
+    return Finding("transient-pause", (rank,), [{"rank": rank, "dp": dp, "pp": pp, "tp": tp}], "+ms", 1.5, excess,
+                   0.6, {"iterations": its, "others_waited_ms": waited})
+
+
+def test_a_pause_echoed_by_a_pipeline_neighbours_compute_folds_into_the_paused_rank():
+    # 8,192 simulated ranks: rank 673 (DP20 PP1) paused 31 ms in iterations 1 and 3; the TP group of DP20 PP0
+    # timed the wait as compute and read 8 more pauses of the same size in the same iterations.
+    cause = _p(673, 20, 1, 1, 33.6, [1, 3], 4544.0)
+    copies = [_p(160 + t, 20, 0, t, 27.0 + t, [1, 3], 100.0 - t) for t in range(8)]
+    kept = echoes(copies + [cause])
+    assert kept == [cause] and len(cause.evidence["echoes"]) == 8
+    # Not an echo: another DP replica, two stages away, other iterations, or a pause far bigger than the lead's.
+    for other in (_p(200, 25, 0, 0, 30.0, [1, 3], 10.0), _p(2000, 20, 3, 0, 30.0, [1, 3], 10.0),
+                  _p(161, 20, 0, 1, 30.0, [2, 4], 10.0), _p(162, 20, 0, 2, 80.0, [1, 3], 10.0)):
+        assert len(echoes([other, _p(673, 20, 1, 1, 33.6, [1, 3], 4544.0)])) == 2
+
+
+def test_a_tp_peer_echoing_a_slow_rank_folds_but_a_second_slow_device_of_the_node_stays():
+    def slow(rank: int, tp: int, excess: float, waited: float) -> Finding:
+        return Finding("slow-compute", (rank,), [{"rank": rank, "dp": 55, "pp": 0, "tp": tp}], "x", 1.2, excess, 0.6,
+                       {"iterations": [0, 1, 2, 3, 4], "others_waited_ms": waited})
+    cause = slow(443, 3, 84.7, 9000.0)
+    assert echoes([slow(447, 7, 31.3, 50.0), cause]) == [cause]  # 8,192 ranks: +31 ms beside +85 ms
+    # Two slow devices of one node (perturbed real run: +24.8 and +16.8 ms) are both named.
+    assert len(echoes([slow(4, 0, 24.8, 300.0), slow(5, 1, 16.8, 100.0)])) == 2
