@@ -105,3 +105,24 @@ def test_a_tp_peer_echoing_a_slow_rank_folds_but_a_second_slow_device_of_the_nod
     assert echoes([slow(447, 7, 31.3, 50.0), cause]) == [cause]  # 8,192 ranks: +31 ms beside +85 ms
     # Two slow devices of one node (perturbed real run: +24.8 and +16.8 ms) are both named.
     assert len(echoes([slow(4, 0, 24.8, 300.0), slow(5, 1, 16.8, 100.0)])) == 2
+
+
+def test_a_pipeline_neighbour_of_a_slow_rank_echoes_it_within_what_the_slow_rank_costs():
+    """Real 8-rank gloo runs (tp2 pp2 dp2, load 12-30): beside a slow stage-1 rank of replica 0, its stage-0
+    neighbour read 1.40x floors (+4.8 against +8.4 ms) or a one-off pause (+30 ms in 1 of 8 iterations while
+    others waited 54 ms per iteration for the slow rank). Both fold; a neighbour slower than that, another
+    replica's rank, or a pause outside the slow iterations stays named."""
+    def slow(rank: int, dp: int, pp: int, excess: float, waited: float, its: list[int]) -> Finding:
+        return Finding("slow-compute", (rank,), [{"rank": rank, "dp": dp, "pp": pp, "tp": rank % 2}], "x", 1.4,
+                       excess, 0.8, {"iterations": its, "others_waited_ms": waited})
+    every = list(range(8))
+    cause = slow(5, 0, 1, 8.4, 408.6, every)
+    assert echoes([slow(0, 0, 0, 4.8, 204.1, every), cause]) == [cause]
+    cause = slow(5, 0, 1, 11.3, 433.0, every)
+    assert echoes([_p(0, 0, 0, 0, 29.9, [3], 383.7), cause]) == [cause]
+    assert cause.evidence["echoes"][0]["kind"] == "transient-pause"
+    for other in (slow(0, 0, 0, 9.5, 204.1, every), slow(2, 1, 0, 4.8, 204.1, every),  # 0.84 of it; replica 1
+                  _p(0, 0, 0, 0, 80.0, [3], 383.7)):  # +80 ms: more than the slow rank costs an iteration (54)
+        assert len(echoes([other, slow(5, 0, 1, 11.3, 433.0, every)])) == 2
+    partial = slow(5, 0, 1, 11.3, 433.0, [0, 1, 2])
+    assert len(echoes([_p(0, 0, 0, 0, 29.9, [3], 383.7), partial])) == 2  # paused where the rank was not slow

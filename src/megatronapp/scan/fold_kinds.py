@@ -23,7 +23,14 @@ Three families, each a consequence mistaken for a cause:
   rank at 1.52x (+84.7 ms, 8,192 ranks) read 1.16-1.19x (+26-31 ms, at most 0.37 of its excess), and on a real
   8-rank gloo run at load 20+ the TP peer of a 2x rank read 1.75x floors (+9.9 ms) against its 10x (+120 ms, 0.08);
   an echo's excess must stay within half its cause's, since two devices of one slow node are slow alike and both
-  stay named (the perturbed real node of two 1.5x TP ranks read +24.8 and +16.8 ms: 0.68).
+  stay named (the perturbed real node of two 1.5x TP ranks read +24.8 and +16.8 ms: 0.68). A pipeline
+  neighbour is another device, usually on another node, that waits for the slow rank's activations or
+  gradients: on real 8-rank gloo runs (tp2 pp2 dp2, load 12-30) the stage-0 rank of a 1.1x stage-1 rank's
+  replica read 1.40x floors (+4.8 ms against +8.4 ms: 0.58) and, beside 2x ranks, one-off pauses of +20-30 ms in 1-2
+  of 8 iterations while the slow rank cost +130-170 ms in every one. So a pipeline neighbour's slow compute folds
+  within 3/4 of the cause's excess, and its pause in iterations where the cause was slow, within what the cause
+  costs an iteration (its excess, or others' waits for it per iteration where larger); a neighbour slower than
+  that stays named.
 - A hung job is judged on the iterations every rank finished before the hang. When those are few, every
   statistic of the run's own jitter rests on a handful of samples, and a healthy rank's noisy window reads as a
   slow rank, a late arrival or a one-off pause. Measured on the perturbed real hangs (every rank of the four
@@ -86,30 +93,47 @@ def beside_a_short_hang(findings: list[Finding], hangs: list[Finding], n_finishe
     return kept, note
 
 
-ECHO_SHARE = {"transient-pause": 1.5, "slow-compute": 0.5}  # an echo's excess at most this share of its cause's
+# An echo's excess at most this share of its cause's, by (echo kind, cause kind, relation): "tp" a TP peer (same
+# stage: possibly the same slow node), "pp" a pipeline neighbour in the same DP replica (module docstring).
+ECHO_SHARE = {("transient-pause", "transient-pause", "tp"): 1.5, ("transient-pause", "transient-pause", "pp"): 1.5,
+              ("slow-compute", "slow-compute", "tp"): 0.5, ("slow-compute", "slow-compute", "pp"): 0.75,
+              ("transient-pause", "slow-compute", "pp"): 1.0}
+_KINDS = {k[0] for k in ECHO_SHARE} | {k[1] for k in ECHO_SHARE}
 
 
 def echoes(findings: list[Finding]) -> list[Finding]:
-    """Fold each transient-pause or slow-compute that echoes a neighbour's finding of the same kind into it (module
-    docstring); the lead is the one others waited longest for. Needs `others_waited_ms` in the evidence (set by
-    detect before ranking)."""
-    leads = sorted((f for f in findings if f.kind in ECHO_SHARE),
-                    key=lambda f: -f.evidence.get("others_waited_ms", 0.0))
+    """Fold each transient-pause or slow-compute that echoes a neighbour's finding into it (module docstring); the
+    lead is the one others waited longest for. Needs `others_waited_ms` in the evidence (set by detect before
+    ranking)."""
+    leads = sorted((f for f in findings if f.kind in _KINDS),
+                   key=lambda f: -f.evidence.get("others_waited_ms", 0.0))
 
-    def neighbours(a: dict, b: dict) -> bool:
-        return a["dp"] == b["dp"] and abs(a["pp"] - b["pp"]) <= 1 and a["rank"] != b["rank"]
+    def relation(a: dict, b: dict) -> str | None:
+        if a["dp"] != b["dp"] or a["rank"] == b["rank"] or abs(a["pp"] - b["pp"]) > 1:
+            return None
+        return "tp" if a["pp"] == b["pp"] else "pp"
 
     def lead_of(f: Finding) -> Finding | None:
-        if f.kind not in ECHO_SHARE:
+        if f.kind not in _KINDS:
             return None
         its = set(f.evidence.get("iterations") or ())
         for g in leads:
-            if g is f or g.kind != f.kind or \
+            if g is f or len(f.ranks) != 1 or len(g.ranks) != 1 or \
                     g.evidence.get("others_waited_ms", 0.0) <= f.evidence.get("others_waited_ms", 0.0):
                 continue
-            if neighbours(f.coords[0], g.coords[0]) and its and its <= set(g.evidence.get("iterations") or ()) \
-                    and f.excess_ms <= ECHO_SHARE[f.kind] * g.excess_ms and len(f.ranks) == len(g.ranks) == 1:
+            share = ECHO_SHARE.get((f.kind, g.kind, relation(f.coords[0], g.coords[0]) or ""))
+            g_its = set(g.evidence.get("iterations") or ())
+            if share is not None and its and its <= g_its and f.excess_ms <= share * _cost(f, g, len(g_its)):
                 return g
         return None
     return fold_into(findings, lead_of, "echoes")
+
+
+def _cost(echo: Finding, cause: Finding, n_iterations: int) -> float:
+    """What the cause costs per iteration, to size an echo against. A pause set against a slow rank: the larger of
+    its excess and what others waited for it per iteration (an op-floor finding's excess is at floor speed and
+    understates the rank's cost: +11 ms at floor speed beside 54 ms of others' waits per iteration)."""
+    if echo.kind == "transient-pause" and cause.kind == "slow-compute" and n_iterations:
+        return max(cause.excess_ms, cause.evidence.get("others_waited_ms", 0.0) / n_iterations)
+    return cause.excess_ms
 
