@@ -21,6 +21,8 @@ across nodes, and tree algorithms have no ring); a ring of two is already a pair
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from megatronapp.scan.findings import Finding, Thresholds
@@ -167,13 +169,22 @@ def exit_pattern(members: tuple[int, ...], rank: np.ndarray, inst: np.ndarray, v
     return (np.median(res, axis=0) if len(res) else np.full(len(members), np.nan)), res
 
 
+@functools.lru_cache(maxsize=64)
+def _sawtooth_templates(n: int) -> np.ndarray:
+    """Row q: the sawtooth with receiver q, centred (the same for every group of n: built once per size; a scan
+    visits thousands of groups of a few sizes)."""
+    t = -((np.arange(n)[None, :] - np.arange(n)[:, None]) % n).astype(float)
+    out = t - t.mean(axis=1, keepdims=True)
+    out.flags.writeable = False
+    return out
+
+
 def sawtooth(r: np.ndarray, noise: float = 0.0) -> tuple[int, float, float, float]:
     """(receiver position q, its step above the typical one, the next largest step, robust z) of the best-fitting
     sawtooth: receiver q highest, each later member one notch lower (by correlation over all q)."""
     n = len(r)
     step = r - np.roll(r, 1)  # step[i]: member i's exit minus its ring predecessor's
-    t = -((np.arange(n)[None, :] - np.arange(n)[:, None]) % n).astype(float)
-    q = int(np.argmax((t - t.mean(axis=1, keepdims=True)) @ (r - r.mean())))
+    q = int(np.argmax(_sawtooth_templates(n) @ (r - r.mean())))
     others = np.delete(step, q)
     med = float(np.median(others))
     spread = 1.4826 * float(np.median(np.abs(others - med)))
