@@ -3,14 +3,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from megatronapp.scan.traces import read_traces
 
 
+def _small_pages() -> None:
+    """Ask numpy not to madvise its big arrays into transparent huge pages, unless NUMPY_MADVISE_HUGEPAGE says.
+
+    A scan allocates gigabytes of short-lived columns; where THP is in `madvise` mode with `defrag=madvise` (as on
+    the project's machine) each huge-page fault may compact memory first. `scan detect` on 12,288 rank files spent
+    6-8 s of system time with huge pages and 3.7-4.9 s without, at the same user time and reports (speed only)."""
+    if "NUMPY_MADVISE_HUGEPAGE" in os.environ:
+        return
+    try:
+        from numpy._core.multiarray import _set_madvise_hugepage  # numpy >= 2
+    except ImportError:
+        try:
+            from numpy.core.multiarray import _set_madvise_hugepage  # numpy 1.x
+        except ImportError:
+            return
+    _set_madvise_hugepage(False)
+
+
 def _load(trace_dir: str, align: bool):
     """Read a trace directory (problems to stderr) and optionally estimate clock offsets."""
+    _small_pages()
     try:
         traces, problems = read_traces(trace_dir)
     except FileNotFoundError as e:
@@ -31,6 +51,7 @@ def _load(trace_dir: str, align: bool):
 def cmd_aggregate(args: argparse.Namespace) -> int:
     from megatronapp.scan.aggregate import aggregate, parse_ranks
 
+    _small_pages()
     try:
         report = aggregate(args.dir, args.out, ranks=parse_ranks(args.ranks) if args.ranks else None,
                            only_flagged=args.only_flagged)

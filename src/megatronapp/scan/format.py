@@ -265,14 +265,14 @@ def _unpack_members(ranks: Any, cache: dict) -> tuple[int, ...]:
     return tuple(map(int, ranks))
 
 
-def _json_object(payload: bytes, p: Path, what: str) -> dict:
+def _json_object(payload: bytes, name: str, what: str) -> dict:
     """A JSON object block, or TraceFormatError naming the file (never a raw traceback)."""
     try:
         obj = json.loads(payload)
     except (ValueError, RecursionError) as e:
-        raise TraceFormatError(f"{p.name}: the {what} is not valid JSON ({str(e)[:80]})") from None
+        raise TraceFormatError(f"{name}: the {what} is not valid JSON ({str(e)[:80]})") from None
     if not isinstance(obj, dict):
-        raise TraceFormatError(f"{p.name}: the {what} is not a JSON object")
+        raise TraceFormatError(f"{name}: the {what} is not a JSON object")
     return obj
 
 
@@ -291,13 +291,14 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
     (read_dir only, which copies the columns into its store at once): columns as strided views of the records,
     not copies of their own (one copy of every span less)."""
     shared = {} if shared is None else shared
-    p = Path(path)
+    name = os.path.basename(path)  # (no Path: building 12,288 of them cost more than reading the files)
     try:
-        data = p.read_bytes()
+        with open(path, "rb") as fh:
+            data = fh.read()
     except OSError as e:
-        raise TraceFormatError(f"{p.name}: cannot read ({e.strerror})") from None
+        raise TraceFormatError(f"{name}: cannot read ({e.strerror})") from None
     if data[:len(MAGIC)] not in (MAGIC, MAGIC_V1):
-        raise TraceFormatError(f"{p.name}: not a MegaScan trace (bad magic); expected a file written by RankWriter")
+        raise TraceFormatError(f"{name}: not a MegaScan trace (bad magic); expected a file written by RankWriter")
     dtype = RECORD if data[:len(MAGIC)] == MAGIC else RECORD_V1
     header: dict | None = None
     footer: dict | None = None
@@ -307,15 +308,16 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
     problems: list[str] = []
     nrec = 0
     pos, size = len(MAGIC), len(data)
+    view = memoryview(data)  # blocks as views of the file's bytes: a span block is not copied before numpy sees it
     while pos < size:
         if pos + _BLOCK.size > size:
-            problems.append(f"{p.name} truncated after {nrec} records (partial block header at byte {pos})")
+            problems.append(f"{name} truncated after {nrec} records (partial block header at byte {pos})")
             break
         tag, length, crc = _BLOCK.unpack_from(data, pos)
         body = pos + _BLOCK.size
-        payload = data[body:body + length]
+        payload = view[body:body + length]
         if tag not in (b"HEAD", b"STRS", b"GRPS", b"SPAN", b"FOOT"):
-            problems.append(f"{p.name} corrupt at byte {pos} after {nrec} records (unknown block); rest ignored")
+            problems.append(f"{name} corrupt at byte {pos} after {nrec} records (unknown block); rest ignored")
             break
         if len(payload) < length:
             if tag == b"SPAN":
@@ -324,58 +326,71 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
                 if k:
                     spans.append(np.frombuffer(payload, dtype=dtype, count=k))
                     nrec += k
-            problems.append(f"{p.name} truncated after {nrec} records")
+            problems.append(f"{name} truncated after {nrec} records")
             break
         pos = body + length
         if zlib.crc32(payload) != crc:
-            problems.append(f"{p.name}: checksum mismatch in {tag.decode()} block at byte {body - _BLOCK.size}; "
+            problems.append(f"{name}: checksum mismatch in {tag.decode()} block at byte {body - _BLOCK.size}; "
                             "block skipped")
             if tag in (b"STRS", b"GRPS"):
                 break  # later spans would index a table we no longer have
             continue
         if tag == b"SPAN":
             if length % dtype.itemsize:
-                problems.append(f"{p.name}: span block at byte {body} has a partial record; block skipped")
+                problems.append(f"{name}: span block at byte {body} has a partial record; block skipped")
                 continue
             spans.append(np.frombuffer(payload, dtype=dtype))
             nrec += length // dtype.itemsize
         elif tag == b"STRS":
-            try:
-                new = json.loads(payload)
-            except ValueError:
-                new = None
-            if not isinstance(new, list) or not all(isinstance(n, str) for n in new):
-                problems.append(f"{p.name}: malformed string table at byte {body - _BLOCK.size}; rest ignored")
-                break
+            # Every rank of a job usually writes the same string table: parsed once per distinct block.
+            key = (tag, bytes(payload))
+            new = shared.get(key)
+            if new is None:
+                try:
+                    new = json.loads(key[1])
+                except ValueError:
+                    new = None
+                if not isinstance(new, list) or not all(isinstance(n, str) for n in new):
+                    problems.append(f"{name}: malformed string table at byte {body - _BLOCK.size}; rest ignored")
+                    break
+                shared[key] = new
             names.extend(new)
         elif tag == b"GRPS":
-            try:
-                groups.extend((str(g), _unpack_members(rs, shared)) for g, rs in json.loads(payload))
-            except (TypeError, ValueError, KeyError):
-                problems.append(f"{p.name}: malformed group table at byte {body - _BLOCK.size}; rest ignored")
-                break
+            key = (tag, bytes(payload))
+            got = shared.get(key)
+            if got is None:
+                got = []
+                try:
+                    for g, rs in json.loads(key[1]):
+                        got.append((str(g), _unpack_members(rs, shared)))
+                except (TypeError, ValueError, KeyError):
+                    groups.extend(got)  # the groups before the bad entry stand (as they always did)
+                    problems.append(f"{name}: malformed group table at byte {body - _BLOCK.size}; rest ignored")
+                    break
+                shared[key] = got
+            groups.extend(got)
         elif tag == b"HEAD":
-            header = _json_object(payload, p, "header")
+            header = _json_object(bytes(payload), name, "header")
         else:
             try:
-                footer = _json_object(payload, p, "footer")
+                footer = _json_object(bytes(payload), name, "footer")
             except TraceFormatError as e:
                 problems.append(str(e))
     if header is None:
-        raise TraceFormatError(f"{p.name}: header missing or corrupt; the file cannot be attributed to a rank")
+        raise TraceFormatError(f"{name}: header missing or corrupt; the file cannot be attributed to a rank")
     if footer is None and not problems:
-        problems.append(f"{p.name} has no footer (the writer did not close; {nrec} records read)")
+        problems.append(f"{name} has no footer (the writer did not close; {nrec} records read)")
     if footer is not None:
         header = {**header, "footer": footer}
         if footer.get("dropped"):
-            problems.append(f"{p.name}: the tracer dropped {footer['dropped']} spans (queue full)")
+            problems.append(f"{name}: the tracer dropped {footer['dropped']} spans (queue full)")
     rec = np.concatenate(spans) if len(spans) > 1 else (spans[0] if spans else np.zeros(0, dtype))
     cols = {c: (rec[c] if _views else np.ascontiguousarray(rec[c])) if c in dtype.names
             else np.full(len(rec), -1, np.int64)
             for c in COLUMNS}
     bad = (cols["name"] < 0) | (cols["name"] >= len(names)) | (cols["gid"] < -1) | (cols["gid"] >= len(groups))
     if bad.any():
-        problems.append(f"{p.name}: {int(bad.sum())} records refer to unknown names/groups; dropped")
+        problems.append(f"{name}: {int(bad.sum())} records refer to unknown names/groups; dropped")
         cols = {c: v[~bad] for c, v in cols.items()}
     try:
         rank, world = int(header["rank"]), int(header["world"])
@@ -384,13 +399,13 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
         coord = tuple(int(x) for x in header["coord"])
         topo = tuple(int(x) for x in header["topo"])
     except (KeyError, TypeError, ValueError, OverflowError):
-        raise TraceFormatError(f"{p.name}: header lacks rank/world/coord/topo") from None
+        raise TraceFormatError(f"{name}: header lacks rank/world/coord/topo") from None
     if not 0 < world <= MAX_WORLD or not 0 <= rank < world:
-        raise TraceFormatError(f"{p.name}: header claims rank {str(header['rank'])[:20]} of world "
+        raise TraceFormatError(f"{name}: header claims rank {str(header['rank'])[:20]} of world "
                                f"{str(header['world'])[:20]}; a world holds 1 to {MAX_WORLD} ranks")
     # min/max per group (C loops), not a Python test per member: 1.5 million at 12,288 ranks.
     if any(members and (min(members) < 0 or max(members) >= world) for _, members in groups):
-        raise TraceFormatError(f"{p.name}: its group table names a rank outside its world of {world}")
+        raise TraceFormatError(f"{name}: its group table names a rank outside its world of {world}")
     is_open = cols["dur"] == OPENED
     if is_open.any():
         opened = {c: v[is_open] for c, v in cols.items()}
@@ -414,18 +429,19 @@ def read_dir(path: str | Path) -> tuple[list[RankTrace], list[str]]:
     shared: dict = {}
     names = [e.name for e in os.scandir(d) if FILE_PATTERN.search(e.name)]
     names.sort()  # names, not Paths: Path comparison is slow at scale
-    store = _ColumnStore(sum(_size(d / n) for n in names))
+    base = os.fspath(d)
+    store = _ColumnStore(sum(_size(os.path.join(base, n)) for n in names))
     for name in names:
-        f = d / name
+        f = os.path.join(base, name)
         try:
             t = read_rank(f, shared, _views=True)
         except TraceFormatError as e:
             problems.append(str(e))
             continue
         if t.rank in seen:
-            problems.append(f"{f.name} claims rank {t.rank}, already read from {seen[t.rank]}; ignored")
+            problems.append(f"{name} claims rank {t.rank}, already read from {seen[t.rank]}; ignored")
             continue
-        seen[t.rank] = f.name
+        seen[t.rank] = name
         problems.extend(t.problems)
         store.take(t)
         traces.append(t)
@@ -441,9 +457,9 @@ def read_dir(path: str | Path) -> tuple[list[RankTrace], list[str]]:
     return traces, problems
 
 
-def _size(p: Path) -> int:
+def _size(p: str) -> int:
     try:
-        return p.stat().st_size
+        return os.stat(p).st_size
     except OSError:
         return 0
 

@@ -21,6 +21,8 @@ across nodes, and tree algorithms have no ring); a ring of two is already a pair
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from megatronapp.scan.findings import Finding, Thresholds
@@ -47,8 +49,6 @@ def bridge_offsets(tb: Table, coll: np.ndarray, inst: np.ndarray, slow: set[int]
     group's other members (and the same with TP and DP swapped). Per (group, member) the median over instances of
     its exit minus the group's first member's exit is one edge; offsets follow the edges breadth-first. The slow
     groups (`slow`, group ids) are left out: their members do not leave together."""
-    from collections import deque
-
     keep = ~np.isin(tb.gkey[coll], list(slow))
     rows, key = coll[keep], inst[keep]
     end = tb.end[rows].astype(float)
@@ -68,29 +68,9 @@ def bridge_offsets(tb: Table, coll: np.ndarray, inst: np.ndarray, slow: set[int]
     src, dst = ue % tb.world, lead[ue // tb.world]
     real = src != dst
     src, dst, med = src[real], dst[real], med[real]  # edge: off[src] - off[dst] = med
-    adj: dict[int, list[tuple[int, float]]] = {}
-    for r, root, d in zip(src.tolist(), dst.tolist(), med.tolist()):
-        adj.setdefault(root, []).append((r, d))
-        adj.setdefault(r, []).append((root, -d))
-    off: dict[int, float] = {}
-    part = np.full(tb.world, -1)
-    for start in adj:
-        if start in off:
-            continue
-        off[start] = 0.0
-        part[start] = start
-        todo = deque([start])
-        while todo:
-            u = todo.popleft()
-            for v, d in adj[u]:
-                if v not in off:
-                    off[v] = off[u] + d
-                    part[v] = start
-                    todo.append(v)
+    x, part = _breadth_first(src, dst, med, tb.world)
     # One path's errors add up hop by hop: least squares over every edge instead (conjugate gradients on the
     # graph Laplacian, from the breadth-first offsets), so each offset averages all the paths to it.
-    x = np.zeros(tb.world)
-    x[list(off)] = list(off.values())
     W = tb.world
     deg = np.bincount(src, minlength=W) + np.bincount(dst, minlength=W)
 
@@ -120,6 +100,62 @@ def bridge_offsets(tb: Table, coll: np.ndarray, inst: np.ndarray, slow: set[int]
     return np.where(part >= 0, x, np.nan), part
 
 
+def _breadth_first(src: np.ndarray, dst: np.ndarray, med: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets along the breadth-first trees of the edge graph (off[src] - off[dst] = med), and per rank the part
+    (its tree's root; -1 unreached); offsets of unreached ranks are 0.
+
+    The same walk as a FIFO queue over per-node edge lists in edge order, with parts started in the order nodes
+    first appear (dst before src, edge by edge), but one level at a time over arrays: the queue holds a level's
+    nodes in the order they were found, and a node is set by its first finder. The least-squares solve starts
+    from these offsets, so they must match that walk exactly (a Python queue over the ~100,000 edges at 12,288
+    ranks cost about a second per bridge)."""
+    m = len(src)
+    # Both directions of every edge, grouped by node and in edge order within a node (the queue's visit order).
+    node = np.concatenate([dst, src])
+    nbr = np.concatenate([src, dst])
+    step = np.concatenate([med, -med])
+    order = np.lexsort((np.concatenate([np.arange(m), np.arange(m)]), node))
+    node, nbr, step = node[order], nbr[order], step[order]
+    start_at = np.searchsorted(node, np.arange(world + 1))
+    count = np.diff(start_at)
+    x = np.zeros(world)
+    part = np.full(world, -1)
+    seen = np.zeros(world, bool)
+    # Nodes in the order they first appear as dict keys: per edge, dst then src.
+    appear = np.empty(2 * m, np.int64)
+    appear[0::2], appear[1::2] = dst, src
+    first = np.unique(appear, return_index=True)[1]
+    roots_in_order = appear[np.sort(first)]
+    p = 0
+    while p < len(roots_in_order):
+        root = int(roots_in_order[p])
+        p += 1
+        if seen[root]:
+            continue
+        seen[root] = True
+        part[root] = root
+        level = np.array([root], np.int64)
+        while len(level):
+            n_each = count[level]
+            total = int(n_each.sum())
+            if not total:
+                break
+            # Entries of every node of the level, node after node (queue order), each node's in edge order.
+            begin = np.repeat(start_at[level] - np.cumsum(n_each) + n_each, n_each)
+            at = begin + np.arange(total)
+            v = nbr[at]
+            new = ~seen[v]
+            at, v = at[new], v[new]
+            idx = np.unique(v, return_index=True)[1]
+            idx.sort()  # first finder of each node, in the order found
+            at, v = at[idx], v[idx]
+            x[v] = x[node[at]] + step[at]
+            seen[v] = True
+            part[v] = root
+            level = v
+    return x, part
+
+
 def exit_pattern(members: tuple[int, ...], rank: np.ndarray, inst: np.ndarray, value: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
     """(per member: median of its exit minus the instance median, per instance x member: the same, unpooled)."""
@@ -133,13 +169,22 @@ def exit_pattern(members: tuple[int, ...], rank: np.ndarray, inst: np.ndarray, v
     return (np.median(res, axis=0) if len(res) else np.full(len(members), np.nan)), res
 
 
+@functools.lru_cache(maxsize=64)
+def _sawtooth_templates(n: int) -> np.ndarray:
+    """Row q: the sawtooth with receiver q, centred (the same for every group of n: built once per size; a scan
+    visits thousands of groups of a few sizes)."""
+    t = -((np.arange(n)[None, :] - np.arange(n)[:, None]) % n).astype(float)
+    out = t - t.mean(axis=1, keepdims=True)
+    out.flags.writeable = False
+    return out
+
+
 def sawtooth(r: np.ndarray, noise: float = 0.0) -> tuple[int, float, float, float]:
     """(receiver position q, its step above the typical one, the next largest step, robust z) of the best-fitting
     sawtooth: receiver q highest, each later member one notch lower (by correlation over all q)."""
     n = len(r)
     step = r - np.roll(r, 1)  # step[i]: member i's exit minus its ring predecessor's
-    t = -((np.arange(n)[None, :] - np.arange(n)[:, None]) % n).astype(float)
-    q = int(np.argmax((t - t.mean(axis=1, keepdims=True)) @ (r - r.mean())))
+    q = int(np.argmax(_sawtooth_templates(n) @ (r - r.mean())))
     others = np.delete(step, q)
     med = float(np.median(others))
     spread = 1.4826 * float(np.median(np.abs(others - med)))
