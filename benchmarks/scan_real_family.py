@@ -257,10 +257,6 @@ def _recorded(root: Path) -> dict:
 
 
 def docs_body(res: dict, stats) -> str:
-    tp, fp, fn = res["true_positives"], res["false_positives"], res["missed"]
-    p_lo, p_hi = stats.wilson_ci(tp, tp + fp) if tp + fp else (0.0, 1.0)
-    r_lo, r_hi = stats.wilson_ci(tp, tp + fn)
-    alarmed = sum(1 for r in res["rows"] if not r["faults"] and r["found"])
     which = res.get("recordings", "busy")
     where = RECORDINGS[which][0].relative_to(DATA.parent.parent.parent)
     lines = [f"`python -m benchmarks.bench_scan_detect --family real --recordings {which}`: "
@@ -275,15 +271,5 @@ def docs_body(res: dict, stats) -> str:
              "iterations), a slow whole node (both TP ranks), "
              "lone and heterogeneous stages, clocks days apart with drift, eager sends. A finding is correct "
              "when its kind and ranks equal an injected fault's (a link: exactly the pair). Deterministic: the "
-             "same stored traces give the same counts. Separate from the simulator family above.", "",
-             "| | value [95% Wilson CI] | target |", "|---|---|---|",
-             f"| precision over all findings | {res['precision']:.2f} ({tp}/{tp + fp}) [{p_lo:.2f}, {p_hi:.2f}] "
-             "| >= 0.95 |",
-             f"| recall | {res['recall']:.2f} ({tp}/{tp + fn}) [{r_lo:.2f}, {r_hi:.2f}] | >= 0.95 |",
-             f"| healthy scenarios with a finding | {alarmed}/{res['healthy_runs']} | 0 |", "",
-             "Misses and false findings:", ""]
-    for r in res["rows"]:
-        if r["missed"] or r["false"]:
-            lines.append(f"- {r['scenario']}: missed {r['missed'] or '-'}; false "
-                         f"{[x.split(',')[0][:90] for x in r['false']] or '-'}")
-    return "\n".join(lines)
+             "same stored traces give the same counts. Separate from the simulator family above.", ""]
+    return "\n".join(lines + stats.detection_table(res))

@@ -93,6 +93,26 @@ def wilson_ci(successes: int, trials: int, confidence: float = CONFIDENCE) -> tu
     return lo, hi
 
 
+def detection_table(res: dict, precision_target: float = 0.97) -> list[str]:
+    """Markdown lines of a detection family's result (scan families): precision over all findings, recall, healthy
+    scenarios with a finding, each proportion with its Wilson interval, then the misses and false findings."""
+    tp, fp, fn = res["true_positives"], res["false_positives"], res["missed"]
+    p_lo, p_hi = wilson_ci(tp, tp + fp) if tp + fp else (0.0, 1.0)
+    r_lo, r_hi = wilson_ci(tp, tp + fn)
+    alarmed = sum(1 for r in res["rows"] if not r["faults"] and r["found"])
+    lines = ["| | value [95% Wilson CI] | target |", "|---|---|---|",
+             f"| precision over all findings | {res['precision']:.2f} ({tp}/{tp + fp}) [{p_lo:.2f}, {p_hi:.2f}] "
+             f"| >= {precision_target} |",
+             f"| recall | {res['recall']:.2f} ({tp}/{tp + fn}) [{r_lo:.2f}, {r_hi:.2f}] | >= 0.95 |",
+             f"| healthy scenarios with a finding | {alarmed}/{res['healthy_runs']} | 0 |", "",
+             "Misses and false findings:", ""]
+    for r in res["rows"]:
+        if r["missed"] or r["false"]:
+            lines.append(f"- {r['scenario']}: missed {r['missed'] or '-'}; false "
+                         f"{[x.split(',')[0][:90] for x in r['false']] or '-'}")
+    return lines
+
+
 def claim(lo: float, hi: float, target: float, lower_is_better: bool = True) -> str:
     """'met' when the whole interval is on the right side of the target, 'missed' when it is wholly on the wrong
     side, else 'unresolved' (the interval crosses the target: this run cannot say)."""
