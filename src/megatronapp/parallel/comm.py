@@ -456,8 +456,11 @@ class Handle:
                     if _strict.error is not None:
                         raise RuntimeError(f"communication failed under NCCL semantics: {_strict.error}") \
                             from _strict.error
-                    if self.desc and time.monotonic() - start > _strict.stall_timeout_s:
-                        raise TimeoutError(f"{self.desc} did not complete within {_strict.stall_timeout_s:.0f} s "
+                    # Twice the stall timeout: a stream stall (timed from the op's issue, naming the op it waits
+                    # behind) is the cause and must report first; this wait started later but on a loaded host
+                    # the stall's thread can be scheduled later still, and the race named the victim instead.
+                    if self.desc and time.monotonic() - start > 2 * _strict.stall_timeout_s:
+                        raise TimeoutError(f"{self.desc} did not complete within {2 * _strict.stall_timeout_s:.0f} s "
                                            f"under NCCL semantics: its peer never issued the matching op, or is "
                                            f"itself blocked (see that rank's error)")
             else:
