@@ -134,3 +134,24 @@ def test_an_early_heartbeat_tells_each_start_up_phase_then_becomes_the_trainers(
         assert watch.read_beats(tmp_path, 1)[0]["phase"] == "start"
     finally:
         agent._EARLY.stop()
+
+
+def test_a_broken_start_up_listener_is_said_once_and_does_not_stop_the_rank(capsys):
+    from megatronapp import startup
+
+    heard: list[str] = []
+
+    def broken(what: str) -> None:
+        raise OSError(f"disk gone at {what}")
+
+    startup.on_phase(broken)
+    startup.on_phase(heard.append)
+    try:
+        startup.phase("imports")
+        startup.phase("model build")
+    finally:
+        startup.off_phase(broken)
+        startup.off_phase(heard.append)
+    assert heard == ["imports", "model build"]  # the listener after the broken one still hears every phase
+    err = capsys.readouterr().err
+    assert err.count("start-up phase listener") == 1 and "OSError: disk gone at imports" in err

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
 _listeners: list[Callable[[str], None]] = []
+_told: set[int] = set()  # listeners whose error was reported already (once each: phases repeat)
 
 
 def on_phase(listener: Callable[[str], None]) -> None:
@@ -38,8 +40,11 @@ def phase(what: str) -> None:
     for listener in list(_listeners):
         try:
             listener(what)
-        except Exception:  # noqa: BLE001, S110 - a broken listener must not fail the rank
-            pass
+        except Exception as e:  # noqa: BLE001 - a broken listener must not fail the rank; said once on stderr
+            if id(listener) not in _told:
+                _told.add(id(listener))
+                print(f"start-up phase listener {listener!r} failed at {what!r}: {type(e).__name__}: {e} "
+                      "(ignored; the rank goes on)", file=sys.stderr)
 
 
 def resolve(ref: str) -> Any:
