@@ -156,9 +156,10 @@ def cli_main(ranks: int, blocks: int) -> None:
         rows.append(row)
         print(json.dumps(row))
     result = {"rows": rows, "targets": CLI_TARGETS}
-    if CLI_RESULTS.exists():  # earlier measurements stay on record (the table shows this run's)
-        before = json.loads(CLI_RESULTS.read_text())
-        result["earlier"] = before.get("earlier", []) + before.get("rows", [])
+    if CLI_RESULTS.exists():  # earlier measurements stay on record (the table shows this run's), as do records
+        before = json.loads(CLI_RESULTS.read_text())  # this command does not write (scale_100k)
+        result = {**{k: v for k, v in before.items() if k not in ("rows", "earlier")}, **result,
+                  "earlier": before.get("earlier", []) + before.get("rows", [])}
     CLI_RESULTS.parent.mkdir(exist_ok=True)
     CLI_RESULTS.write_text(json.dumps(result, indent=1))
     stats.write_block(DOCS, CLI_BLOCK, cli_table(result))
