@@ -9,7 +9,6 @@ are about WHO, never timings.
 from __future__ import annotations
 
 import functools
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +19,12 @@ from benchmarks.anyjob import MICROBATCHES, STEPS, job
 from megatronapp.launch import spawn
 from megatronapp.scan.detect import detect
 from megatronapp.scan.format import read_dir
+from tests.tmpdirs import session_dir
 
 
 @functools.lru_cache(maxsize=2)
 def _launched(kind: str) -> Path:
-    out = Path(tempfile.mkdtemp(prefix=f"megascan-{kind}-"))
+    out = session_dir(f"megascan-{kind}-")
     spawn(job, 2, str(out), kind)
     return out
 

@@ -23,6 +23,7 @@ from megatronapp.scan.detect import detect
 from megatronapp.scan.kineto import read_kineto_dir
 from megatronapp.scan.table import join, phases
 from megatronapp.scan.traces import read_traces
+from tests.tmpdirs import session_dir
 
 # 3 ranks: each judged against two peers. Every size has its failure under a load of 20-30 on the 2-core machine
 # (docs/megascan.md, Kineto): 2 ranks judge a stall against its own jitter, 4 share the cores two to one.
@@ -34,7 +35,7 @@ KIND = {"slow": "slow-compute", "stall": "late-arrival", "decode": "late-arrival
 
 @functools.lru_cache(maxsize=1)
 def _recorded() -> Path:
-    out = Path(tempfile.mkdtemp(prefix="megascan-kineto-"))
+    out = session_dir("megascan-kineto-")
     spawn(job, WORLD, str(out), RUNS)
     return out
 

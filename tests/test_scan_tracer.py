@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from megatronapp.config import ConfigError, RunConfig
 from megatronapp.launch import spawn
 from megatronapp.scan.format import CATS, read_dir, read_rank
 from megatronapp.scan.tracer import Tracer
+from tests.tmpdirs import session_dir
 
 # Injected clock errors of the traced job: rank r reads true + SKEW[r] + DRIFT[r] * (true - T0).
 SKEW_NS = {0: 0, 1: 50_000_000, 2: -50_000_000, 3: 30_000_000}
@@ -79,7 +79,7 @@ def _job(rank: int, world: int, out: str, t0: int) -> None:
 @functools.lru_cache(maxsize=1)
 def traced_job() -> tuple[Path, int]:
     """Run the 4-rank traced job once per test session; return (trace dir, T0 of the injected drift)."""
-    out = Path(tempfile.mkdtemp(prefix="megascan-")) / "trace"
+    out = session_dir("megascan-") / "trace"
     t0 = time.monotonic_ns()
     spawn(_job, 4, str(out), t0)
     return out, t0
