@@ -24,6 +24,7 @@ class Thresholds:
     link_abs_ms: float = 0.01
     link_noise: float = 1.0  # the excess must also reach the typical jitter of one transfer of the run
     link_sign_p: float = 0.05  # and most of its transfers must be slow: one-sided sign test against its class
+    link_share: float = 0.01  # a slow link by its floor: its excess per iteration >= 1% of the iteration
     scale_floor: float = 0.01  # MAD is floored at 1% of the median: identical peers are not infinitely sure
     # Busy machines and few peers (evidence.py): effects must also stand above the run's own jitter.
     transient_noise: float = 3.0  # a one-off excess >= 3x the typical upward jitter of a healthy rank
