@@ -344,6 +344,21 @@ def test_a_one_off_in_the_warm_up_step_is_start_up_and_a_recurring_pause_is_stil
     assert twice.findings[0].evidence["iterations"] == [0, 5]
 
 
+def test_the_warm_up_step_is_where_the_processes_started_as_the_headers_say():
+    # A resumed run goes on from its checkpoint's step: its start-up costs land there (the engine writes
+    # `first_step` into every header), and step 0 is not in its trace at all.
+    paused = perturb(_real_quiet("dp4"), [Perturbation("pause", (2,), ms=150, every=100)])  # the first step only
+
+    def resumed_at(step, header):
+        return [dataclasses.replace(t, it=np.where(t.it >= 0, t.it + step, t.it), header={**t.header, **header})
+                for t in paused]
+    assert not detect(resumed_at(10, {"first_step": 10})).findings
+    named = detect(resumed_at(10, {}))  # no header: step 0 is taken for the first, and step 10 is judged
+    assert _named(named) == {("transient-pause", (2,))} and named.findings[0].evidence["iterations"] == [10]
+    for bad in ("10", -1, True, 10.0, None):  # header data is checked: anything else is ignored
+        assert _named(detect(resumed_at(10, {"first_step": bad}))) == {("transient-pause", (2,))}, bad
+
+
 def test_a_link_floor_excess_is_named_only_when_it_matters_to_the_iteration():
     # Floors are least-of-sample times of few links: on a shared host healthy ones differ by ~0.1 ms (a healthy
     # pp2dp2 CI run named link 0-2 at 1.54x, +0.096 ms a transfer, 0.4% of its iteration, confidence 1.00).

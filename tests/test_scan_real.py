@@ -46,6 +46,7 @@ def _launch(out: Path, world: int, inject: tuple[str, ...]) -> Report:
     assert summary["steps"] == STEPS
     traces, problems = read_dir(out / "trace")
     assert problems == [] and len(traces) == world
+    assert all(t.header["first_step"] == 0 for t in traces)  # where the processes started: their warm-up step
     return analyse(traces).report
 
 

@@ -89,11 +89,12 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     declared = _stage_work(traces)
     measured = None if declared else measured_stage_work(tb, ph, layer_excl, th.floor_q)
     work = declared or measured
-    findings = combine(rank_findings(tb, ph, th), floor_findings(tb, ph.excl, ph.iters, th, work))
+    warm_up = _first_step(traces)
+    findings = combine(rank_findings(tb, ph, th, warm_up), floor_findings(tb, ph.excl, ph.iters, th, work))
     findings = combine(findings, layer_findings(tb, ph, layer_excl, th))
     link_f, waits = links_and_waits(tb, ph, th, offsets, clock)
     findings = combine(findings, lone_stage_findings(tb, ph, waits, th, work))  # one per rank
-    findings = combine(findings, lone_stage_pauses(tb, ph, th))
+    findings = combine(findings, lone_stage_pauses(tb, ph, th, warm_up))
     findings = pauses_of_slow_ranks(findings, ph, tb)
     findings = pauses_of_ranks_slow_throughout(findings, len(ph.iters))  # slow every iteration: slow-compute first
     stall, coll_stall = posting_stall(tb), posting_stall(tb, comm_ends=True)
@@ -147,6 +148,15 @@ def _finished_iterations(traces: list[RankTrace]) -> list[RankTrace]:
         keep = (t.it < 0) | np.isin(t.it, common)
         out.append(dataclasses.replace(t, **{c: getattr(t, c)[keep] for c in COLUMNS}))
     return out
+
+
+def _first_step(traces: list[RankTrace]) -> int:
+    """The step the traced processes started at (`first_step` in the engine's headers: a resumed run goes on from
+    its checkpoint's step, and start-up costs land there, not in step 0); 0 where no header says. Header data is
+    checked, never trusted: anything but a non-negative int is ignored."""
+    steps = [t.header.get("first_step") for t in traces]
+    ok = [s for s in steps if isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 1 << 62]
+    return max(ok, default=0)
 
 
 def _stage_work(traces: list[RankTrace]) -> dict[int, float] | None:

@@ -11,17 +11,20 @@ from megatronapp.scan.stats import confidence, robust_excess
 from megatronapp.scan.table import COMPUTE, DATA, OPT, Phases, Table, coord
 
 
-def rank_findings(tb: Table, ph: Phases, th: Thresholds) -> list[Finding]:
+def rank_findings(tb: Table, ph: Phases, th: Thresholds, warm_up: int = 0) -> list[Finding]:
     """Slow-compute, transient-pause and late-arrival findings from self time against stage peers.
 
     Two views: all self time (compute + data + untraced), and host time alone (data + untraced), whose jitter
-    is far smaller than compute's on a busy machine, so a pause or a late arrival stands out there first."""
-    out = _rank_view(tb, ph, th, ph.self_time, host=False)
+    is far smaller than compute's on a busy machine, so a pause or a late arrival stands out there first.
+    `warm_up`: the step the traced processes started at (0, or where a resumed run went on): a one-off there is
+    start-up."""
+    out = _rank_view(tb, ph, th, ph.self_time, host=False, warm_up=warm_up)
     seen = {(f.kind, f.ranks) for f in out}
-    return out + [f for f in _rank_view(tb, ph, th, ph.data + ph.gap, host=True) if (f.kind, f.ranks) not in seen]
+    return out + [f for f in _rank_view(tb, ph, th, ph.data + ph.gap, host=True, warm_up=warm_up) if (f.kind, f.ranks) not in seen]
 
 
-def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool) -> list[Finding]:
+def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool, warm_up: int = 0
+               ) -> list[Finding]:
     stage = tb.coords[:, 1]
     present = np.zeros(tb.world, bool)
     present[np.unique(tb.rank)] = True
@@ -85,8 +88,8 @@ def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool
             continue  # a one-off on a busy machine needs twice the margin of a repeated pattern
         if not len(hb):
             continue  # a small, rare excess: noise
-        if len(hb) == 1 and int(ph.iters[hb[0]]) == 0:
-            # A one-off in the run's warm-up step 0 is start-up (as structure.lone_stage_pauses and the tracer's
+        if len(hb) == 1 and int(ph.iters[hb[0]]) == warm_up:
+            # A one-off in the processes' first step (step 0, or the step a resumed run went on from) is start-up (as structure.lone_stage_pauses and the tracer's
             # default window, which leaves step 0 out, take it): communicators made on first use and allocator
             # growth land unevenly on ranks. Healthy 8-rank runs on 2 cores: +165-243 ms of compute in step 0
             # alone, at confidence 0.52-0.70, in 3 of 5 runs. A pause that recurs is judged with step 0 in it.

@@ -71,7 +71,7 @@ def lone_stage_findings(tb: Table, ph: Phases, waits: Waits, th: Thresholds,
     return out
 
 
-def lone_stage_pauses(tb: Table, ph: Phases, th: Thresholds) -> list[Finding]:
+def lone_stage_pauses(tb: Table, ph: Phases, th: Thresholds, warm_up: int = 0) -> list[Finding]:
     """Transient pauses of ranks alone in their stage (a pure pipeline), against the other lone stages.
 
     Stages differ in work (embedding, LM head), so each rank's per-iteration self time is divided by its own
@@ -106,8 +106,8 @@ def lone_stage_pauses(tb: Table, ph: Phases, th: Thresholds) -> list[Finding]:
             continue
         if len(hb) == 1 and exc[i, hb[0]] < 2 * need:
             continue  # a one-off on a busy machine needs twice the margin of a repeated pattern
-        if len(hb) == 1 and int(ph.iters[hb[0]]) == 0:
-            # A one-off in the run's first step is start-up: one-time costs (communicators made on first use,
+        if len(hb) == 1 and int(ph.iters[hb[0]]) == warm_up:
+            # A one-off in the processes' first step (warm_up: 0, or where a resumed run went on) is start-up: one-time costs (communicators made on first use,
             # allocator growth, lazy imports) land unevenly on stages (healthy real pp4 runs: +61-77 ms in step
             # 0 while others waited 0-5.5 ms for it). A pause that recurs is still judged with step 0 in it.
             continue

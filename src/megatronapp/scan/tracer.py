@@ -394,6 +394,9 @@ def plugin(trainer: Any) -> None:
     # What each pipeline stage should cost (FLOPs of its chunks): a stage without peers is judged against it.
     cost = {"stage_work": stage_work(cfg.model, cfg.parallel.pp, cfg.parallel.vpp, cfg.train.seq_len)} \
         if cfg.parallel.pp > 1 else {}
+    # first_step: where this process starts (a resumed run goes on from its checkpoint): its one-off start-up
+    # costs land in that step, which the detector does not take for a pause.
     tracer = attach(cfg, trainer.topo, cfg.trace.dir or str(trainer.out / "trace"),
-                    extra_header={**cost, **(getattr(trainer, "trace_header", None) or {})})  # MegaFBD: its role
+                    extra_header={**cost, "first_step": int(getattr(trainer, "step", 0)),
+                                  **(getattr(trainer, "trace_header", None) or {})})  # MegaFBD: its role
     trainer.hooks.on("shutdown", tracer.close)
