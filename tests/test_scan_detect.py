@@ -369,7 +369,8 @@ def test_a_link_floor_excess_is_named_only_when_it_matters_to_the_iteration():
     ev = report.findings[0].evidence
     share = report.findings[0].excess_ms * ev["transfers"] / report.iterations / report.step_ms
     assert 0.015 < ev["share_of_iteration"] < 0.05 and abs(ev["share_of_iteration"] - share) < 0.005, ev
-    strict = detect(perturb(traces, [Perturbation("slow-link", (0, 2), ms=0.5)]), thresholds=Thresholds(link_share=0.05))
+    strict = detect(perturb(traces, [Perturbation("slow-link", (0, 2), ms=0.5)]),
+                    thresholds=Thresholds(link_share=0.05))
     assert not [f for f in strict.findings if f.kind == "slow-link"], strict.to_text()
     loud = detect(perturb(traces, [Perturbation("slow-link", (0, 2), ms=3)]), thresholds=Thresholds(link_share=0.05))
     assert _named(loud) == {("slow-link", (0, 2))}, loud.to_text()
@@ -607,12 +608,13 @@ def test_two_units_need_a_consistent_difference_above_their_spread():
 
 
 @pytest.mark.parametrize("recording, layout, rank, factor", [("scan_real_full", "tp2pp2dp2", 7, 1.4),
-                                                             ("scan_real_quiet", "dp4", 3, 1.3)])
+                                                             ("scan_real_quiet", "dp4", 3, 1.5)])
 def test_a_rank_slower_in_every_iteration_is_slow_compute_though_its_floors_stay_under_the_bar(
         recording, layout, rank, factor):
-    # Its healthy floors sit 10-15% under its peers', so the stretch reads 1.1-1.2x at its fastest (bar 1.4x), and
+    # Its healthy floors sit 10-15% under its peers', so the stretch reads 1.1-1.3x at its fastest (bar 1.4x), and
     # its per-iteration excess clears the run's jitter only now and then (it was read as pauses). Its compute is
     # above its peers' in every iteration, by a median 1.3x and more; healthy ranks are above in about half.
+    # (dp4 was 1.3x until the perturbation stretched CPU waits with the work: it then read 1.23x, under the bar.)
     traces, _ = read_dir(REAL.parent / recording / layout)
     assert detect(traces).findings == []
     report = detect(perturb(traces, [Perturbation("slow-compute", (rank,), factor=factor)]))

@@ -20,7 +20,8 @@ def rank_findings(tb: Table, ph: Phases, th: Thresholds, warm_up: int = 0) -> li
     start-up."""
     out = _rank_view(tb, ph, th, ph.self_time, host=False, warm_up=warm_up)
     seen = {(f.kind, f.ranks) for f in out}
-    return out + [f for f in _rank_view(tb, ph, th, ph.data + ph.gap, host=True, warm_up=warm_up) if (f.kind, f.ranks) not in seen]
+    host = _rank_view(tb, ph, th, ph.data + ph.gap, host=True, warm_up=warm_up)
+    return out + [f for f in host if (f.kind, f.ranks) not in seen]
 
 
 def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool, warm_up: int = 0
@@ -89,10 +90,11 @@ def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool
         if not len(hb):
             continue  # a small, rare excess: noise
         if len(hb) == 1 and int(ph.iters[hb[0]]) == warm_up:
-            # A one-off in the processes' first step (step 0, or the step a resumed run went on from) is start-up (as structure.lone_stage_pauses and the tracer's
-            # default window, which leaves step 0 out, take it): communicators made on first use and allocator
-            # growth land unevenly on ranks. Healthy 8-rank runs on 2 cores: +165-243 ms of compute in step 0
-            # alone, at confidence 0.52-0.70, in 3 of 5 runs. A pause that recurs is judged with step 0 in it.
+            # A one-off in the processes' first step (step 0, or the step a resumed run went on from) is start-up
+            # (as structure.lone_stage_pauses and the tracer's default window, which leaves step 0 out, take it):
+            # communicators made on first use and allocator growth land unevenly on ranks. Healthy 8-rank runs on
+            # 2 cores: +165-243 ms of compute in step 0 alone, at confidence 0.52-0.70, in 3 of 8 runs. A pause
+            # that recurs is judged with step 0 in it.
             continue
         excess = float(np.nanmedian(exc[r, hb]))
         parts = _parts(ph, r, peers, hb)

@@ -107,9 +107,10 @@ def lone_stage_pauses(tb: Table, ph: Phases, th: Thresholds, warm_up: int = 0) -
         if len(hb) == 1 and exc[i, hb[0]] < 2 * need:
             continue  # a one-off on a busy machine needs twice the margin of a repeated pattern
         if len(hb) == 1 and int(ph.iters[hb[0]]) == warm_up:
-            # A one-off in the processes' first step (warm_up: 0, or where a resumed run went on) is start-up: one-time costs (communicators made on first use,
-            # allocator growth, lazy imports) land unevenly on stages (healthy real pp4 runs: +61-77 ms in step
-            # 0 while others waited 0-5.5 ms for it). A pause that recurs is still judged with step 0 in it.
+            # A one-off in the processes' first step (warm_up: 0, or where a resumed run went on) is start-up:
+            # one-time costs (communicators made on first use, allocator growth, lazy imports) land unevenly on
+            # stages (healthy real pp4 runs: +61-77 ms in step 0 while others waited 0-5.5 ms for it). A pause
+            # that recurs is still judged with step 0 in it.
             continue
         excess = float(np.nanmedian(exc[i, hb]))
         margin = excess / need
