@@ -93,7 +93,7 @@ def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool
             # A one-off in the processes' first step (step 0, or the step a resumed run went on from) is start-up
             # (as structure.lone_stage_pauses and the tracer's default window, which leaves step 0 out, take it):
             # communicators made on first use and allocator growth land unevenly on ranks. Healthy 8-rank runs on
-            # 2 cores: +165-243 ms of compute in step 0 alone, at confidence 0.52-0.70, in 3 of 8 runs. A pause
+            # 2 cores: +165-243 ms of compute in step 0 alone, at confidence 0.52-0.70, in 3 of 5 runs. A pause
             # that recurs is judged with step 0 in it.
             continue
         excess = float(np.nanmedian(exc[r, hb]))
