@@ -199,7 +199,9 @@ def build(layout: str, faults: list[P], views: dict, root: Path = DATA) -> list:
         # stage already works 1.31x a middle one) times the extra. Replacing it by the extra alone under-declared
         # that stage 1.31x, and on the loaded recording MegaScan rightly read it 2.25x a middle stage against a
         # declared 1.4x (a false finding in two scenarios, counted against the detector until 2026-12-03).
-        own = traces[0].header.get("stage_work") or [1.0] * len(views["stage_work"])
+        own = traces[0].header.get("stage_work")
+        if not (isinstance(own, list) and len(own) == len(views["stage_work"])):
+            own = [1.0] * len(views["stage_work"])  # no engine cost model in this recording (or another shape)
         traces = declare_stage_work(traces, [a * b for a, b in zip(own, views["stage_work"])])
     if views.get("eager"):
         traces = eager_sends(traces)

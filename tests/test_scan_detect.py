@@ -357,6 +357,20 @@ def test_the_warm_up_step_is_where_the_processes_started_as_the_headers_say():
     assert _named(named) == {("transient-pause", (2,))} and named.findings[0].evidence["iterations"] == [10]
     for bad in ("10", -1, True, 10.0, None):  # header data is checked: anything else is ignored
         assert _named(detect(resumed_at(10, {"first_step": bad}))) == {("transient-pause", (2,))}, bad
+    split = [dataclasses.replace(t, header={**t.header, "first_step": 3 if t.rank == 0 else 10})
+             for t in resumed_at(10, {})]  # ranks that disagree: no rank's word decides for the others
+    assert _named(detect(split)) == {("transient-pause", (2,))}
+
+
+@pytest.mark.parametrize("work", [{"a": 1}, [[1], 2, 3, 4], {"0": 1e308, "1": 1e-308}, [1, 1, 1, float("nan")],
+                                  "abc", [True, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 1]])
+def test_a_bad_stage_work_header_is_named_and_ignored(work):
+    # Header data is checked, never trusted: these crashed the detector (ValueError, TypeError) or named a healthy
+    # rank slow-compute (1e308 against 1e-308).
+    traces = [dataclasses.replace(t, header={**t.header, "stage_work": work}) for t in _real_quiet("pp4")]
+    report = detect(traces)
+    assert report.findings == [], report.to_text()
+    assert any("header stage_work" in n and "ignored" in n for n in report.notes), report.notes
 
 
 def test_a_link_floor_excess_is_named_only_when_it_matters_to_the_iteration():

@@ -86,7 +86,7 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     # none), and a lone stage's own slowness is judged by its layers either way (layer_findings).
     is_layer = tb.cat == LAYER
     layer_excl = exclusive_time(tb, is_layer) if is_layer.any() else None  # coarse traces: no layer pass
-    declared = _stage_work(traces)
+    declared, bad_work = _stage_work(traces)
     measured = None if declared else measured_stage_work(tb, ph, layer_excl, th.floor_q)
     work = declared or measured
     warm_up = _first_step(traces)
@@ -116,6 +116,8 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     waited_for = [{"rank": int(r), "ms": round(float(caused_total[r]), 3), "instances": int(waits.caused_count[r])}
                   for r in top if caused_total[r] > 0]
     notes = [short_hang] if short_hang else []
+    if bad_work:
+        notes.append(bad_work)
     named = {r for f in findings for r in f.ranks}
     if waited_for and waited_for[0]["rank"] not in named:
         notes.append(f"rank {waited_for[0]['rank']} made others wait most, but nothing it did itself stands out from "
@@ -152,20 +154,37 @@ def _finished_iterations(traces: list[RankTrace]) -> list[RankTrace]:
 
 def _first_step(traces: list[RankTrace]) -> int:
     """The step the traced processes started at (`first_step` in the engine's headers: a resumed run goes on from
-    its checkpoint's step, and start-up costs land there, not in step 0); 0 where no header says. Header data is
-    checked, never trusted: anything but a non-negative int is ignored."""
+    its checkpoint's step, and start-up costs land there, not in step 0); 0 where no header says or the headers
+    disagree. Header data is checked, never trusted: anything but a non-negative int is ignored."""
     steps = [t.header.get("first_step") for t in traces]
-    ok = [s for s in steps if isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 1 << 62]
-    return max(ok, default=0)
+    ok = {s for s in steps if isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 1 << 62}
+    return ok.pop() if len(ok) == 1 else 0  # ranks that disagree: no rank's word decides for the others
 
 
-def _stage_work(traces: list[RankTrace]) -> dict[int, float] | None:
-    """Expected relative cost of each pipeline stage, when a header carries one (a cost model's output)."""
+def _stage_work(traces: list[RankTrace]) -> tuple[dict[int, float] | None, str | None]:
+    """Expected relative cost of each pipeline stage, when a header carries one (a cost model's output), and what
+    was wrong with a header's value that had to be ignored. Header data is checked, never trusted: a list, or a
+    dict keyed by stage, of finite positive numbers within 1000x of each other, for stages of the header's pp or the
+    traces (a crafted header once crashed the detector or named a healthy rank slow-compute)."""
+    traced = max(int(x.coord[1]) for x in traces) + 1  # MegaFBD numbers its forward stages after the pp ones
     for t in traces:
         w = t.header.get("stage_work")
-        if w:
-            return {int(k): float(v) for k, v in (w.items() if isinstance(w, dict) else enumerate(w))}
-    return None
+        if not w:
+            continue
+        items = w.items() if isinstance(w, dict) else enumerate(w) if isinstance(w, list) else None
+        work: dict[int, float] = {}
+        for k, v in items or ():
+            key = int(k) if isinstance(k, int) or (isinstance(k, str) and k.isdigit()) else -1
+            if not 0 <= key < max(int(t.topo[1]), traced) or isinstance(v, bool) or not isinstance(v, (int, float)) or \
+                    not 0 < float(v) < float("inf"):
+                work = {}
+                break
+            work[key] = float(v)
+        if items is None or not work or max(work.values()) > 1000 * min(work.values()):
+            return None, (f"rank {t.rank}'s header stage_work is not a positive number per pipeline stage (within "
+                          "1000x of each other): ignored")
+        return work, None
+    return None, None
 
 
 def detect(traces: list[RankTrace], offsets: dict[int, int] | None = None,

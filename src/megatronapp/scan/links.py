@@ -355,15 +355,15 @@ def _cross_stage_links(tb: Table, th: Thresholds, si: np.ndarray, pair: np.ndarr
             if not (exc >= th.link_rel * ref and z >= zmin
                     and exc >= max(th.link_abs_ms * MS, th.link_noise * noise[k])):
                 continue
-            share = exc * n[k] / max(n_it, 1) / (step_ms * MS) if step_ms > 0 else 1.0
-            if share < th.link_share:
-                continue
+            share = exc * n[k] / max(n_it, 1) / (step_ms * MS) if step_ms > 0 else None
+            if share is not None and share < th.link_share:
+                continue  # (no step spans, no iteration time: the bar cannot be applied and is not)
             rks = (int(uu[k] // W), int(uu[k] % W))
             factor = floor[k] / max(ref, 1.0)
             ev = {"what": "P2P", "peers": "other stage pairs and directions, same size, one clock",
                   "transfers": int(n[k]), "floor_ms": round(floor[k] / MS, 4), "peer_floor_ms": round(ref / MS, 4),
                   "median_ms": round(tmed[k] / MS, 4), "noise_ms": round(noise[k] / MS, 4), "z": round(float(z), 1),
-                  "share_of_iteration": round(share, 4)}
+                  "share_of_iteration": None if share is None else round(share, 4)}
             out.append(Finding("slow-link", rks, [coord(tb, r) for r in rks],
                                f"{factor:.2f}x fastest transfer on P2P {rks[0]}-{rks[1]} (other stage pairs)",
                                round(factor, 3), round(exc / MS, 4), confidence(float(z), 1.0, zmin), ev))

@@ -80,7 +80,9 @@ class Tracer:
     """Records spans of iterations `i` with `i % interval >= interval - iterations`, once each, to one rank file.
 
     The window is the *end* of each interval, so with interval > iterations the warm-up step 0 is never
-    traced (its one-off costs would look like a straggler) and a run of `interval` steps traces its last ones."""
+    traced (its one-off costs would look like a straggler) and a run of `interval` steps traces its last ones. A
+    resumed run warms up in its checkpoint's step, which may fall in a window: the engine's `first_step` header
+    tells the detector which step that is."""
 
     def __init__(self, path: str | Path, header: dict, *, interval: int = 1, iterations: int = 1,
                  granularity: str = "coarse", cuda: bool = False, queue_limit: int = 1 << 16,
