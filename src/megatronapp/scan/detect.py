@@ -134,7 +134,7 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
         notes.append(starved)
     if host_note:
         notes.append(host_note)
-    step_ms = float(np.nanmedian(ph.window)) if np.isfinite(ph.window).any() else 0.0
+    step_ms = ph.step_ms
     report = Report(findings, tb.world, len(ph.iters), round(step_ms, 3), waited_for, notes)
     return Analysis(tb, ph, waits, report)
 

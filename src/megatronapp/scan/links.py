@@ -74,8 +74,7 @@ def links_and_waits(tb: Table, ph: Phases, th: Thresholds, offsets: dict[int, in
         ratio = xfer / np.maximum(lookup(ui, imed, inst), 1.0)
         findings += _link_findings(tb, th, pair, cls, ratio, xfer, lambda p: (int(p // W), int(p % W)), "P2P")
         seen = {f.ranks for f in findings}
-        step_ms = float(np.nanmedian(ph.window)) if np.isfinite(ph.window).any() else 0.0
-        findings += [f for f in _cross_stage_links(tb, th, si, pair, shared, xfer, n_it, step_ms)
+        findings += [f for f in _cross_stage_links(tb, th, si, pair, shared, xfer, n_it, ph.step_ms)
                      if f.ranks not in seen]
         # Blame: the sender, for wait beyond what this transfer usually costs, unless it was itself held up.
         def p2p_blame(cw_all, si=si, inst=inst, w=w):

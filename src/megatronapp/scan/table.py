@@ -153,6 +153,11 @@ class Phases:
     def self_time(self) -> np.ndarray:
         return self.compute + self.data + self.gap
 
+    @property
+    def step_ms(self) -> float:
+        """The median iteration (window) in ms; 0 where no iteration has a window."""
+        return float(np.nanmedian(self.window)) if np.isfinite(self.window).any() else 0.0
+
 
 def phases(tb: Table) -> Phases:
     """Split each rank's iterations into own work, untraced gaps and communication."""
