@@ -310,16 +310,18 @@ def scan_groups(tb: Table, th: Thresholds, coll: np.ndarray, inst: np.ndarray, f
         if not dev:
             continue
         kind_noise = 1.4826 * float(np.median(np.abs(np.concatenate(dev))))
-        # Healthy groups' cost (median over instances of the last arriver's duration), one grouped pass: there
-        # are hundreds of them at thousands of ranks.
-        sel = np.concatenate([by_group[group_at[g]:group_at[g + 1]] for g in calib])
+        # Each group's cost (median over instances of the last arriver's duration) and payload, candidates and
+        # healthy groups alike, in one grouped pass: there are hundreds of them at thousands of ranks.
+        sel = np.concatenate([by_group[group_at[g]:group_at[g + 1]] for g in sorted(set(calib) | out_set)])
         span = int(inst.max()) + 1
         key = tb.gkey[coll[sel]].astype(np.int64) * span + inst[sel]
         order = np.argsort(key, kind="stable")
         ks = key[order]
         first = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
-        _, calib_cost, _ = group_median(ks[first] // span, np.minimum.reduceat(tb.dur[coll[sel]][order], first))
-        _, calib_bytes, _ = group_median(tb.gkey[coll[sel]], tb.nbytes[coll[sel]].astype(float))
+        gs, costs, _ = group_median(ks[first] // span, np.minimum.reduceat(tb.dur[coll[sel]][order], first))
+        _, payload, _ = group_median(tb.gkey[coll[sel]], tb.nbytes[coll[sel]].astype(float))
+        healthy = np.isin(gs, calib)
+        calib_cost, calib_bytes = costs[healthy], payload[healthy]
         for g in out_set:
             name, members = tb.groups[g]
             r, per, mine, value = steps_of(g)
@@ -328,7 +330,8 @@ def scan_groups(tb: Table, th: Thresholds, coll: np.ndarray, inst: np.ndarray, f
             q, jump, _, z = sawtooth(r, kind_noise)
             rows = coll[mine]
             # The group's nominal cost: the last arriver's duration ((1+f)/2 of the ring's); f from the step model.
-            cost = float(np.median([tb.dur[rows][inst[mine] == k].min() for k in np.unique(inst[mine])]))
+            at = int(np.searchsorted(gs, g))
+            cost = float(costs[at])
             n = len(members)
             factor = 1.0 + max(jump, 0.0) * 2 * (n - 1) / (n * max(cost, 1.0))
             if factor < 1 + th.link_rel or jump < th.link_abs_ms * MS:
@@ -341,7 +344,7 @@ def scan_groups(tb: Table, th: Thresholds, coll: np.ndarray, inst: np.ndarray, f
             # the expected rise. Half of it must show, less what the healthy groups' spread can hide. Only healthy
             # groups moving the same payload (within 5%) are its peers (stages all-reduce gradients of different
             # sizes); with fewer than three of them the step is not checked against cost.
-            mine_bytes = float(np.median(tb.nbytes[rows]))
+            mine_bytes = float(payload[at])
             alike = np.abs(calib_bytes - mine_bytes) <= 0.05 * max(mine_bytes, 1.0)
             expected = peer_cost = None
             if alike.sum() >= 3:
