@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatronapp.config import RunConfig
 from megatronapp.parallel import comm
@@ -70,8 +71,23 @@ def _two_steps(tr) -> dict[str, Any]:
 
 def worker(rank: int, world: int, cases: list[dict[str, Any]], outdir: str) -> None:
     """Spawned entry: run every case of this world size, save results per (case, rank)."""
+    store = dist.distributed_c10d._get_default_store()  # kept: rank 0's store server outlives the worlds below
     for i, case in enumerate(cases):
+        if i:
+            fresh_world(store, rank, world, f"case{i}")
         torch.save(run_case(case, rank), Path(outdir) / f"case{i}_rank{rank}.pt")
+
+
+def fresh_world(store: Any, rank: int, world: int, prefix: str) -> None:
+    """A new world for the next case, once every rank is done with the last one. Each case builds its own process
+    groups and a process keeps them all: after ~25 cases a rank held ~500 threads and ~900 sockets of dead groups,
+    and the strict comm modes (a thread per P2P op) ran up to 20x slower (the suite's nccl-regimes test took
+    433-499 s, cases late in the list 10-20x their time alone). Destroying the world frees every group; torch then
+    reuses the groups' names, so the next world's keys go under a prefix of their own."""
+    backend = dist.get_backend()
+    dist.barrier()
+    dist.destroy_process_group()
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world)
 
 
 def reference(cfg_dict: dict[str, Any]) -> dict[str, Any]:
