@@ -108,7 +108,10 @@ def _run_steps(case: dict, rank: int) -> dict | None:
 
 
 def worker(rank: int, world: int, cases: list[dict], outdir: str) -> None:
+    store = torch.distributed.distributed_c10d._get_default_store()
     for i, case in enumerate(cases):
+        if i:
+            ec.fresh_world(store, rank, world, f"case{i}")  # no groups of earlier cases piling up
         torch.save(_run_steps(case, rank), Path(outdir) / f"case{i}_rank{rank}.pt")
 
 
