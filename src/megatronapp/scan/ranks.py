@@ -74,7 +74,7 @@ def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool
     # of untraced time in 2 of 8 iterations of a 40-120 ms step (a GC or the profiler's own work) at z 44 and
     # confidence 1.00; as a share of the rank's self time it is 3-8%, under the bar a one-off must clear.
     whole = robust_excess(ph.self_time, groups, th.scale_floor)[0] if host else ref
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore"):  # a rank with no host time: rel is inf, as meant
         rel = exc / ref
         base = (z >= zmin) & (rel >= th.rel) & (exc >= max(th.abs_ms, th.persistent_noise * noise))
         big = (z >= zmin) & (rel >= th.transient_rel) & (exc / whole >= th.transient_rel) & (exc >= one_off)
