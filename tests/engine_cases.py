@@ -8,6 +8,7 @@ into full tensors and compares them with the same training done in one process.
 from __future__ import annotations
 
 import copy
+import datetime
 from pathlib import Path
 from typing import Any
 
@@ -81,13 +82,14 @@ def worker(rank: int, world: int, cases: list[dict[str, Any]], outdir: str) -> N
 def fresh_world(store: Any, rank: int, world: int, prefix: str) -> None:
     """A new world for the next case, once every rank is done with the last one. Each case builds its own process
     groups and a process keeps them all: after ~25 cases a rank held ~500 threads and ~900 sockets of dead groups,
-    and the strict comm modes (a thread per P2P op) ran up to 20x slower (the suite's nccl-regimes test took
-    433-499 s, cases late in the list 10-20x their time alone). Destroying the world frees every group; torch then
-    reuses the groups' names, so the next world's keys go under a prefix of their own."""
+    and cases late in the list ran 10-20x their time alone, mostly in system time (the suite's nccl-regimes test
+    took 433-499 s; the strict comm modes start a thread per P2P op). Destroying the world frees every group; torch
+    then reuses the groups' names, so the next world's keys go under a prefix of their own."""
     backend = dist.get_backend()
     dist.barrier()
     dist.destroy_process_group()
-    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world)
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))  # as launch.init_distributed's default
 
 
 def reference(cfg_dict: dict[str, Any]) -> dict[str, Any]:
