@@ -51,7 +51,7 @@ def _reuse_freed_memory() -> None:
         return
     m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
     mallopt(m_mmap_threshold, 1 << 30)
-    mallopt(m_trim_threshold, 1 << 31)
+    mallopt(m_trim_threshold, (1 << 31) - 1)  # mallopt takes a C int: 2 GB, the most it can say
 
 
 def _tune_memory() -> None:
