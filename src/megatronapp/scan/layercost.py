@@ -82,12 +82,12 @@ def measured_stage_work(tb: Table, ph: Phases, layer_excl: np.ndarray | None,
     at_floor = np.nansum(floor * count, axis=1)
     stage = tb.coords[:, 1]
     units: dict[int, list[float]] = {}
-    for r in np.unique(tb.rank):
+    for r in np.flatnonzero(tb.present):
         lf = per_it[r][np.isfinite(per_it[r])]
         if len(lf) < _MIN_ITERATIONS or at_floor[r] <= 0:
             continue
         units.setdefault(int(stage[r]), []).append(float(at_floor[r] / np.quantile(lf, q)))
-    present = np.unique(stage[np.unique(tb.rank)])
+    present = np.unique(stage[tb.present])
     if sum(len(v) for v in units.values()) < 3 or any(int(s) not in units for s in present):
         return None
     work = {s: float(np.median(v)) for s, v in units.items()}
@@ -98,8 +98,7 @@ def measured_stage_work(tb: Table, ph: Phases, layer_excl: np.ndarray | None,
 def layer_findings(tb: Table, ph: Phases, layer_excl: np.ndarray | None, th: Thresholds) -> list[Finding]:
     """Slow ranks alone in their stage, by their fastest layer per iteration against the other stages'."""
     stage = tb.coords[:, 1]
-    present = np.zeros(tb.world, bool)
-    present[np.unique(tb.rank)] = True
+    present = tb.present
     sizes = np.bincount(stage[present], minlength=int(stage.max()) + 1)
     per_it, count, kind = _layer_floors(tb, ph, layer_excl)
     has = np.isfinite(per_it).sum(axis=1) >= _MIN_ITERATIONS

@@ -34,8 +34,7 @@ def rank_findings(tb: Table, ph: Phases, th: Thresholds, warm_up: int = 0) -> li
 
 def _stages(tb: Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per rank: its stage (-1 where it has no spans), the size of that stage, and whether it has spans."""
-    present = np.zeros(tb.world, bool)
-    present[np.unique(tb.rank)] = True
+    present = tb.present
     groups = np.where(present, tb.coords[:, 1], -1)
     sizes = np.bincount(groups[groups >= 0], minlength=int(groups.max(initial=0)) + 1)[np.maximum(groups, 0)]
     return groups, np.where(groups >= 0, sizes, 0), present

@@ -33,8 +33,7 @@ def lone_stage_findings(tb: Table, ph: Phases, waits: Waits, th: Thresholds,
                         stage_work: dict[int, float] | None = None) -> list[Finding]:
     """Bottleneck ranks of stages without a peer, named through who waits for whom."""
     stage = tb.coords[:, 1]
-    present = np.zeros(tb.world, bool)
-    present[np.unique(tb.rank)] = True
+    present = tb.present
     sizes = np.bincount(stage[present], minlength=int(stage.max()) + 1)
     lone = [int(r) for r in np.flatnonzero(present) if sizes[stage[r]] == 1]
     if not lone or present.sum() < 3:
@@ -82,8 +81,7 @@ def lone_stage_pauses(tb: Table, ph: Phases, th: Thresholds, warm_up: int = 0) -
     Persistent differences are not judged here: a ratio to the rank's own calm level cannot show them (the
     floors and the wait structure do)."""
     stage = tb.coords[:, 1]
-    present = np.zeros(tb.world, bool)
-    present[np.unique(tb.rank)] = True
+    present = tb.present
     sizes = np.bincount(stage[present], minlength=int(stage.max()) + 1)
     lone = np.array([r for r in np.flatnonzero(present) if sizes[stage[r]] == 1], np.int64)
     n_it = ph.self_time.shape[1]

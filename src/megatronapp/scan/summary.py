@@ -16,7 +16,7 @@ def rank_rows(an: Analysis) -> list[dict]:
     for f in an.report.findings:
         for r in f.ranks:
             flagged.setdefault(r, []).append(f.kind)
-    present = np.unique(tb.rank)
+    present = np.flatnonzero(tb.present)
     with np.errstate(invalid="ignore"):
         mean = {k: np.nanmean(v, axis=1) for k, v in (("iter ms", ph.window), ("compute", ph.compute),
                                                        ("data", ph.data), ("gap", ph.gap), ("comm", ph.comm),

@@ -47,6 +47,12 @@ class Table:
         Build a new Table (dataclasses.replace) rather than assigning ts or dur of this one."""
         return self.ts + self.dur
 
+    @cached_property
+    def present(self) -> np.ndarray:
+        """[rank] -> whether the rank has any span: one counting pass, where np.unique sorted the whole rank column
+        (8 million rows at 12,288 ranks, ~0.14 s each, asked for by eight views)."""
+        return np.bincount(self.rank, minlength=self.world)[:self.world] > 0
+
 
 # Columns only compared or widened before any arithmetic (category codes, chunk and microbatch numbers) keep a
 # narrow type: 118 MB less at 12,288 ranks. Every other column is int64, so sums and products never overflow.
