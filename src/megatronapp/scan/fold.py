@@ -86,7 +86,9 @@ def pauses_of_slow_ranks(findings: list[Finding], ph: Phases, tb: Table) -> list
         peers = np.flatnonzero((tb.coords[:, 1] == tb.coords[r, 1]) & (np.arange(tb.world) != r))
         peer_c = float(np.nanmedian(ph.compute[peers])) if len(peers) and g.kind == "slow-compute" else 0.0
         expected = max(g.excess_ms, (g.factor - 1.0) * peer_c if np.isfinite(peer_c) else 0.0)
-        if f.excess_ms > 3.0 * expected:
+        # Slowness amplifies (queueing); lateness does not, but a late rank's whole self time carries its peers'
+        # compute swing too (+-43 ms beside +120 ms of lateness): a late lead takes pauses within 2x of it.
+        if f.excess_ms > (3.0 if g.kind == "slow-compute" else 2.0) * expected:
             return None
         f.evidence["expected_ms"] = round(expected, 3)  # what the slowness alone costs an iteration
         g.confidence = max(g.confidence, f.confidence)

@@ -51,7 +51,9 @@ class Table:
     def present(self) -> np.ndarray:
         """[rank] -> whether the rank has any span: one counting pass, where np.unique sorted the whole rank column
         (8 million rows at 12,288 ranks, ~0.14 s each, asked for by eight views)."""
-        return np.bincount(self.rank, minlength=self.world)[:self.world] > 0
+        seen = np.bincount(self.rank, minlength=self.world)[:self.world] > 0
+        seen.setflags(write=False)  # shared by every view that asks
+        return seen
 
 
 # Columns only compared or widened before any arithmetic (category codes, chunk and microbatch numbers) keep a
