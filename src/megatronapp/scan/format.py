@@ -227,6 +227,49 @@ class RankWriter:
         self.close()
 
 
+def write_rank_file(path: str | Path, header: dict, names: list[str], groups: list[tuple[str, Any]],
+                    rec: np.ndarray) -> None:
+    """Write a whole rank file at once: the bytes RankWriter writes for one `write_columns(names, groups, rec)`
+    (rec a contiguous `RECORD` array, ids already indexing names and groups), in one gathered write with no copy of
+    the records. For writers of many finished files (the simulator: 100,096 of them), where a RankWriter per file
+    cost more than the records. The GIL is released while the records are checksummed and written, so writer
+    threads overlap."""
+    for key in ("rank", "world", "coord", "topo"):
+        if key not in header:
+            raise ValueError(f"trace header needs {key!r} (got keys {sorted(header)})")
+    if rec.dtype != RECORD or not rec.flags.c_contiguous:
+        raise ValueError(f"write_rank_file: expected a contiguous format.RECORD array (got {rec.dtype})")
+    parts: list = [MAGIC]
+
+    def block(tag: bytes, payload) -> None:
+        parts.append(_BLOCK.pack(tag, len(payload), zlib.crc32(payload)))
+        parts.append(payload)
+
+    block(b"HEAD", json.dumps(header, default=_jsonable).encode())
+    if len(rec):
+        if names:
+            block(b"STRS", json.dumps(list(names)).encode())
+        if groups:
+            block(b"GRPS", json.dumps([[str(g), _pack_members(r, None)] for g, r in groups]).encode())
+        block(b"SPAN", memoryview(rec).cast("B"))
+    block(b"FOOT", json.dumps({"records": len(rec)}).encode())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        todo = sum(len(p) for p in parts)
+        while todo:  # a regular file takes it all at once; a short write (signal, quota) goes on where it stopped
+            done = os.writev(fd, parts)
+            todo -= done
+            while done and parts:
+                if done >= len(parts[0]):
+                    done -= len(parts[0])
+                    parts.pop(0)
+                else:
+                    parts[0] = memoryview(parts[0])[done:]
+                    done = 0
+    finally:
+        os.close(fd)
+
+
 def _members(ranks: Any) -> tuple[int, ...]:
     """A group's global ranks as a tuple of ints (from a range, numpy array, list or None)."""
     if ranks is None:
@@ -238,10 +281,13 @@ def _members(ranks: Any) -> tuple[int, ...]:
     return tuple(map(int, ranks))
 
 
-def _pack_members(ranks: Any, members: tuple[int, ...]) -> list[int] | dict[str, list[int]]:
-    """GRPS form of a group: {"range": [start, stop, step]} when evenly spaced (3 or more), else the list."""
+def _pack_members(ranks: Any, members: tuple[int, ...] | None) -> list[int] | dict[str, list[int]]:
+    """GRPS form of a group: {"range": [start, stop, step]} when evenly spaced (3 or more), else the list
+    (`members`: the group as _members gives it; None to have it made here when needed)."""
     if isinstance(ranks, range) and len(ranks) >= 3:
         return {"range": [ranks.start, ranks.stop, ranks.step]}
+    if members is None:
+        members = _members(ranks)
     n = len(members)
     if n >= 3:
         step = members[1] - members[0]

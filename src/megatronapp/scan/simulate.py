@@ -18,15 +18,17 @@ time, like real ones); the ground truth goes to `ground_truth.json`, never into 
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from megatronapp.scan.format import CAT_INDEX, RECORD, RankWriter, rank_file
+from megatronapp.scan.format import CAT_INDEX, RECORD, rank_file, write_rank_file
 
 FAULT_KINDS = ("slow-compute", "slow-link", "pause", "late-arrival")
 MS = 1_000_000  # ns
+WRITERS = 2  # threads writing rank files (this machine has 2 cores; more only queue in the kernel)
 
 
 @dataclass(frozen=True)
@@ -131,35 +133,42 @@ def task_order(pp: int, m: int) -> list[tuple[int, str, int]]:
     return out
 
 
-class _Spans:
-    """Columns of every emitted span, gathered in chunks and concatenated once."""
+class _Slots:
+    """Every emitted span, kept per pipeline stage. The schedule is static, so every rank of a stage emits the same
+    spans in the same order (its "slots"): a slot's metadata is kept once, its start times and durations as one
+    (dp, tp) plane. At 100,096 ranks x 10 iterations (128 million spans) that is 2 GB of times and a few MB of
+    metadata, where a row per span with eleven columns of its own took 11 GB."""
 
     GROUPS = ("", "tp", "pp", "dp")
+    META = ("name", "cat", "it", "group", "seq", "peer_stage", "nbytes", "mb")
 
-    def __init__(self) -> None:
-        self.chunks: list[tuple] = []
+    def __init__(self, pp: int, plane: tuple[int, int]) -> None:
+        self.plane = plane
+        self.ts: list[list[np.ndarray]] = [[] for _ in range(pp)]
+        self.dur: list[list[np.ndarray]] = [[] for _ in range(pp)]
+        self.meta: list[list[tuple]] = [[] for _ in range(pp)]
 
-    def emit(self, ranks, name, cat, ts, dur, it, group=0, seq=-1, peer=None, nbytes=0, mb=-1) -> None:
-        r = np.asarray(ranks).ravel()
-        n = r.size
-        p = np.full(n, -1, np.int64) if peer is None else np.asarray(peer).ravel()
+    def emit(self, s: int, name: str, cat: str, ts, dur, it: int, group: int = 0, seq: int = -1,
+             peer_stage: int = -1, nbytes: int = 0, mb: int = -1) -> None:
         # Copies: the caller keeps updating its time arrays in place after emitting.
-        ts = np.array(np.broadcast_to(ts, np.shape(ranks)), dtype=np.float64).ravel()
-        dur = np.array(np.broadcast_to(dur, np.shape(ranks)), dtype=np.float64).ravel()
-        self.chunks.append((r, name, cat, ts, dur, it, group, seq, p.copy(), nbytes, mb, n))
+        self.ts[s].append(np.array(np.broadcast_to(ts, self.plane), np.float64))
+        self.dur[s].append(np.array(np.broadcast_to(dur, self.plane), np.float64))
+        self.meta[s].append((NAMES.index(name), CAT_INDEX[cat], it, group, seq, peer_stage, nbytes, mb))
 
-    def columns(self, names: list[str]) -> dict[str, np.ndarray]:
-        nid = {n: i for i, n in enumerate(names)}
-        cols = {k: [] for k in ("rank", "name", "cat", "ts", "dur", "it", "group", "seq", "peer", "nbytes", "mb")}
-        for r, name, cat, ts, dur, it, group, seq, p, nbytes, mb, n in self.chunks:
-            cols["rank"].append(r)
-            cols["ts"].append(ts)
-            cols["dur"].append(dur)
-            cols["peer"].append(p)
-            for k, v in (("name", nid[name]), ("cat", CAT_INDEX[cat]), ("it", it), ("group", group),
-                         ("seq", seq), ("nbytes", nbytes), ("mb", mb)):
-                cols[k].append(np.full(n, v, np.int64))
-        return {k: np.concatenate(v) for k, v in cols.items()}
+    def count(self) -> int:
+        return sum(len(x) for x in self.ts) * self.plane[0] * self.plane[1]
+
+    def take(self, s: int) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """Stage s's spans as (ranks of the stage, slots) arrays of start and duration, a rank's spans in one
+        contiguous row, plus per-slot metadata; the stage's own lists are released."""
+        n = self.plane[0] * self.plane[1]
+        ts = np.stack(self.ts[s], axis=-1).reshape(n, -1)
+        self.ts[s] = []
+        dur = np.stack(self.dur[s], axis=-1).reshape(n, -1)
+        self.dur[s] = []
+        meta = {k: np.array(v, np.int64) for k, v in zip(self.META, zip(*self.meta[s]))}
+        self.meta[s] = []
+        return ts, dur, meta
 
 
 NAMES = ["data", "forward", "backward", "all_reduce", "send", "recv", "optimizer", "step"]
@@ -202,10 +211,9 @@ def ring_shift(n: int, a: int, b: int, factor: float) -> np.ndarray:
 
 
 def simulate_spans(world: int, tp: int, pp: int, dp: int, iterations: int, microbatches: int,
-                   faults: list[Fault], seed: int, costs: Costs) -> dict[str, np.ndarray]:
-    """Run the simulation; return one concatenated span table in true (global) time, ns."""
+                   faults: list[Fault], seed: int, costs: Costs) -> _Slots:
+    """Run the simulation; return every span, per stage, in true (global) time, ns."""
     rng = np.random.default_rng(seed)
-    R = np.arange(world).reshape(pp, dp, tp)  # rank = tp + tp*(dp + dp*pp), Megatron order
     speed = np.exp(rng.normal(0.0, costs.rank_spread, (pp, dp, tp)))
     if costs.stage_work is not None:
         if len(costs.stage_work) != pp:
@@ -253,7 +261,7 @@ def simulate_spans(world: int, tp: int, pp: int, dp: int, iterations: int, micro
     def noise(sigma: float, shape) -> np.ndarray:
         return np.exp(rng.normal(0.0, sigma, shape))
 
-    out = _Spans()
+    out = _Slots(pp, (dp, tp))
     T = np.zeros((pp, dp, tp))
     tp_seq = [0] * pp
     dp_seq = [0] * pp
@@ -264,7 +272,8 @@ def simulate_spans(world: int, tp: int, pp: int, dp: int, iterations: int, micro
         T += late  # untraced host-side stall before the iteration (slow dataloader worker, contention)
         start = T.copy()
         d = costs.data * MS * noise(costs.compute_noise, T.shape)
-        out.emit(R, "data", "data", T, d, it)
+        for s in range(pp):
+            out.emit(s, "data", "data", T[s], d[s], it)
         T += d
         paused = np.where((it + 1) % pause_every == 0, pause, 0.0)
         sent: dict[tuple[int, str, int], np.ndarray] = {}
@@ -278,8 +287,8 @@ def simulate_spans(world: int, tp: int, pp: int, dp: int, iterations: int, micro
                 done = np.maximum(post, ready) + costs.p2p * MS * p2p_fac[src, s] * noise(costs.comm_noise,
                                                                                          (dp, tp))
                 nb = costs.act_bytes
-                out.emit(R[s], "recv", "comm", post, done - post, it, 2, k, R[src], nb, j)
-                out.emit(R[src], "send", "comm", ready, done - ready, it, 2, k, R[s], nb, j)
+                out.emit(s, "recv", "comm", post, done - post, it, 2, k, src, nb, j)
+                out.emit(src, "send", "comm", ready, done - ready, it, 2, k, s, nb, j)
                 T[s] = done
             t0 = T[s].copy()
             c = base[kind] * speed[s] * noise(costs.compute_noise, (dp, tp))
@@ -291,11 +300,11 @@ def simulate_spans(world: int, tp: int, pp: int, dp: int, iterations: int, micro
                 end = arrive.max(axis=1) + costs.tp_all_reduce * MS * tp_fac[s] * nz
                 early = costs.tp_all_reduce * MS * nz[:, None] * tp_shift[s]
                 leave = end[:, None] - early + rng.uniform(0, 0.02 * MS, (dp, tp))
-                out.emit(R[s], "all_reduce", "comm", arrive, leave - arrive, it, 1, tp_seq[s], None, 4 << 20, j)
+                out.emit(s, "all_reduce", "comm", arrive, leave - arrive, it, 1, tp_seq[s], -1, 4 << 20, j)
                 tp_seq[s] += 1
                 arrive = leave
             T[s] = arrive
-            out.emit(R[s], "forward" if kind == "F" else "backward", "compute", t0, T[s] - t0, it, mb=j)
+            out.emit(s, "forward" if kind == "F" else "backward", "compute", t0, T[s] - t0, it, mb=j)
             dst = s + 1 if kind == "F" else s - 1
             if 0 <= dst < pp:
                 sent[(s, kind, j)] = T[s].copy()  # isend: the stage goes on, the receiver picks it up
@@ -305,15 +314,17 @@ def simulate_spans(world: int, tp: int, pp: int, dp: int, iterations: int, micro
             early = costs.dp_all_reduce * MS * nz[:, None, :] * dp_shift
             leave = end[:, None, :] - early + rng.uniform(0, 0.05 * MS, T.shape)
             for s in range(pp):
-                out.emit(R[s], "all_reduce", "comm", T[s], leave[s] - T[s], it, 3, dp_seq[s], None,
+                out.emit(s, "all_reduce", "comm", T[s], leave[s] - T[s], it, 3, dp_seq[s], -1,
                          costs.grad_bytes)
                 dp_seq[s] += 1
             T = leave
         o = costs.optimizer * MS * speed * noise(costs.compute_noise, T.shape)
-        out.emit(R, "optimizer", "optimizer", T, o, it)
+        for s in range(pp):
+            out.emit(s, "optimizer", "optimizer", T[s], o[s], it)
         T = T + o
-        out.emit(R, "step", "step", start, T - start, it)
-    return out.columns(NAMES)
+        for s in range(pp):
+            out.emit(s, "step", "step", start[s], T[s] - start[s], it)
+    return out
 
 
 def simulate(out_dir: str | Path, ranks: int, tp: int, pp: int, dp: int | None = None, iterations: int = 5,
@@ -331,7 +342,7 @@ def simulate(out_dir: str | Path, ranks: int, tp: int, pp: int, dp: int | None =
     m = microbatches if microbatches is not None else max(pp, 2)
     flist = [parse_fault(f) if isinstance(f, str) else f for f in faults]
     costs = costs or Costs()
-    cols = simulate_spans(ranks, tp, pp, dp, iterations, m, flist, seed, costs)
+    spans = simulate_spans(ranks, tp, pp, dp, iterations, m, flist, seed, costs)
     rng = np.random.default_rng(seed + 1)
     # Clocks as they are: hosts of 8 ranks share a CLOCK_MONOTONIC, booted days apart, each running fast or slow
     # by tens of ppm. Ranks of one host read the SAME clock (their headers say so: same host), so they get no
@@ -346,39 +357,100 @@ def simulate(out_dir: str | Path, ranks: int, tp: int, pp: int, dp: int | None =
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("rank*.mst"):
         old.unlink()
-    order = np.lexsort((cols["ts"], cols["rank"]))
-    cols = {k: v[order] for k, v in cols.items()}
-    bounds = np.searchsorted(cols["rank"], np.arange(ranks + 1))
-    # Round ends, not durations: a nested span must not poke 1 ns past its parent.
-    start = np.floor(cols["ts"]).astype(np.int64)
-    dur = np.maximum(np.floor(cols["ts"] + cols["dur"]).astype(np.int64) - start, 0)
-    # Local clock = offset + (1 + drift) * true time; durations are read on the same drifting clock.
-    ts_local = start + offsets[cols["rank"]] + np.round(drift[cols["rank"]] * start).astype(np.int64)
-    dur = dur + np.round(drift[cols["rank"]] * dur).astype(np.int64)
-    # Every rank's records in one array (one conversion, not one per rank); each file gets its slice as one block.
-    # Names and groups are registered in the same order in every file, so the ids need no remapping.
-    rec = np.zeros(len(dur), RECORD)
-    rec["cpu_wait"] = -1  # simulated ranks own their device: nothing to wait for
-    g = cols["group"]
-    for k, v in (("name", cols["name"]), ("cat", cols["cat"]), ("ts", ts_local), ("dur", dur), ("it", cols["it"]),
-                 ("gid", np.where(g > 0, g - 1, -1)), ("seq", cols["seq"]), ("peer", cols["peer"]),
-                 ("nbytes", cols["nbytes"]), ("chunk", np.where(cols["cat"] == 0, 0, -1)), ("mb", cols["mb"])):
-        rec[k] = v
-    del cols, ts_local, g
-    for r in range(ranks):
-        s, d, t = r // (tp * dp), (r // tp) % dp, r % tp
-        first = tp * (d + dp * s)  # (tp 0, this replica, this stage)
-        group_ranks = (None, range(first, first + tp), range(r % (tp * dp), ranks, tp * dp),
-                       range(t + tp * dp * s, t + tp * dp * (s + 1), tp))
-        header = {"rank": r, "world": ranks, "coord": [d, s, t], "topo": [tp, pp, dp], "host": f"node{r // 8}",
-                  "pid": 10_000 + r, "clock": "monotonic_ns", "simulated": True}
-        if costs.stage_work is not None:
-            header["stage_work"] = list(costs.stage_work)  # what a cost model of the job would say
-        with RankWriter(rank_file(out, r), header) as w:
-            w.write_columns(NAMES, [(_Spans.GROUPS[k], group_ranks[k]) for k in (1, 2, 3)],
-                            rec[bounds[r]:bounds[r + 1]])
-    res = SimResult(str(out), ranks, tp, pp, dp, iterations, m, flist, offsets.tolist(), len(dur),
+    n_spans = spans.count()
+    # A stage at a time, written by two threads while the next stage's records are made (the kernel's file writes
+    # and checksums run without the GIL); at most two stages' times (128 MB each at 100,096 ranks) are held.
+    with ThreadPoolExecutor(WRITERS) as pool:
+        pending: list[Future] = []
+        for s in range(pp):
+            stage = np.arange(s * dp * tp, (s + 1) * dp * tp)  # rank = tp + tp*(dp + dp*pp)
+            ahead = _write_stage(out, spans, s, stage, (tp, pp, dp), offsets, drift, costs.stage_work, pool)
+            for f in pending:
+                f.result()
+            pending = ahead
+        for f in pending:
+            f.result()
+    res = SimResult(str(out), ranks, tp, pp, dp, iterations, m, flist, offsets.tolist(), n_spans,
                     (drift * 1e6).tolist())
     truth = {**asdict(res), "faults": [{**asdict(f), "label": f.label()} for f in flist]}
     (out / "ground_truth.json").write_text(json.dumps(truth))
     return res
+
+
+def _time_order(ts: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """The stable order of each row's slots by time (ranks x slots): (one order for all rows, None), or (per-row
+    orders, their index array) where rows differ.
+
+    Every rank of a stage usually has its slots in the same time order, so the first row's order is tried on all
+    and only the rows it does not sort get a sort of their own. Ties keep emission order (a stable sort), as one
+    lexsort of (rank, ts) over every span did."""
+    o = np.argsort(ts[0], kind="stable")
+    step = np.diff(ts[:, o], axis=1)
+    # Sorted, with ties in emission order: strictly later where the slot order steps back.
+    ok = np.where((np.diff(o) > 0)[None, :], step >= 0, step > 0).all(axis=1)
+    del step
+    if ok.all():
+        return o, None
+    idx = np.broadcast_to(o, ts.shape).copy()
+    bad = np.flatnonzero(~ok)
+    idx[bad] = np.argsort(ts[bad], axis=1, kind="stable")
+    return o, idx
+
+
+def _write_stage(out: Path, spans: _Slots, s: int, ranks: np.ndarray, topo: tuple[int, int, int],
+                 offsets: np.ndarray, drift: np.ndarray, stage_work: tuple[float, ...] | None,
+                 pool: ThreadPoolExecutor) -> list[Future]:
+    """Hand the rank files of stage s to the writer threads: its spans in time order per rank, on each rank's
+    local clock. Returns the writes' futures (the records live until they are done)."""
+    tp, pp, dp = topo
+    ts, dur, meta = spans.take(s)
+    o, idx = _time_order(ts)
+    if idx is None:
+        ts, dur = ts[:, o], dur[:, o]
+        meta = {k: v[o][None, :] for k, v in meta.items()}  # one order for all ranks: metadata per slot
+    else:
+        rows = np.arange(len(ts))[:, None]
+        ts, dur = ts[rows, idx], dur[rows, idx]
+        meta = {k: v[idx] for k, v in meta.items()}
+    # Round ends, not durations: a nested span must not poke 1 ns past its parent.
+    start = np.floor(ts).astype(np.int64)
+    d = np.maximum(np.floor(ts + dur).astype(np.int64) - start, 0)
+    del ts, dur
+    # Local clock = offset + (1 + drift) * true time; durations are read on the same drifting clock.
+    dr = drift[ranks][:, None]
+    start += offsets[ranks][:, None] + np.round(dr * start).astype(np.int64)
+    d += np.round(dr * d).astype(np.int64)
+    g, cat = meta["group"], meta["cat"]
+    ps = meta["peer_stage"]
+    # Per-slot columns (or per rank and slot where ranks' orders differ); names and groups are registered in the same
+    # order in every file, so the ids need no remapping.
+    fixed = (("name", meta["name"]), ("cat", cat), ("it", meta["it"]), ("gid", np.where(g > 0, g - 1, -1)),
+             ("seq", meta["seq"]), ("nbytes", meta["nbytes"]), ("chunk", np.where(cat == 0, 0, -1)),
+             ("mb", meta["mb"]))
+    world = len(offsets)
+
+    def write(lo: int, hi: int) -> None:
+        # Records are made here, a few hundred ranks at a time: a stage's whole record array was 512 MB.
+        rec = np.zeros((hi - lo, start.shape[1]), RECORD)
+        rec["ts"] = start[lo:hi]
+        rec["dur"] = d[lo:hi]
+        rec["cpu_wait"] = -1  # simulated ranks own their device: nothing to wait for
+        for k, v in fixed:
+            rec[k] = v if len(v) == 1 else v[lo:hi]
+        # A P2P peer is the same (dp, tp) position of the peer stage: tp * dp ranks away per stage.
+        p = ps if len(ps) == 1 else ps[lo:hi]
+        rec["peer"] = np.where(p >= 0, ranks[lo:hi, None] + (p - s) * tp * dp, -1)
+        for i in range(lo, hi):
+            r = int(ranks[i])
+            d_, t = (r // tp) % dp, r % tp
+            first = tp * (d_ + dp * s)  # (tp 0, this replica, this stage)
+            groups = [("tp", range(first, first + tp)), ("pp", range(r % (tp * dp), world, tp * dp)),
+                      ("dp", range(t + tp * dp * s, t + tp * dp * (s + 1), tp))]
+            head = {"rank": r, "world": world, "coord": [d_, s, t], "topo": [tp, pp, dp], "host": f"node{r // 8}",
+                    "pid": 10_000 + r, "clock": "monotonic_ns", "simulated": True}
+            if stage_work is not None:
+                head["stage_work"] = list(stage_work)  # what a cost model of the job would say
+            write_rank_file(rank_file(out, r), head, NAMES, groups, rec[i - lo])
+
+    step = 256
+    return [pool.submit(write, lo, min(lo + step, len(ranks))) for lo in range(0, len(ranks), step)]

@@ -1,0 +1,436 @@
+"""Two-level detection for jobs too large for one table: a cheap pass over every rank, then the full detector on the
+ranks that matter.
+
+At 100,096 ranks x 10 iterations a job has 128 million spans (7.8 GB of rank files); the full detector holds about
+175 bytes a span. So every rank file is read once, in worker processes, and reduced to a few numbers per rank and
+iteration, the quantities the full detector's views start from:
+
+- own work: compute and optimizer time less the comm nested in it (slow-compute, pauses),
+- host time: the iteration's window less own work and less the union of its comm (data loading, late arrival,
+  untraced stalls),
+- per P2P direction, the fastest transfer, and per collective kind, the fastest instance (slow links: a healthy
+  link's fastest transfer is its cost, whatever the waits),
+- finished iterations and ops left open (hangs).
+
+Each is compared with the rank's stage peers (median and MAD over the stage, per iteration where it has one). The
+ranks furthest above their peers are the suspects; the full detector (detect.analyse) then reads them with their
+context (TP group, the pipeline they belong to, DP ring neighbours and, for a collective that is slow group-wide,
+the whole group) and a few whole pipelines as reference peers. Its report is the report: the triage only chooses
+what is read, never what is found. What it cannot see is what it never selects, so its bar is low (a rank a few
+MADs above its peers in one iteration) and the zoomed set is bounded (`budget` ranks); the report notes both.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from megatronapp.scan.format import CAT_INDEX, FILE_PATTERN, TraceFormatError, read_rank
+
+COMPUTE, COMM, DATA, OPT, STEP = (CAT_INDEX[c] for c in ("compute", "comm", "data", "optimizer", "step"))
+KINDS = ("tp", "pp", "dp")  # group name prefixes of the engine's (and the simulator's) collectives
+_NEST_SLACK_NS = 2_000
+_BATCH = 256  # rank files reduced together: one set of numpy passes per batch, not per file
+LARGE_BYTES = 3 << 30  # rank files above this in total: `scan detect` triages first (about 50 million spans)
+
+
+@dataclass
+class Features:
+    """Per rank (rows: every rank of the world) and iteration (columns), in ms; NaN where the rank has no data."""
+
+    world: int
+    iters: np.ndarray
+    coords: np.ndarray  # [rank] -> (dp, pp, tp); -1 for ranks with no file
+    topo: tuple[int, int, int]  # (tp, pp, dp)
+    work: np.ndarray  # [rank, it]
+    host: np.ndarray  # [rank, it]
+    p2p: np.ndarray  # [rank, 4]: fastest send down, send up, recv from down, recv from up (down: lower rank)
+    peer_up: np.ndarray  # [rank]: its P2P peer above (the highest it exchanged with), -1 if none
+    coll: np.ndarray  # [rank, len(KINDS)]: fastest collective instance of each kind
+    finished: np.ndarray  # [rank]: iterations with a step span
+    opened: np.ndarray  # [rank]: ops written as opened and never closed
+    problems: list[str]
+    paths: dict[int, str]  # rank -> its file
+
+
+def _kind_lut(groups: list[tuple[str, tuple[int, ...]]]) -> np.ndarray:
+    """Per local group id (and -1 at the end): the index of its kind in KINDS, -1 for other groups."""
+    return np.array([KINDS.index(g.split(".")[0]) if g.split(".")[0] in KINDS else -1 for g, _ in groups] + [-1],
+                    np.int64)
+
+
+def _reduce(paths: list[str]) -> dict:
+    """Features of the rank files `paths` (one worker's share), batch by batch; per-batch iteration numbers."""
+    parts: list[dict] = []
+    problems: list[str] = []
+    shared: dict = {}
+    for lo in range(0, len(paths), _BATCH):
+        traces = []
+        for p in paths[lo:lo + _BATCH]:
+            try:
+                t = read_rank(p, shared, _views=True)
+            except TraceFormatError as e:
+                problems.append(str(e))
+                continue
+            problems.extend(t.problems)
+            t.header["_path"] = p  # this reader's own note, in its own copy of the header
+            traces.append(t)
+        if traces:
+            parts.append(_batch(traces))
+    return {"problems": problems, "parts": parts}
+
+
+def _lut(t, cache: dict, fn) -> np.ndarray:
+    key = (fn.__name__, id(t.names) if fn is _is_send else id(t.groups))
+    got = cache.get(key)
+    if got is None:
+        got = cache[key] = fn(t)
+    return got
+
+
+def _is_send(t) -> np.ndarray:
+    return np.array([n == "send" for n in t.names] + [False])
+
+
+def _kinds(t) -> np.ndarray:
+    return _kind_lut(t.groups)
+
+
+def _batch(traces: list) -> dict:
+    """The features of one batch of rank traces."""
+    B = len(traces)
+    lens = np.array([len(t) for t in traces], np.int64)
+    local = np.repeat(np.arange(B), lens)
+    ts = np.concatenate([t.ts for t in traces], dtype=np.int64)
+    dur = np.concatenate([t.dur for t in traces], dtype=np.int64)
+    cat = np.concatenate([t.cat for t in traces])
+    it = np.concatenate([t.it for t in traces], dtype=np.int64)
+    peer = np.concatenate([t.peer for t in traces], dtype=np.int64)
+    cache: dict = {}
+    kind = np.concatenate([_lut(t, cache, _kinds)[np.asarray(t.gid, np.int64)] for t in traces])
+    send = np.concatenate([_lut(t, cache, _is_send)[np.asarray(t.name, np.int64)] for t in traces])
+    end = ts + dur
+    # Rank files are mostly in time order (the simulator's); a tracer writes a parent after its children.
+    if len(ts) and not np.all((local[1:] > local[:-1]) | ((local[1:] == local[:-1]) & (ts[1:] >= ts[:-1]))):
+        o = np.lexsort((ts, local))
+        local, ts, dur, cat, it, peer, kind, send, end = (a[o] for a in (local, ts, dur, cat, it, peer, kind, send,
+                                                                          end))
+    step = cat == STEP
+    iters = np.unique(it[step])
+    W = max(len(iters), 1)
+    if len(iters) and iters[-1] - iters[0] == len(iters) - 1:  # consecutive steps (always, but for gaps): no search
+        col = it - iters[0]
+        ok = (col >= 0) & (col < W)
+    else:
+        col = np.searchsorted(iters, it).clip(0, W - 1)
+        ok = (iters[col] == it) if len(iters) else np.zeros(len(it), bool)
+    cell = local * W + np.clip(col, 0, W - 1)
+    n = B * W
+
+    def per_cell(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
+        m = mask & ok
+        return np.bincount(cell[m], values[m], n).reshape(B, W)
+
+    work = (cat == COMPUTE) | (cat == OPT)
+    comm = cat == COMM
+    # Comm nested in a work span (a TP all-reduce inside a layer's forward) is not the rank's own time.
+    idx = np.where(work, np.arange(len(ts)), -1)
+    last = np.maximum.accumulate(idx) if len(idx) else idx
+    lw = np.maximum(last, 0)
+    nested = comm & (last >= 0) & (local[lw] == local) & (end <= end[lw] + _NEST_SLACK_NS)
+    fdur = dur.astype(np.float64)
+    own = np.maximum(per_cell(work, fdur) - per_cell(nested, fdur), 0)
+    # The union of each cell's comm (async sends overlap what follows): a running end, each rank on its own stretch.
+    cm = comm & ok
+    busy = np.zeros((B, W))
+    if cm.any():
+        c_ts, c_end = ts[cm], end[cm]
+        base = int(c_ts.min())
+        shift = local[cm] * (int(c_end.max()) - base + 1) - base
+        s_, e_ = c_ts + shift, c_end + shift
+        run = np.maximum.accumulate(e_)
+        prev = np.concatenate([[np.iinfo(np.int64).min], run[:-1]])
+        busy = np.bincount(cell[cm], np.maximum(e_ - np.maximum(s_, prev), 0).astype(np.float64), n).reshape(B, W)
+    sm = step & ok
+    w_end = np.full(n, np.nan)
+    w_end[cell[sm]] = end[sm]
+    w_start = np.full(n, np.nan)
+    w_start[cell[sm]] = ts[sm]
+    w_end, w_start = w_end.reshape(B, W), w_start.reshape(B, W)
+    # As phases(): an iteration starts where the previous one (by number) ended, so a stall between steps (a late
+    # arrival before the step opens) is the rank's own host time.
+    prev = np.concatenate([np.full((B, 1), np.nan), w_end[:, :-1]], axis=1)
+    if len(iters):
+        prev[:, np.r_[True, np.diff(iters) != 1][:W]] = np.nan
+    window = w_end - np.where(np.isnan(prev), w_start, prev)
+    has = np.isfinite(window)
+    rank_of = np.array([t.rank for t in traces], np.int64)
+    # Fastest transfer per P2P direction (send/recv x peer below/above): a healthy link's fastest is its cost.
+    p2p = comm & (peer >= 0)
+    up = peer > rank_of[local]
+    fast = np.stack([_min_per_rank(p2p & send & ~up, local, fdur, B), _min_per_rank(p2p & send & up, local, fdur, B),
+                     _min_per_rank(p2p & ~send & ~up, local, fdur, B), _min_per_rank(p2p & ~send & up, local, fdur, B)],
+                    axis=1)
+    coll = np.stack([_min_per_rank(comm & (peer < 0) & (kind == k), local, fdur, B) for k in range(len(KINDS))],
+                    axis=1)
+    peer_up = -_min_per_rank(p2p & up, local, -peer.astype(np.float64), B)
+    return {"iters": iters, "rank": rank_of, "path": [t.header.get("_path") for t in traces],
+            "coord": np.array([t.coord[:3] for t in traces], np.int64).reshape(B, 3),
+            "topo": tuple(int(x) for x in traces[0].topo[:3]),
+            "world": max(int(t.world) for t in traces),
+            "work": np.where(has, own, np.nan) / 1e6,
+            "host": np.where(has, np.maximum(window - own - busy, 0), np.nan) / 1e6,
+            "p2p": fast / 1e6, "peer_up": np.nan_to_num(peer_up, nan=-1).astype(np.int64),
+            "coll": coll / 1e6,
+            "finished": has.sum(axis=1),
+            "opened": np.array([len(t.opened.get("ts", ())) for t in traces], np.int64)}
+
+
+def _min_per_rank(mask: np.ndarray, local: np.ndarray, values: np.ndarray, B: int) -> np.ndarray:
+    """Per batch rank: the smallest of `values` where `mask` (rows in rank order), NaN where none."""
+    out = np.full(B, np.nan)
+    r, v = local[mask], values[mask]
+    if len(r):
+        starts = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
+        out[r[starts]] = np.minimum.reduceat(v, starts)
+    return out
+
+
+def features(trace_dir: str | Path, workers: int = 2) -> Features:
+    """Read every rank file of a directory in `workers` processes and reduce it to Features."""
+    d = os.fspath(trace_dir)
+    names = sorted(n for n in os.listdir(d) if FILE_PATTERN.search(n))
+    paths = [os.path.join(d, n) for n in names]
+    if not paths:
+        raise ValueError(f"no rank*.mst files in {d}")
+    shares = [paths[i::workers] for i in range(workers)] if workers > 1 else [paths]
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            results = list(pool.map(_reduce, shares))
+    else:
+        results = [_reduce(paths)]
+    parts = [p for r in results for p in r["parts"]]
+    problems = [x for r in results for x in r["problems"]]
+    if not parts:
+        raise ValueError(f"no readable rank files in {d}: " + "; ".join(problems[:3]))
+    world = max(p["world"] for p in parts)
+    iters = np.unique(np.concatenate([p["iters"] for p in parts]))
+    W = max(len(iters), 1)
+    f = Features(world, iters, np.full((world, 3), -1, np.int64), parts[0]["topo"],
+                 np.full((world, W), np.nan), np.full((world, W), np.nan), np.full((world, 4), np.nan),
+                 np.full(world, -1, np.int64),
+                 np.full((world, len(KINDS)), np.nan), np.zeros(world, np.int64), np.zeros(world, np.int64), problems,
+                 {})
+    for p in parts:
+        r = p["rank"]
+        for rank, path in zip(r.tolist(), p["path"]):
+            if rank in f.paths:
+                problems.append(f"{os.path.basename(path)} claims rank {rank}, already read from "
+                                f"{os.path.basename(f.paths[rank])}; ignored")
+                continue
+            f.paths[rank] = path
+        f.coords[r] = p["coord"]
+        cols = np.searchsorted(iters, p["iters"])
+        if len(cols):
+            f.work[np.ix_(r, cols)] = p["work"][:, :len(cols)]
+            f.host[np.ix_(r, cols)] = p["host"][:, :len(cols)]
+        f.p2p[r], f.coll[r], f.finished[r], f.opened[r] = p["p2p"], p["coll"], p["finished"], p["opened"]
+        f.peer_up[r] = np.where(p["peer_up"] < world, p["peer_up"], -1)
+    return f
+
+
+Z_SUSPECT = 5.0  # MADs above the stage's peers: low on purpose (the full detector judges; this only selects)
+SUSPECTS = 32  # ranks taken as suspects, the highest first
+WITH_PIPELINE = 8  # of them, the first this many bring their whole pipeline (every stage and TP rank of their replica)
+REFERENCE_PIPELINES = 4  # whole pipelines read as reference peers for every stage
+BUDGET = 8192  # ranks the full detector reads at most (about 10 million spans at 1,280 a rank: 1.8 GB)
+# Floors under the peers' spread: an excess is measured against at least 2% of the stage's median and 50 us (host
+# time is ~1 ms an iteration with a spread of microseconds in a simulation: every rank would stand out otherwise).
+REL_FLOOR, ABS_FLOOR_MS = 0.02, 0.05
+
+
+def _robust_z(x: np.ndarray, stage: np.ndarray) -> np.ndarray:
+    """Per value: how many robust spreads (1.4826 MAD, with the floors above) it lies above the median
+    of its stage's values in the same column; NaN stays NaN."""
+    z = np.full(x.shape, np.nan)
+    for s in np.unique(stage[stage >= 0]):
+        rows = stage == s
+        v = x[rows]
+        if not np.isfinite(v).any():
+            continue
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN column: NaN, as meant
+            med = np.nanmedian(v, axis=0)
+            mad = np.nanmedian(np.abs(v - med), axis=0) * 1.4826
+            scale = np.maximum(mad, np.maximum(np.abs(med) * REL_FLOOR, ABS_FLOOR_MS))
+            z[rows] = (v - med) / scale
+    return z
+
+
+def _link_scores(f: Features, stage: np.ndarray) -> np.ndarray:
+    """Per rank: how far its P2P links' cost stands above the same links of its stage peers (robust z, the worse of
+    its link up and its link down).
+
+    A transfer's duration holds the wait for the other end: behind a slow receiver every send waits, so a sender's
+    fastest send is no measure of its link. The link's cost is the smaller of the sender's fastest send and the
+    receiver's fastest receive: whichever end came second did not wait (per direction, the two ends' files)."""
+    up = f.peer_up
+    ok = up >= 0
+    link = np.full((f.world, 2), np.nan)
+    u = up[ok]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a link one end never used: NaN, as meant
+        link[ok, 0] = np.fmin(f.p2p[ok, 1], f.p2p[u, 2])  # r -> up: r's send up, up's recv from below
+        link[ok, 1] = np.fmin(f.p2p[u, 0], f.p2p[ok, 3])  # up -> r: up's send down, r's recv from above
+        z = np.nanmax(_robust_z(link, stage), axis=1, initial=-np.inf)
+    score = np.where(ok, z, -np.inf)
+    np.maximum.at(score, u, z[ok])  # the upper end of the link scores the same
+    return score
+
+
+def _group_z(key: np.ndarray, value: np.ndarray, stage_of_group: np.ndarray) -> list[tuple[int, float]]:
+    """Groups (key >= 0) whose median member value stands Z_SUSPECT+ robust spreads above the other groups of the
+    same stage: [(group key, z)], the highest first."""
+    m = (key >= 0) & np.isfinite(value)
+    if not m.any():
+        return []
+    keys, inv = np.unique(key[m], return_inverse=True)
+    order = np.argsort(inv, kind="stable")
+    vals, inv = value[m][order], inv[order]
+    starts = np.flatnonzero(np.r_[True, inv[1:] != inv[:-1]])
+    med = np.array([np.median(v) for v in np.split(vals, starts[1:])])
+    gstage = stage_of_group[m][order][starts]
+    z = _robust_z(med[:, None], gstage)[:, 0]
+    hot = np.flatnonzero(np.nan_to_num(z, nan=-np.inf) >= Z_SUSPECT)
+    return [(int(keys[i]), float(z[i])) for i in hot[np.argsort(-z[hot])]]
+
+
+@dataclass
+class Selection:
+    """What the full detector reads: ranks, and why (suspect scores and group-wide anomalies)."""
+
+    ranks: list[int]
+    suspects: list[tuple[int, str, float]]  # (rank, feature, z)
+    groups: list[str]
+    truncated: bool
+
+
+def select(f: Features, budget: int = BUDGET) -> Selection:
+    """The ranks worth reading in full: suspects by how far they stand above their stage peers, their context, and
+    reference pipelines, at most `budget` ranks."""
+    present = f.coords[:, 0] >= 0
+    stage = np.where(present, f.coords[:, 1], -1)
+    tp, pp, dp = f.topo
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        scores = {k: np.nanmax(_robust_z(getattr(f, k), stage), axis=1, initial=-np.inf)
+                  for k in ("work", "host", "coll")}
+        scores["p2p"] = _link_scores(f, stage)
+    # A rank that finished fewer iterations than the job, or left ops open: a hang's candidates, the fewest first.
+    most = int(f.finished[present].max()) if present.any() else 0
+    behind = np.where(present, most - f.finished, 0).astype(float) + (f.opened > 0)
+    names = list(scores)
+    table = np.stack([scores[k] for k in names], axis=1)
+    best = np.nanmax(np.where(np.isfinite(table), table, -np.inf), axis=1)
+    best = np.where(present, best, -np.inf)
+    order = np.argsort(-best, kind="stable")
+    suspects = [(int(r), names[int(np.argmax(np.where(np.isfinite(table[r]), table[r], -np.inf)))], float(best[r]))
+                for r in order[:SUSPECTS] if best[r] >= Z_SUSPECT]
+    hung = [int(r) for r in np.argsort(-behind, kind="stable")[:SUSPECTS] if behind[r] > 0]
+
+    chosen: list[int] = []
+    seen: set[int] = set()
+
+    def add(ranks) -> bool:
+        for r in ranks:
+            r = int(r)
+            if 0 <= r < f.world and r not in seen and present[r]:
+                if len(chosen) >= budget:
+                    return False
+                seen.add(r)
+                chosen.append(r)
+        return True
+
+    def rank_at(d: int, s: int, t: int) -> int:
+        return t + tp * (d + dp * s)
+
+    def pipeline(d: int) -> list[int]:
+        return [rank_at(d, s, t) for s in range(pp) for t in range(tp)]
+
+    def context(r: int) -> list[int]:
+        d, s, t = (int(x) for x in f.coords[r])
+        near = [rank_at(d, s, x) for x in range(tp)]  # TP group
+        near += [rank_at(d, s + k, t) for k in (-1, 1) if 0 <= s + k < pp]  # pipeline neighbours
+        near += [rank_at((d + k) % dp, s, t) for k in (-1, 1)] if dp > 1 else []  # DP ring neighbours
+        return near
+
+    groups: list[str] = []
+    ok = add([r for r, _, _ in suspects[:1]] + hung[:1])
+    # Reference peers first: without them no stage has the peers the full detector compares against.
+    for d in np.unique(np.linspace(0, dp - 1, min(REFERENCE_PIPELINES, dp)).round().astype(int)):
+        ok = ok and add(pipeline(int(d)))
+    # A collective slow for a whole group (a slow ring link, a slow switch): the group's typical member (median over
+    # members of each one's fastest instance) above the other groups of its kind in the same stage. A weak link
+    # hardly moves any one member (1.5x on one DP link: +1.5 ms in a 6 ms all-reduce beside arrival skews of
+    # several ms), but the median of hundreds of members is steady. The group is read whole, with its stage.
+    for k, kind in enumerate(KINDS):
+        if kind == "pp" or not np.isfinite(f.coll[:, k]).any():
+            continue
+        key = (f.coords[:, 1] * dp + f.coords[:, 0]) if kind == "tp" else (f.coords[:, 1] * tp + f.coords[:, 2])
+        key = np.where(present, key, -1)
+        size = tp if kind == "tp" else dp
+        if size < 3:
+            continue  # a pair's link is a P2P-like pair: the members' own scores cover it
+        gz = _group_z(key, f.coll[:, k], key // (dp if kind == "tp" else tp))
+        for g, z in gz[:4]:
+            members = np.flatnonzero(key == g)
+            groups.append(f"{kind} group of rank {int(members[0])} (typical member {z:.0f} MADs above its stage's "
+                          "groups)")
+            ok = ok and add(members)
+            # Its members are put on one clock through the groups that leave together (ring.bridge_offsets): each
+            # member's TP peers and their DP groups, i.e. the whole stage, which is read where the budget allows.
+            ok = ok and add(np.flatnonzero(present & (stage == f.coords[members[0], 1])))
+    for i, (r, _, _) in enumerate(suspects):
+        ok = ok and add([r] + context(r))
+        if i < WITH_PIPELINE:
+            ok = ok and add(pipeline(int(f.coords[r, 0])))
+    for r in hung:
+        ok = ok and add([r] + context(r))
+    return Selection(sorted(chosen), suspects, groups, not ok)
+
+
+def analyse_two_level(trace_dir: str | Path, thresholds=None, workers: int = 2, budget: int = BUDGET,
+                      align: bool = False):
+    """detect.analyse for a job too large for one table: triage every rank (features, select), then the full
+    detector on the selected ranks. Returns (analysis, problems); the report's notes say what was read.
+    `align`: clock offsets estimated on the selected ranks (as `scan detect --align` on all of them)."""
+    from megatronapp.scan.detect import analyse
+
+    if not os.path.isdir(trace_dir):
+        raise FileNotFoundError(f"trace directory {trace_dir} does not exist")
+    f = features(trace_dir, workers)
+    sel = select(f, budget)
+    shared: dict = {}
+    traces = [read_rank(f.paths[r], shared) for r in sel.ranks]
+    offsets = clock = None
+    if align:
+        from megatronapp.scan.align import estimate_offsets
+
+        offsets, _, clock = estimate_offsets(traces)
+    an = analyse(traces, offsets, thresholds=thresholds, clock=clock, release_traces=True)
+    present = int((f.coords[:, 0] >= 0).sum())
+    why = f"{len(sel.suspects)} suspects ({Z_SUSPECT:g}+ MADs above their stage peers in own work, host time, " \
+          "fastest transfer or fastest collective)"
+    note = (f"two-level analysis of {present} ranks: every rank reduced to per-iteration own work and host time and "
+            f"its fastest transfers and collectives, then {len(sel.ranks)} ranks analysed in full: {why} with "
+            f"their TP groups, pipeline and ring neighbours, and {REFERENCE_PIPELINES} reference pipelines")
+    if sel.groups:
+        note += "; whole groups: " + ", ".join(sel.groups)
+    if sel.truncated:
+        note += f"; the selection stopped at its budget of {budget} ranks (a cause outside it is not seen)"
+    an.report.notes.insert(0, note)
+    return an, f.problems

@@ -1,0 +1,115 @@
+"""Two-level detection (scan/triage.py) and the simulator's stage-by-stage writer, on real rank files.
+
+The two-level path reads every rank cheaply and the selected ranks in full; it is checked against the full detector
+on the same files, fault kind by fault kind, with a budget that leaves most of the job unread."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatronapp.scan import triage
+from megatronapp.scan.detect import detect
+from megatronapp.scan.format import RECORD, RankWriter, read_dir, write_rank_file
+from megatronapp.scan.simulate import _time_order, simulate
+
+TP, PP, DP = 4, 4, 32  # 512 ranks
+
+
+def rank(d: int, s: int, t: int) -> int:
+    return t + TP * (d + DP * s)
+
+
+def test_write_rank_file_writes_what_rank_writer_writes(tmp_path):
+    rng = np.random.default_rng(1)
+    rec = np.zeros(300, RECORD)
+    for k in ("ts", "dur", "seq", "nbytes"):
+        rec[k] = rng.integers(0, 1 << 40, len(rec))
+    rec["name"] = rng.integers(0, 3, len(rec))
+    rec["gid"] = rng.integers(-1, 3, len(rec))
+    header = {"rank": 5, "world": 16, "coord": [1, 1, 1], "topo": [2, 2, 4], "host": "n0"}
+    groups = [("tp", range(4, 6)), ("pp", [1, 5, 9]), ("dp", range(1, 16, 4))]
+    with RankWriter(tmp_path / "a.mst", header) as w:
+        w.write_columns(["forward", "send", "recv"], groups, rec)
+    write_rank_file(tmp_path / "b.mst", header, ["forward", "send", "recv"], groups, rec)
+    assert (tmp_path / "a.mst").read_bytes() == (tmp_path / "b.mst").read_bytes()
+    with pytest.raises(ValueError, match="header needs 'rank'"):
+        write_rank_file(tmp_path / "c.mst", {"world": 1}, [], [], rec)
+
+
+def test_time_order_is_a_stable_sort_of_every_row():
+    rng = np.random.default_rng(2)
+    ts = np.sort(rng.integers(0, 50, (40, 30)).astype(float), axis=1)  # ties, one shared order mostly
+    ts[:, [3, 4]] = ts[:, [4, 3]]  # every row out of slot order the same way
+    ts[7] = rng.permutation(ts[7])  # rows whose order differs from the first row's
+    ts[19, 10] = ts[19, 11] = ts[19, 12]
+    ts[23] = rng.integers(0, 5, 30)
+    o, idx = _time_order(ts)
+    got = np.broadcast_to(o, ts.shape) if idx is None else idx
+    want = np.array([np.lexsort((row,)) for row in ts])  # lexsort is stable: ties keep slot order
+    assert np.array_equal(got, want)
+    same = np.tile(np.arange(30.0), (5, 1))
+    o, idx = _time_order(same)
+    assert idx is None and np.array_equal(o, np.arange(30))
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Simulated 512-rank jobs, one per fault kind (and a healthy one), 6 iterations."""
+    root = tmp_path_factory.mktemp("two_level")
+    cases = {
+        "healthy": [],
+        "slow-compute": [f"slow-compute={rank(9, 2, 1)}:1.3"],
+        "pause": [f"pause={rank(20, 3, 2)}:40:2"],
+        "late-arrival": [f"late-arrival={rank(5, 1, 3)}:15"],
+        "slow-p2p": [f"slow-link={rank(14, 1, 0)}-{rank(14, 2, 0)}:3"],
+        "slow-dp-link": [f"slow-link={rank(11, 3, 2)}-{rank(12, 3, 2)}:2"],
+    }
+    out = {}
+    for name, faults in cases.items():
+        simulate(root / name, TP * PP * DP, TP, PP, iterations=6, faults=faults, seed=4)
+        out[name] = root / name
+    return out
+
+
+@pytest.mark.parametrize("case", ["healthy", "slow-compute", "pause", "late-arrival", "slow-p2p", "slow-dp-link"])
+def test_two_level_finds_what_the_full_detector_finds(jobs, case):
+    full = detect(read_dir(jobs[case])[0])
+    an, problems = triage.analyse_two_level(jobs[case], workers=1, budget=200)
+    assert not problems
+    got = [(f.kind, f.ranks) for f in an.report.findings]
+    assert got == [(f.kind, f.ranks) for f in full.findings]
+    truth = json.loads((jobs[case] / "ground_truth.json").read_text())["faults"]
+    if truth:
+        assert an.report.findings and set(an.report.findings[0].ranks) == set(truth[0]["ranks"])
+    else:
+        assert not got
+    assert an.report.notes[0].startswith("two-level analysis of 512 ranks")
+    assert an.report.world == 512
+
+
+def test_triage_scores_the_faulty_rank_on_the_right_feature(jobs):
+    for case, want in (("slow-compute", "work"), ("late-arrival", "host"), ("slow-p2p", "p2p")):
+        sel = triage.select(triage.features(jobs[case], workers=2), budget=200)
+        truth = json.loads((jobs[case] / "ground_truth.json").read_text())["faults"][0]["ranks"]
+        top = {r: feat for r, feat, _ in sel.suspects[:2]}
+        assert set(truth) & set(top), (case, sel.suspects[:4])
+        assert all(top[r] == want for r in truth if r in top), (case, sel.suspects[:4])
+        assert len(sel.ranks) <= 200 and all(r in sel.ranks for r in truth)
+    sel = triage.select(triage.features(jobs["slow-dp-link"], workers=1), budget=1000)
+    assert any(g.startswith(f"dp group of rank {rank(0, 3, 2)} ") for g in sel.groups), sel.groups
+
+
+def test_cli_two_level(jobs, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "megatronapp", "scan", "detect", str(jobs["slow-compute"]),
+                          "--two-level", "on", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert rep["findings"][0]["kind"] == "slow-compute" and rep["findings"][0]["ranks"] == [rank(9, 2, 1)]
+    assert any(n.startswith("two-level analysis") for n in rep["notes"])
+    missing = subprocess.run([sys.executable, "-m", "megatronapp", "scan", "detect", str(tmp_path / "nope"),
+                              "--two-level", "on"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode != 0 and "does not exist" in missing.stderr
