@@ -6,8 +6,8 @@ At 100,096 ranks x 10 iterations a job has 128 million spans (7.8 GB of rank fil
 iteration, the quantities the full detector's views start from:
 
 - own work: compute and optimizer time less the comm nested in it (slow-compute, pauses),
-- host time: the iteration's window less own work and less the union of its comm (data loading, late arrival,
-  untraced stalls),
+- host time: data loading plus the iteration's window less the union of its spans (late arrival, untraced
+  stalls),
 - per P2P direction, the fastest transfer, and per collective kind, the fastest instance (slow links: a healthy
   link's fastest transfer is its cost, whatever the waits),
 - finished iterations and ops left open (hangs).
@@ -144,17 +144,19 @@ def _batch(traces: list) -> dict:
     nested = comm & (last >= 0) & (local[lw] == local) & (end <= end[lw] + _NEST_SLACK_NS)
     fdur = dur.astype(np.float64)
     own = np.maximum(per_cell(work, fdur) - per_cell(nested, fdur), 0)
-    # The union of each cell's comm (async sends overlap what follows): a running end, each rank on its own stretch.
-    cm = comm & ok
+    # Host time as phases() has it: data loading plus the window's untraced part (the window less the union of every
+    # span in it; async sends overlap the work that follows, so sums would count them twice).
+    cov = ~step & ok
     busy = np.zeros((B, W))
-    if cm.any():
-        c_ts, c_end = ts[cm], end[cm]
+    if cov.any():
+        c_ts, c_end = ts[cov], end[cov]
         base = int(c_ts.min())
-        shift = local[cm] * (int(c_end.max()) - base + 1) - base
+        shift = local[cov] * (int(c_end.max()) - base + 1) - base  # each rank on its own stretch of one line
         s_, e_ = c_ts + shift, c_end + shift
         run = np.maximum.accumulate(e_)
         prev = np.concatenate([[np.iinfo(np.int64).min], run[:-1]])
-        busy = np.bincount(cell[cm], np.maximum(e_ - np.maximum(s_, prev), 0).astype(np.float64), n).reshape(B, W)
+        busy = np.bincount(cell[cov], np.maximum(e_ - np.maximum(s_, prev), 0).astype(np.float64), n).reshape(B, W)
+    data = per_cell(cat == DATA, fdur)
     sm = step & ok
     w_end = np.full(n, np.nan)
     w_end[cell[sm]] = end[sm]
@@ -183,7 +185,7 @@ def _batch(traces: list) -> dict:
             "topo": tuple(int(x) for x in traces[0].topo[:3]),
             "world": max(int(t.world) for t in traces),
             "work": np.where(has, own, np.nan) / 1e6,
-            "host": np.where(has, np.maximum(window - own - busy, 0), np.nan) / 1e6,
+            "host": np.where(has, data + np.maximum(window - busy, 0), np.nan) / 1e6,
             "p2p": fast / 1e6, "peer_up": np.nan_to_num(peer_up, nan=-1).astype(np.int64),
             "coll": coll / 1e6,
             "finished": has.sum(axis=1),
@@ -244,16 +246,20 @@ def features(trace_dir: str | Path, workers: int = 2) -> Features:
 
 
 Z_SUSPECT = 5.0  # MADs above the stage's peers: low on purpose (the full detector judges; this only selects)
-SUSPECTS = 32  # ranks taken as suspects, the highest first
+PER_VIEW = 8  # suspects each view (own work, host time, links, collectives) brings, the highest first
+SUSPECTS = 32  # hang candidates taken, the furthest behind first
 WITH_PIPELINE = 8  # of them, the first this many bring their whole pipeline (every stage and TP rank of their replica)
 REFERENCE_PIPELINES = 4  # whole pipelines read as reference peers for every stage
 BUDGET = 8192  # ranks the full detector reads at most (about 10 million spans at 1,280 a rank: 1.8 GB)
 # Floors under the peers' spread: an excess is measured against at least 2% of the stage's median and 50 us (host
 # time is ~1 ms an iteration with a spread of microseconds in a simulation: every rank would stand out otherwise).
 REL_FLOOR, ABS_FLOOR_MS = 0.02, 0.05
+LINK_ABS_FLOOR_MS = 0.005  # links and collectives: their fastest instance is steady to microseconds
+GROUP_QUANTILE, GROUP_REL_FLOOR = 0.05, 0.005
 
 
-def _robust_z(x: np.ndarray, stage: np.ndarray) -> np.ndarray:
+def _robust_z(x: np.ndarray, stage: np.ndarray, rel_floor: float | None = None,
+              abs_floor: float = ABS_FLOOR_MS) -> np.ndarray:
     """Per value: how many robust spreads (1.4826 MAD, with the floors above) it lies above the median
     of its stage's values in the same column; NaN stays NaN."""
     z = np.full(x.shape, np.nan)
@@ -266,7 +272,8 @@ def _robust_z(x: np.ndarray, stage: np.ndarray) -> np.ndarray:
             warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN column: NaN, as meant
             med = np.nanmedian(v, axis=0)
             mad = np.nanmedian(np.abs(v - med), axis=0) * 1.4826
-            scale = np.maximum(mad, np.maximum(np.abs(med) * REL_FLOOR, ABS_FLOOR_MS))
+            rel = REL_FLOOR if rel_floor is None else rel_floor
+            scale = np.maximum(mad, np.maximum(np.abs(med) * rel, abs_floor))
             z[rows] = (v - med) / scale
     return z
 
@@ -286,15 +293,20 @@ def _link_scores(f: Features, stage: np.ndarray) -> np.ndarray:
         warnings.simplefilter("ignore", RuntimeWarning)  # a link one end never used: NaN, as meant
         link[ok, 0] = np.fmin(f.p2p[ok, 1], f.p2p[u, 2])  # r -> up: r's send up, up's recv from below
         link[ok, 1] = np.fmin(f.p2p[u, 0], f.p2p[ok, 3])  # up -> r: up's send down, r's recv from above
-        z = np.nanmax(_robust_z(link, stage), axis=1, initial=-np.inf)
+        z = np.nanmax(_robust_z(link, stage, abs_floor=LINK_ABS_FLOOR_MS), axis=1, initial=-np.inf)
     score = np.where(ok, z, -np.inf)
     np.maximum.at(score, u, z[ok])  # the upper end of the link scores the same
     return score
 
 
 def _group_z(key: np.ndarray, value: np.ndarray, stage_of_group: np.ndarray) -> list[tuple[int, float]]:
-    """Groups (key >= 0) whose median member value stands Z_SUSPECT+ robust spreads above the other groups of the
-    same stage: [(group key, z)], the highest first."""
+    """Groups (key >= 0) whose low member value (GROUP_QUANTILE) stands Z_SUSPECT+ robust spreads above the other
+    groups of the same stage: [(group key, z)], the highest first.
+
+    A low quantile, not the median: behind a slow MEMBER every other member waits in every instance, but the slow
+    member itself arrives last and waits for no one, so the group's fastest members are as fast as anywhere. Behind
+    a slow ring link even the last to arrive waits for the ring ((1+f)/2 of the cost at least, simulate.ring_shift).
+    A quantile over hundreds of members is steady, so its floor is finer than a rank's."""
     m = (key >= 0) & np.isfinite(value)
     if not m.any():
         return []
@@ -302,9 +314,9 @@ def _group_z(key: np.ndarray, value: np.ndarray, stage_of_group: np.ndarray) -> 
     order = np.argsort(inv, kind="stable")
     vals, inv = value[m][order], inv[order]
     starts = np.flatnonzero(np.r_[True, inv[1:] != inv[:-1]])
-    med = np.array([np.median(v) for v in np.split(vals, starts[1:])])
+    low = np.array([np.quantile(v, GROUP_QUANTILE) for v in np.split(vals, starts[1:])])
     gstage = stage_of_group[m][order][starts]
-    z = _robust_z(med[:, None], gstage)[:, 0]
+    z = _robust_z(low[:, None], gstage, GROUP_REL_FLOOR, LINK_ABS_FLOOR_MS)[:, 0]
     hot = np.flatnonzero(np.nan_to_num(z, nan=-np.inf) >= Z_SUSPECT)
     return [(int(keys[i]), float(z[i])) for i in hot[np.argsort(-z[hot])]]
 
@@ -327,19 +339,21 @@ def select(f: Features, budget: int = BUDGET) -> Selection:
     tp, pp, dp = f.topo
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        scores = {k: np.nanmax(_robust_z(getattr(f, k), stage), axis=1, initial=-np.inf)
-                  for k in ("work", "host", "coll")}
+        scores = {k: np.nanmax(_robust_z(getattr(f, k), stage), axis=1, initial=-np.inf) for k in ("work", "host")}
+        scores["coll"] = np.nanmax(_robust_z(f.coll, stage, abs_floor=LINK_ABS_FLOOR_MS), axis=1, initial=-np.inf)
         scores["p2p"] = _link_scores(f, stage)
     # A rank that finished fewer iterations than the job, or left ops open: a hang's candidates, the fewest first.
     most = int(f.finished[present].max()) if present.any() else 0
     behind = np.where(present, most - f.finished, 0).astype(float) + (f.opened > 0)
-    names = list(scores)
-    table = np.stack([scores[k] for k in names], axis=1)
-    best = np.nanmax(np.where(np.isfinite(table), table, -np.inf), axis=1)
-    best = np.where(present, best, -np.inf)
-    order = np.argsort(-best, kind="stable")
-    suspects = [(int(r), names[int(np.argmax(np.where(np.isfinite(table[r]), table[r], -np.inf)))], float(best[r]))
-                for r in order[:SUSPECTS] if best[r] >= Z_SUSPECT]
+    # Each view's own top ranks: one view's noise (thousands of ranks a few MADs out) must not crowd out another's
+    # fault. Within the cap, the highest first.
+    cands: dict[int, tuple[str, float]] = {}
+    for k, sc in scores.items():
+        sc = np.where(present & np.isfinite(sc), sc, -np.inf)
+        for r in np.argsort(-sc, kind="stable")[:PER_VIEW]:
+            if sc[r] >= Z_SUSPECT and sc[r] > cands.get(int(r), ("", -np.inf))[1]:
+                cands[int(r)] = (k, float(sc[r]))
+    suspects = sorted(((r, k, z) for r, (k, z) in cands.items()), key=lambda x: -x[2])
     hung = [int(r) for r in np.argsort(-behind, kind="stable")[:SUSPECTS] if behind[r] > 0]
 
     chosen: list[int] = []
@@ -423,8 +437,8 @@ def analyse_two_level(trace_dir: str | Path, thresholds=None, workers: int = 2, 
         offsets, _, clock = estimate_offsets(traces)
     an = analyse(traces, offsets, thresholds=thresholds, clock=clock, release_traces=True)
     present = int((f.coords[:, 0] >= 0).sum())
-    why = f"{len(sel.suspects)} suspects ({Z_SUSPECT:g}+ MADs above their stage peers in own work, host time, " \
-          "fastest transfer or fastest collective)"
+    why = f"{len(sel.suspects)} suspects (each view's top {PER_VIEW} at {Z_SUSPECT:g}+ MADs above their stage " \
+          "peers: own work, host time, P2P link cost, collective cost)"
     note = (f"two-level analysis of {present} ranks: every rank reduced to per-iteration own work and host time and "
             f"its fastest transfers and collectives, then {len(sel.ranks)} ranks analysed in full: {why} with "
             f"their TP groups, pipeline and ring neighbours, and {REFERENCE_PIPELINES} reference pipelines")
