@@ -345,15 +345,19 @@ def select(f: Features, budget: int = BUDGET) -> Selection:
     # A rank that finished fewer iterations than the job, or left ops open: a hang's candidates, the fewest first.
     most = int(f.finished[present].max()) if present.any() else 0
     behind = np.where(present, most - f.finished, 0).astype(float) + (f.opened > 0)
-    # Each view's own top ranks: one view's noise (thousands of ranks a few MADs out) must not crowd out another's
-    # fault. Within the cap, the highest first.
-    cands: dict[int, tuple[str, float]] = {}
+    # Each view's own top ranks, taken in turns (every view's first, then every view's second, ...): one view's
+    # noise or victims (a slow rank's TP peers wait in every all-reduce, 70 MADs out) must not crowd out another
+    # view's fault (the slow rank itself, 17 MADs out in own work).
+    best: dict[int, tuple[int, str, float]] = {}
     for k, sc in scores.items():
         sc = np.where(present & np.isfinite(sc), sc, -np.inf)
-        for r in np.argsort(-sc, kind="stable")[:PER_VIEW]:
-            if sc[r] >= Z_SUSPECT and sc[r] > cands.get(int(r), ("", -np.inf))[1]:
-                cands[int(r)] = (k, float(sc[r]))
-    suspects = sorted(((r, k, z) for r, (k, z) in cands.items()), key=lambda x: -x[2])
+        for place, r in enumerate(np.argsort(-sc, kind="stable")[:PER_VIEW]):
+            if sc[r] < Z_SUSPECT:
+                break  # the rest of this view is lower still
+            old = best.get(int(r))
+            if old is None or (place, -sc[r]) < (old[0], -old[2]):
+                best[int(r)] = (place, k, float(sc[r]))
+    suspects = [(r, k, z) for r, (_, k, z) in sorted(best.items(), key=lambda x: (x[1][0], -x[1][2]))]
     hung = [int(r) for r in np.argsort(-behind, kind="stable")[:SUSPECTS] if behind[r] > 0]
 
     chosen: list[int] = []
