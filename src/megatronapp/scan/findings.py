@@ -9,6 +9,15 @@ from statistics import NormalDist
 KINDS = ("hang", "slow-compute", "slow-link", "transient-pause", "late-arrival")
 
 
+def group_label(ranks) -> str:
+    """A group of ranks for a finding's text: every member of a small group, the first few and the count of a large
+    one (a DP group at 100,096 ranks has 782 members; listing them made one finding 5,000 characters long)."""
+    rks = [int(r) for r in ranks]
+    if len(rks) <= 8:
+        return f"group {rks}"
+    return f"group [{', '.join(map(str, rks[:4]))}, ..., {rks[-1]}] ({len(rks)} ranks)"
+
+
 @dataclass
 class Thresholds:
     """When a difference counts as a fault: all of relative, absolute and robust-z minimums must hold."""
