@@ -113,3 +113,18 @@ def test_cli_two_level(jobs, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "megatronapp", "scan", "detect", str(tmp_path / "nope"),
                               "--two-level", "on"], capture_output=True, text=True, timeout=60)
     assert missing.returncode != 0 and "does not exist" in missing.stderr
+
+
+def test_aggregate_only_flagged_two_level_writes_the_flagged_ranks(jobs, tmp_path):
+    from megatronapp.scan.aggregate import aggregate
+
+    out = tmp_path / "flagged.json"
+    two = aggregate(jobs["slow-p2p"], out, only_flagged=True, two_level=True)
+    one = aggregate(jobs["slow-p2p"], tmp_path / "one.json", only_flagged=True)
+    # The same findings (their factors are measured against the peers read: 2.96x against 2.94x), the same ranks.
+    assert [x.split(":")[0] for x in two["findings"]] == [x.split(":")[0] for x in one["findings"]]
+    assert two["written_ranks"] == one["written_ranks"]
+    assert len(two["ranks"]) == TP * PP * DP and two["two_level"].startswith("two-level analysis")
+    events = json.loads(out.read_text())["traceEvents"]
+    assert {e["pid"] for e in events if e.get("ph") == "X"} == set(two["written_ranks"])
+    assert any(e.get("ph") == "s" for e in events)  # flows between the written ranks

@@ -16,12 +16,13 @@ import gzip
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import IO, Any
 
 import numpy as np
 
 from megatronapp.scan.align import estimate_offsets, to_reference
-from megatronapp.scan.format import CATS, RankTrace
+from megatronapp.scan.format import CATS, RankTrace, read_rank
 from megatronapp.scan.traces import read_traces
 
 TID_COMPUTE, TID_COMM = 0, 1
@@ -115,22 +116,51 @@ def flagged_ranks(traces: list[RankTrace], offsets: dict[int, int] | None = None
     return sorted(set(with_peers(small, traces)) | {int(r) for r in large}), [f.describe() for f in findings]
 
 
+def flagged_two_level(trace_dir: str | Path, group_limit: int = 8) -> tuple[list[RankTrace], list[str], str,
+                                                                              list[str], list[int]]:
+    """flagged_ranks for a job too large for one table (triage.analyse_two_level): (the traces of the ranks to write,
+    finding labels, what the triage read, problems, every rank that has a file). Only the written ranks' files are
+    read in full."""
+    from megatronapp.scan.triage import analyse_two_level
+
+    an, problems, feats = analyse_two_level(trace_dir, with_features=True)
+    present = [int(r) for r in np.flatnonzero(feats.coords[:, 0] >= 0)]
+    stubs = [SimpleNamespace(rank=r, coord=tuple(feats.coords[r]), topo=feats.topo) for r in present]
+    findings = an.report.findings
+    small = [r for f in findings if len(f.ranks) <= group_limit for r in f.ranks]
+    large = [r for f in findings if len(f.ranks) > group_limit for r in f.ranks]
+    chosen = sorted(set(with_peers(small, stubs)) | {int(r) for r in large})
+    shared: dict = {}
+    traces = [read_rank(feats.paths[r], shared) for r in chosen if r in feats.paths]
+    return traces, [f.describe() for f in findings], an.report.notes[0], problems, present
+
+
 def aggregate(trace_dir: str | Path, out_path: str | Path, offsets: dict[int, int] | None = None,
-              flows: bool = True, ranks: Iterable[int] | None = None, only_flagged: bool = False) -> dict:
+              flows: bool = True, ranks: Iterable[int] | None = None, only_flagged: bool = False,
+              two_level: bool = False) -> dict:
     """Merge a trace directory into Chrome trace JSON (gzip if `out_path` ends in .gz); return a report.
 
     `offsets` (ns per rank, relative to rank 0) overrides the estimate from the traces' own anchors. `ranks`
     writes only those ranks; `only_flagged` only the ranks detect names plus their peers (with_peers) and, when
-    nothing is found, no rank at all (the report says so). Flow arrows are kept between written ranks."""
-    traces, problems = read_traces(trace_dir)
-    report: dict[str, Any] = {"out": str(out_path), "ranks": [t.rank for t in traces], "problems": problems}
-    keep: set[int] | None = None
+    nothing is found, no rank at all (the report says so). Flow arrows are kept between written ranks.
+    `two_level` (with only_flagged): detect by triage (triage.py) and read only the written ranks in full; their
+    clocks are then aligned among themselves (a job too large to hold: 100,096 ranks)."""
+    if two_level and only_flagged and ranks is None:
+        traces, labels, note, problems, present = flagged_two_level(trace_dir)
+        report: dict[str, Any] = {"out": str(out_path), "ranks": present, "problems": problems, "findings": labels,
+                                  "two_level": note,
+                                  "clocks": "aligned among the written ranks (two-level: the others were not read)"}
+        keep: set[int] | None = {t.rank for t in traces}
+    else:
+        traces, problems = read_traces(trace_dir)
+        report = {"out": str(out_path), "ranks": [t.rank for t in traces], "problems": problems}
+        keep = None
     if ranks is not None:
         keep = {int(r) for r in ranks}
         unknown = sorted(keep - set(report["ranks"]))
         if unknown:
             raise ValueError(f"--ranks names ranks with no readable trace: {unknown[:20]}")
-    if only_flagged:
+    if only_flagged and "findings" not in report:
         chosen, labels = flagged_ranks(traces, offsets)
         keep = set(chosen) if keep is None else keep | set(chosen)
         report["findings"] = labels
@@ -138,7 +168,7 @@ def aggregate(trace_dir: str | Path, out_path: str | Path, offsets: dict[int, in
     if offsets is None:
         offsets, residual, align_report = estimate_offsets(traces)
         report.update(residual_ns=residual, unaligned=align_report["unaligned"])
-    report["offsets_ns"] = {r: int(offsets.get(r, 0)) for r in report["ranks"]}
+    report["offsets_ns"] = {t.rank: int(offsets.get(t.rank, 0)) for t in traces}
     starts = [int(np.min(to_reference(t.rank, t.ts, offsets, align_report))) for t in traces if len(t)]
     origin = min(starts) if starts else 0
     out = Path(out_path)

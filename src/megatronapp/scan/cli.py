@@ -86,7 +86,7 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
     _tune_memory()
     try:
         report = aggregate(args.dir, args.out, ranks=parse_ranks(args.ranks) if args.ranks else None,
-                           only_flagged=args.only_flagged)
+                           only_flagged=args.only_flagged, two_level=args.only_flagged and _two_level(args))
     except ValueError as e:
         print(f"scan aggregate: {e}", file=sys.stderr)
         return 2
@@ -195,6 +195,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--only-flagged", action="store_true",
                    help="write only the ranks `scan detect` names plus their TP peers, neighbouring stages and DP "
                         "ring neighbours: a file Perfetto can open at thousands of ranks")
+    p.add_argument("--two-level", choices=("auto", "on", "off"), default="auto",
+                   help="with --only-flagged: detect by triage and read only the written ranks in full, their clocks "
+                        "aligned among themselves (auto: when the rank files pass 3 GB)")
     p.set_defaults(func=cmd_aggregate)
 
     def common(p: argparse.ArgumentParser) -> None:

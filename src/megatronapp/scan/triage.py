@@ -423,10 +423,11 @@ def select(f: Features, budget: int = BUDGET) -> Selection:
 
 
 def analyse_two_level(trace_dir: str | Path, thresholds=None, workers: int = 2, budget: int = BUDGET,
-                      align: bool = False):
+                      align: bool = False, with_features: bool = False):
     """detect.analyse for a job too large for one table: triage every rank (features, select), then the full
-    detector on the selected ranks. Returns (analysis, problems); the report's notes say what was read.
-    `align`: clock offsets estimated on the selected ranks (as `scan detect --align` on all of them)."""
+    detector on the selected ranks. Returns (analysis, problems), plus the Features with `with_features`; the
+    report's notes say what was read. `align`: clock offsets estimated on the selected ranks (as `scan detect
+    --align` on all of them)."""
     from megatronapp.scan.detect import analyse
 
     if not os.path.isdir(trace_dir):
@@ -452,4 +453,4 @@ def analyse_two_level(trace_dir: str | Path, thresholds=None, workers: int = 2, 
     if sel.truncated:
         note += f"; the selection stopped at its budget of {budget} ranks (a cause outside it is not seen)"
     an.report.notes.insert(0, note)
-    return an, f.problems
+    return (an, f.problems, f) if with_features else (an, f.problems)
