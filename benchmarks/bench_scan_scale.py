@@ -113,6 +113,109 @@ def timed(cmd: list[str]) -> dict:
             "peak_mb": round(ru.ru_maxrss / 1024, 1), "load_avg": [round(load0, 1), round(os.getloadavg()[0], 1)]}
 
 
+def _tree_pss_kb(pid: int) -> int:
+    """Proportional set size of a process and all its descendants (kB): shared pages counted once, so a parent and
+    its forked workers add up to what they hold together."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                total += next((int(line.split()[1]) for line in f if line.startswith("Pss:")), 0)
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue  # gone meanwhile
+    return total
+
+
+def timed_tree(cmd: list[str], stdout: str | None = None) -> dict:
+    """timed() for a command that starts worker processes: also the peak of the summed PSS of its process tree,
+    sampled every 0.1 s (wait4's peak RSS is the largest single process's)."""
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    peak = 0
+    with open(stdout or os.devnull, "w") as sink, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=err, text=True)
+        while proc.poll() is None:
+            peak = max(peak, _tree_pss_kb(proc.pid))
+            time.sleep(0.1)
+        wall = time.perf_counter() - t0
+        if proc.returncode:
+            err.seek(0)
+            raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}): {err.read()[-800:]}")
+    return {"wall_s": round(wall, 2), "peak_tree_pss_mb": round(peak / 1024, 1),
+            "load_avg": [round(load0, 1), round(os.getloadavg()[0], 1)]}
+
+
+SCALE_TP, SCALE_PP, SCALE_DP = 8, 16, 782  # 100,096 ranks: the issue's 100,000 rounded up to whole replicas
+
+
+def scale_faults(seed: int) -> list[str]:
+    """Four faults of four kinds at ranks drawn from `seed` (never tuned to one placement): a slow rank, a weak DP
+    ring link, a pause every third iteration and a slow P2P link."""
+    import random
+
+    rng = random.Random(seed)
+
+    def rank(d: int, s: int, t: int) -> int:
+        return t + SCALE_TP * (d + SCALE_DP * s)
+
+    d = [rng.randrange(SCALE_DP - 1) for _ in range(4)]
+    s = [rng.randrange(SCALE_PP - 1) for _ in range(4)]
+    t = [rng.randrange(SCALE_TP) for _ in range(4)]
+    return [f"slow-compute={rank(d[0], s[0], t[0])}:1.3",
+            f"slow-link={rank(d[1], s[1], t[1])}-{rank(d[1] + 1, s[1], t[1])}:1.5",
+            f"pause={rank(d[2], s[2], t[2])}:30:3",
+            f"slow-link={rank(d[3], s[3], t[3])}-{rank(d[3], s[3] + 1, t[3])}:2"]
+
+
+def scale_main(seed: int) -> None:
+    """simulate + detect (+ aggregate --only-flagged) of 100,096 ranks x 10 iterations, healthy and with four faults,
+    each command its own process as a user runs it; results under scale_100k in results/scan_scale_cli.json."""
+    cli = [sys.executable, "-m", "megatronapp", "scan"]
+    ranks = SCALE_TP * SCALE_PP * SCALE_DP
+    runs = []
+    for faults in ([], scale_faults(seed)):
+        with tempfile.TemporaryDirectory(dir=os.environ.get("SCAN_SCALE_DIR")) as tmp:
+            trace = str(Path(tmp) / "trace")
+            row = {"ranks": ranks, "tp": SCALE_TP, "pp": SCALE_PP, "iterations": 10, "faults": faults,
+                   "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            row["simulate"] = timed_tree(cli + ["simulate", "--ranks", str(ranks), "--tp", str(SCALE_TP), "--pp",
+                                                str(SCALE_PP), "--iterations", "10", "-o", trace]
+                                         + [x for f in faults for x in ("--fault", f)])
+            row["bytes_on_disk"] = sum(p.stat().st_size for p in Path(trace).glob("rank*.mst"))
+            report = str(Path(tmp) / "report.json")
+            row["detect"] = timed_tree(cli + ["detect", trace, "--json"], stdout=report)
+            rep = json.loads(Path(report).read_text())
+            row["findings"] = [{"kind": f["kind"], "ranks": f["ranks"] if len(f["ranks"]) <= 8 else
+                                f"{len(f['ranks'])} ranks from {f['ranks'][0]}", "confidence": f["confidence"]}
+                               for f in rep["findings"]]
+            row["notes"] = rep["notes"][:1]
+            truth = json.loads((Path(trace) / "ground_truth.json").read_text())["faults"]
+            named = [any(set(t["ranks"]) <= set(f["ranks"]) and f["kind"] == {"pause": "transient-pause"}.get(
+                t["kind"], t["kind"]) for f in rep["findings"]) for t in truth]
+            true_f = [any(set(t["ranks"]) <= set(f["ranks"]) for t in truth) for f in rep["findings"]]
+            row["faults_named"] = f"{sum(named)}/{len(truth)}"
+            row["findings_true"] = f"{sum(true_f)}/{len(true_f)}"
+            row["simulate_plus_detect_s"] = round(row["simulate"]["wall_s"] + row["detect"]["wall_s"], 1)
+            if faults:
+                out = str(Path(tmp) / "flagged.json.gz")
+                row["aggregate_only_flagged"] = timed_tree(cli + ["aggregate", trace, "-o", out, "--only-flagged"])
+                row["aggregate_only_flagged"]["bytes"] = Path(out).stat().st_size
+        print(json.dumps(row))
+        runs.append(row)
+    before = json.loads(CLI_RESULTS.read_text()) if CLI_RESULTS.exists() else {}
+    earlier = before.get("scale_100k_earlier", [])
+    if "scale_100k" in before:
+        earlier.append(before["scale_100k"])
+    before.update(scale_100k={"runs": runs, "seed": seed, "targets": {"simulate_plus_detect_s": 60,
+                                                                      "peak_mb": 4096}},
+                  scale_100k_earlier=earlier)
+    CLI_RESULTS.write_text(json.dumps(before, indent=1))
+    print(f"-> {CLI_RESULTS}")
+
+
 def cli_run(ranks: int, tmp: str) -> dict:
     """simulate (defaults but tp 8, pp 16), then detect --json and aggregate --only-flagged, as a user runs them."""
     cli = [sys.executable, "-m", "megatronapp", "scan"]
@@ -239,7 +342,14 @@ def main() -> None:
                     help="also time `scan aggregate` (all ranks, and --only-flagged) on the largest faulty run")
     ap.add_argument("--cli", type=int, default=None, metavar="RANKS",
                     help="time the CLI (simulate, detect --json, aggregate --only-flagged) at this size instead")
+    ap.add_argument("--scale-100k", action="store_true",
+                    help="simulate + detect (+ aggregate --only-flagged) of 100,096 ranks x 10 iterations (tp 8, "
+                         "pp 16), healthy and with four faults; SCAN_SCALE_DIR picks where the 7.8 GB of files go")
+    ap.add_argument("--seed", type=int, default=0, help="with --scale-100k: where the four faults are placed")
     args = ap.parse_args()
+    if args.scale_100k:
+        scale_main(args.seed)
+        return
     if args.cli is not None:
         cli_main(args.cli, max(args.blocks, 1))
         return
