@@ -128,3 +128,21 @@ def test_aggregate_only_flagged_two_level_writes_the_flagged_ranks(jobs, tmp_pat
     events = json.loads(out.read_text())["traceEvents"]
     assert {e["pid"] for e in events if e.get("ph") == "X"} == set(two["written_ranks"])
     assert any(e.get("ph") == "s" for e in events)  # flows between the written ranks
+
+
+@pytest.mark.parametrize("victim", [rank(1, 0, 1), rank(11, 2, 0)])
+def test_two_level_names_the_rank_a_hung_job_waits_for(jobs, tmp_path, victim):
+    """A hang injected into the healthy job's traces (scan/perturb.py, the tracer's open records re-written): the
+    triage reads a few of the stuck ranks, and ranks it did not read are never blamed."""
+    from megatronapp.scan.format import COLUMNS, RankWriter, rank_file
+    from megatronapp.scan.perturb import Perturbation, perturb
+
+    hung = perturb(read_dir(jobs["healthy"])[0], [Perturbation("hang", (victim,), at_iteration=3)])
+    for t in hung:
+        with RankWriter(rank_file(tmp_path, t.rank), {k: v for k, v in t.header.items() if k != "footer"}) as w:
+            w.write_columns(t.names, t.groups, {c: getattr(t, c) for c in COLUMNS})
+            w.write_columns(t.names, t.groups, {c: t.opened[c] for c in COLUMNS})
+    full = detect(read_dir(tmp_path)[0])
+    an, _ = triage.analyse_two_level(tmp_path, workers=1, budget=200)
+    assert [(f.kind, f.ranks) for f in an.report.findings] == [(f.kind, f.ranks) for f in full.findings] \
+        == [("hang", (victim,))]

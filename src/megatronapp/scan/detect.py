@@ -67,15 +67,18 @@ class Analysis:
 
 def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
             thresholds: Thresholds | None = None, clock: dict | None = None,
-            release_traces: bool = False) -> Analysis:
+            release_traces: bool = False, partial: bool = False) -> Analysis:
     """Run all detectors; return the report together with the per-rank phase and wait matrices.
+
+    `partial`: the traces are a selection of the job's ranks (triage.analyse_two_level): ranks without a trace are
+    unknown, never blamed for a hang.
 
     `release_traces`: the traces' span columns are emptied once joined into the table (table.join), for a caller
     that reads the traces only to analyse them (the CLI): one copy of every span in memory instead of two."""
     if not traces:
         raise ValueError("no rank traces to analyse (empty trace directory?)")
     th = thresholds or Thresholds()
-    hangs = hang_findings(traces)
+    hangs = hang_findings(traces, partial)
     if hangs:  # what a hang cut short is no evidence of speed: judge the iterations every rank finished
         traces = _finished_iterations(traces)
     tb = join(traces, release=release_traces)

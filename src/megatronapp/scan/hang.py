@@ -68,14 +68,18 @@ def _opened_anything(traces: list[RankTrace]) -> dict[int, set]:
     return seen
 
 
-def hang_findings(traces: list[RankTrace]) -> list[Finding]:
-    """`hang` findings: the rank(s) the stuck ranks wait for, and the op they wait in."""
+def hang_findings(traces: list[RankTrace], partial: bool = False) -> list[Finding]:
+    """`hang` findings: the rank(s) the stuck ranks wait for, and the op they wait in.
+
+    `partial`: the traces are a selection of the job's ranks (two-level detection), so a rank without a trace here
+    is unknown, not one that never opened the op: it is never blamed (a missing rank file of a whole job still is)."""
     stuck = in_flight(traces)
     if not stuck:
         return []
     opened = _opened_anything(traces)
     coords = {t.rank: t.coord for t in traces}
     waits_for: dict[int, tuple[set, tuple]] = {}
+    unknown: set[int] = set()
     closed = {t.rank: {_key(t, c, i) for i in np.flatnonzero(c["cat"] == _COMM)}
               for t in traces for c in [{k: np.asarray(getattr(t, k)) for k in ("name", "gid", "seq", "peer", "cat")}]}
 
@@ -97,13 +101,16 @@ def hang_findings(traces: list[RankTrace]) -> list[Finding]:
             missing = {dst} if ("recv", gname, granks, seq, src, dst) not in opened.get(dst, set()) else set()
         else:
             missing = {m for m in granks if m != r and key not in opened.get(m, set())}
+        if partial and any(m not in opened for m in missing):
+            unknown.add(r)  # it may wait for a rank not read: neither a root nor proof of a hang inside the op
+            missing = {m for m in missing if m in opened}
         waits_for[r] = (missing, key)
     ahead_of_time = _break_link_cycles(waits_for)
     # Roots: waited for by someone, and not themselves stuck in a comm op waiting for another rank.
     blamed: dict[int, list[int]] = {}
     for r, (missing, _) in waits_for.items():
         for m in missing:
-            if not waits_for.get(m, (set(),))[0]:
+            if not waits_for.get(m, (set(),))[0] and m not in unknown:
                 blamed.setdefault(m, []).append(r)
     if not blamed:
         blamed = _cycle_root(waits_for, opened)
@@ -120,7 +127,7 @@ def hang_findings(traces: list[RankTrace]) -> list[Finding]:
             where = f"itself in {stuck[root][0][0][0]} on {stuck[root][0][0][1]}"
         out.append(_finding(root, coords, victims, key, f"{len(victims)} rank(s) wait for it in "
                             f"{key[0]} on group {key[1]} (seq {key[3]}); it is {where}"))
-    inside = [r for r, (missing, _) in waits_for.items() if not missing]
+    inside = [r for r, (missing, _) in waits_for.items() if not missing and r not in unknown]
     if inside and not out:
         key = waits_for[inside[0]][1]
         members = tuple(sorted(key[2])) or tuple(sorted(inside))

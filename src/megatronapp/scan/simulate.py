@@ -13,8 +13,9 @@ MegaScan's localisation of a slow link inside a group reads. Without a slow link
 
 Vectorised over the (dp, tp) plane: one numpy step per (stage, task) of the static 1F1B order, so 12,288 ranks
 cost the same number of Python steps as 8. Spans are kept per stage as planes of times with their metadata once
-(`_Slots`) and written a stage at a time by two threads, so 100,096 ranks x 10 iterations fit in 2.6 GB. Each rank's clock has its own offset (files are written in local
-time, like real ones); the ground truth goes to `ground_truth.json`, never into the rank files.
+(`_Slots`) and written a stage at a time by two threads, so 100,096 ranks x 10 iterations fit in 2.6 GB. Each
+rank's clock has its own offset (files are written in local time, like real ones); the ground truth goes to
+`ground_truth.json`, never into the rank files.
 """
 from __future__ import annotations
 

@@ -52,7 +52,8 @@ class Features:
     peer_up: np.ndarray  # [rank]: its P2P peer above (the highest it exchanged with), -1 if none
     coll: np.ndarray  # [rank, len(KINDS)]: fastest collective instance of each kind
     finished: np.ndarray  # [rank]: iterations with a step span
-    opened: np.ndarray  # [rank]: ops written as opened and never closed
+    opened: np.ndarray  # [rank]: comm ops written as opened beyond those closed (in flight at the end)
+    spans: np.ndarray  # [rank]: spans finished (how far the rank got)
     problems: list[str]
     paths: dict[int, str]  # rank -> its file
 
@@ -189,7 +190,10 @@ def _batch(traces: list) -> dict:
             "p2p": fast / 1e6, "peer_up": np.nan_to_num(peer_up, nan=-1).astype(np.int64),
             "coll": coll / 1e6,
             "finished": has.sum(axis=1),
-            "opened": np.array([len(t.opened.get("ts", ())) for t in traces], np.int64)}
+            # The tracer writes every comm op when opened; opened beyond closed is what was in flight at the end.
+            "opened": np.maximum(np.array([len(t.opened.get("ts", ())) for t in traces], np.int64)
+                                 - np.bincount(local[comm], minlength=B), 0),
+            "spans": lens}
 
 
 def _min_per_rank(mask: np.ndarray, local: np.ndarray, values: np.ndarray, B: int) -> np.ndarray:
@@ -225,8 +229,8 @@ def features(trace_dir: str | Path, workers: int = 2) -> Features:
     f = Features(world, iters, np.full((world, 3), -1, np.int64), parts[0]["topo"],
                  np.full((world, W), np.nan), np.full((world, W), np.nan), np.full((world, 4), np.nan),
                  np.full(world, -1, np.int64),
-                 np.full((world, len(KINDS)), np.nan), np.zeros(world, np.int64), np.zeros(world, np.int64), problems,
-                 {})
+                 np.full((world, len(KINDS)), np.nan), np.zeros(world, np.int64), np.zeros(world, np.int64),
+                 np.zeros(world, np.int64), problems, {})
     for p in parts:
         r = p["rank"]
         for rank, path in zip(r.tolist(), p["path"]):
@@ -241,13 +245,14 @@ def features(trace_dir: str | Path, workers: int = 2) -> Features:
             f.work[np.ix_(r, cols)] = p["work"][:, :len(cols)]
             f.host[np.ix_(r, cols)] = p["host"][:, :len(cols)]
         f.p2p[r], f.coll[r], f.finished[r], f.opened[r] = p["p2p"], p["coll"], p["finished"], p["opened"]
+        f.spans[r] = p["spans"]
         f.peer_up[r] = np.where(p["peer_up"] < world, p["peer_up"], -1)
     return f
 
 
 Z_SUSPECT = 5.0  # MADs above the stage's peers: low on purpose (the full detector judges; this only selects)
 PER_VIEW = 8  # suspects each view (own work, host time, links, collectives) brings, the highest first
-SUSPECTS = 32  # hang candidates taken, the furthest behind first
+HANG_CANDIDATES = 32  # in a hung job: ranks taken that got least far against their stage peers
 WITH_PIPELINE = 8  # of them, the first this many bring their whole pipeline (every stage and TP rank of their replica)
 REFERENCE_PIPELINES = 4  # whole pipelines read as reference peers for every stage
 BUDGET = 8192  # ranks the full detector reads at most (about 10 million spans at 1,280 a rank: 1.8 GB)
@@ -343,9 +348,13 @@ def select(f: Features, budget: int = BUDGET) -> Selection:
         scores = {k: np.nanmax(_robust_z(getattr(f, k), stage), axis=1, initial=-np.inf) for k in ("work", "host")}
         scores["coll"] = np.nanmax(_robust_z(f.coll, stage, abs_floor=LINK_ABS_FLOOR_MS), axis=1, initial=-np.inf)
         scores["p2p"] = _link_scores(f, stage)
-    # A rank that finished fewer iterations than the job, or left ops open: a hang's candidates, the fewest first.
-    most = int(f.finished[present].max()) if present.any() else 0
-    behind = np.where(present, most - f.finished, 0).astype(float) + (f.opened > 0)
+    # A hung job (comm ops left in flight): the rank everyone waits for stopped first, in its own work or in an op
+    # its peers never reach, so it finished fewer spans than its stage peers, who ran on until they blocked on it.
+    hung: list[int] = []
+    if (f.opened[present] > 0).any():
+        behind = -_robust_z(f.spans[:, None].astype(float), stage)[:, 0]
+        behind = np.where(present, np.nan_to_num(behind, nan=-np.inf), -np.inf)
+        hung = [int(r) for r in np.argsort(-behind, kind="stable")[:HANG_CANDIDATES] if behind[r] > 0]
     # Each view's own top ranks, taken in turns (every view's first, then every view's second, ...): one view's
     # noise or victims (a slow rank's TP peers wait in every all-reduce, 70 MADs out) must not crowd out another
     # view's fault (the slow rank itself, 17 MADs out in own work).
@@ -359,7 +368,6 @@ def select(f: Features, budget: int = BUDGET) -> Selection:
             if old is None or (place, -sc[r]) < (old[0], -old[2]):
                 best[int(r)] = (place, k, float(sc[r]))
     suspects = [(r, k, z) for r, (_, k, z) in sorted(best.items(), key=lambda x: (x[1][0], -x[1][2]))]
-    hung = [int(r) for r in np.argsort(-behind, kind="stable")[:SUSPECTS] if behind[r] > 0]
 
     chosen: list[int] = []
     seen: set[int] = set()
@@ -392,6 +400,9 @@ def select(f: Features, budget: int = BUDGET) -> Selection:
     # Reference peers first: without them no stage has the peers the full detector compares against.
     for d in np.unique(np.linspace(0, dp - 1, min(REFERENCE_PIPELINES, dp)).round().astype(int)):
         ok = ok and add(pipeline(int(d)))
+    # A hang first: the job is stuck, and how it was slow before matters less (detect puts hangs first too).
+    for r in hung:
+        ok = ok and add([r] + context(r))
     # A collective slow for a whole group (a slow ring link, a slow switch): the group's typical member (median over
     # members of each one's fastest instance) above the other groups of its kind in the same stage. A weak link
     # hardly moves any one member (1.5x on one DP link: +1.5 ms in a 6 ms all-reduce beside arrival skews of
@@ -417,8 +428,6 @@ def select(f: Features, budget: int = BUDGET) -> Selection:
         ok = ok and add([r] + context(r))
         if i < WITH_PIPELINE:
             ok = ok and add(pipeline(int(f.coords[r, 0])))
-    for r in hung:
-        ok = ok and add([r] + context(r))
     return Selection(sorted(chosen), suspects, groups, not ok)
 
 
@@ -441,7 +450,8 @@ def analyse_two_level(trace_dir: str | Path, thresholds=None, workers: int = 2, 
         from megatronapp.scan.align import estimate_offsets
 
         offsets, _, clock = estimate_offsets(traces)
-    an = analyse(traces, offsets, thresholds=thresholds, clock=clock, release_traces=True)
+    an = analyse(traces, offsets, thresholds=thresholds, clock=clock, release_traces=True,
+                 partial=len(sel.ranks) < len(f.paths))
     present = int((f.coords[:, 0] >= 0).sum())
     why = f"{len(sel.suspects)} suspects (each view's top {PER_VIEW} at {Z_SUSPECT:g}+ MADs above their stage " \
           "peers: own work, host time, P2P link cost, collective cost)"
