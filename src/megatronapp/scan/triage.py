@@ -261,6 +261,9 @@ BUDGET = 8192  # ranks the full detector reads at most (about 10 million spans a
 REL_FLOOR, ABS_FLOOR_MS = 0.02, 0.05
 LINK_ABS_FLOOR_MS = 0.005  # links and collectives: their fastest instance is steady to microseconds
 GROUP_QUANTILE, GROUP_REL_FLOOR = 0.05, 0.005
+# A slow group costs its stage in the full pass (6,256 ranks at 100,096): healthy 100,096-rank jobs had a DP group at
+# 5 MADs, the weak (1.5x) DP links 19 and 40.
+Z_GROUP = 10.0
 
 
 def _robust_z(x: np.ndarray, stage: np.ndarray, rel_floor: float | None = None,
@@ -305,7 +308,7 @@ def _link_scores(f: Features, stage: np.ndarray) -> np.ndarray:
 
 
 def _group_z(key: np.ndarray, value: np.ndarray, stage_of_group: np.ndarray) -> list[tuple[int, float]]:
-    """Groups (key >= 0) whose low member value (GROUP_QUANTILE) stands Z_SUSPECT+ robust spreads above the other
+    """Groups (key >= 0) whose low member value (GROUP_QUANTILE) stands Z_GROUP+ robust spreads above the other
     groups of the same stage: [(group key, z)], the highest first.
 
     A low quantile, not the median: behind a slow MEMBER every other member waits in every instance, but the slow
@@ -323,7 +326,7 @@ def _group_z(key: np.ndarray, value: np.ndarray, stage_of_group: np.ndarray) -> 
     low = np.array([np.quantile(v, GROUP_QUANTILE, method="lower") for v in np.split(vals, starts[1:])])
     gstage = stage_of_group[m][order][starts]
     z = _robust_z(low[:, None], gstage, GROUP_REL_FLOOR, LINK_ABS_FLOOR_MS)[:, 0]
-    hot = np.flatnonzero(np.nan_to_num(z, nan=-np.inf) >= Z_SUSPECT)
+    hot = np.flatnonzero(np.nan_to_num(z, nan=-np.inf) >= Z_GROUP)
     return [(int(keys[i]), float(z[i])) for i in hot[np.argsort(-z[hot])]]
 
 
@@ -400,13 +403,17 @@ def select(f: Features, budget: int = BUDGET) -> Selection:
     # Reference peers first: without them no stage has the peers the full detector compares against.
     for d in np.unique(np.linspace(0, dp - 1, min(REFERENCE_PIPELINES, dp)).round().astype(int)):
         ok = ok and add(pipeline(int(d)))
-    # A hang first: the job is stuck, and how it was slow before matters less (detect puts hangs first too).
+    # A hang next: the job is stuck, and how it was slow before matters less (detect puts hangs first too).
     for r in hung:
         ok = ok and add([r] + context(r))
-    # A collective slow for a whole group (a slow ring link, a slow switch): the group's typical member (median over
-    # members of each one's fastest instance) above the other groups of its kind in the same stage. A weak link
-    # hardly moves any one member (1.5x on one DP link: +1.5 ms in a 6 ms all-reduce beside arrival skews of
-    # several ms), but the median of hundreds of members is steady. The group is read whole, with its stage.
+    for r, _, _ in suspects:
+        ok = ok and add([r] + context(r))
+    # A collective slow for a whole group (a slow ring link, a slow switch): the group's low members (their own
+    # fastest instances) above the other groups of its kind in the same stage. A weak link hardly moves any one
+    # member (1.5x on one DP link: +1.5 ms in a 6 ms all-reduce beside arrival skews of several ms), but a quantile
+    # of hundreds of members is steady. The group is read whole, then its stage: its members are put on one clock
+    # through the groups that leave together (ring.bridge_offsets), each member's TP peers and their DP groups.
+    slow_groups = []
     for k, kind in enumerate(KINDS):
         if kind == "pp" or not np.isfinite(f.coll[:, k]).any():
             continue
@@ -415,19 +422,17 @@ def select(f: Features, budget: int = BUDGET) -> Selection:
         size = tp if kind == "tp" else dp
         if size < 3:
             continue  # a pair's link is a P2P-like pair: the members' own scores cover it
-        gz = _group_z(key, f.coll[:, k], key // (dp if kind == "tp" else tp))
-        for g, z in gz[:4]:
-            members = np.flatnonzero(key == g)
-            groups.append(f"{kind} group of rank {int(members[0])} (typical member {z:.0f} MADs above its stage's "
-                          "groups)")
-            ok = ok and add(members)
-            # Its members are put on one clock through the groups that leave together (ring.bridge_offsets): each
-            # member's TP peers and their DP groups, i.e. the whole stage, which is read where the budget allows.
-            ok = ok and add(np.flatnonzero(present & (stage == f.coords[members[0], 1])))
-    for i, (r, _, _) in enumerate(suspects):
-        ok = ok and add([r] + context(r))
-        if i < WITH_PIPELINE:
-            ok = ok and add(pipeline(int(f.coords[r, 0])))
+        for g, z in _group_z(key, f.coll[:, k], key // (dp if kind == "tp" else tp))[:4]:
+            slow_groups.append((z, kind, np.flatnonzero(key == g)))
+    slow_groups.sort(key=lambda x: -x[0])
+    for z, kind, members in slow_groups:
+        groups.append(f"{kind} group of rank {int(members[0])} (its low members {z:.0f} MADs above its stage's "
+                      "groups)")
+        ok = ok and add(members)
+    for _, _, members in slow_groups:
+        ok = ok and add(np.flatnonzero(present & (stage == f.coords[members[0], 1])))
+    for r, _, _ in suspects[:WITH_PIPELINE]:
+        ok = ok and add(pipeline(int(f.coords[r, 0])))
     return Selection(sorted(chosen), suspects, groups, not ok)
 
 
