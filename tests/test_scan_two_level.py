@@ -146,3 +146,19 @@ def test_two_level_names_the_rank_a_hung_job_waits_for(jobs, tmp_path, victim):
     an, _ = triage.analyse_two_level(tmp_path, workers=1, budget=200)
     assert [(f.kind, f.ranks) for f in an.report.findings] == [(f.kind, f.ranks) for f in full.findings] \
         == [("hang", (victim,))]
+
+
+def test_a_second_file_claiming_a_rank_is_ignored_as_read_dir_does(jobs, tmp_path):
+    import shutil
+
+    d = tmp_path / "job"
+    shutil.copytree(jobs["healthy"], d)
+    slow = rank(9, 2, 1)
+    shutil.copy(jobs["slow-compute"] / f"rank{slow:05d}.mst", d / "rank99999.mst")  # claims rank `slow`, sorts last
+    f = triage.features(d, workers=2)
+    assert any(f"rank99999.mst claims rank {slow}" in p for p in f.problems)
+    assert f.paths[slow].endswith(f"rank{slow:05d}.mst")
+    healthy = triage.features(jobs["healthy"], workers=1)
+    assert np.allclose(f.work[slow], healthy.work[slow]) and np.allclose(f.host, healthy.host, equal_nan=True)
+    an, problems = triage.analyse_two_level(d, workers=1, budget=200)
+    assert not an.report.findings and any("claims rank" in p for p in problems)

@@ -231,14 +231,19 @@ def features(trace_dir: str | Path, workers: int = 2) -> Features:
                  np.full(world, -1, np.int64),
                  np.full((world, len(KINDS)), np.nan), np.zeros(world, np.int64), np.zeros(world, np.int64),
                  np.zeros(world, np.int64), problems, {})
+    # As read_dir: the first file by name that claims a rank is the rank (the workers' shares interleave).
+    order = {path: i for i, path in enumerate(paths)}
     for p in parts:
+        for rank, path in zip(p["rank"].tolist(), p["path"]):
+            if rank not in f.paths or order[path] < order[f.paths[rank]]:
+                f.paths[rank] = path
+    for p in parts:
+        first = np.array([f.paths[rank] == path for rank, path in zip(p["rank"].tolist(), p["path"])], bool)
+        for rank, path in zip(p["rank"][~first].tolist(), np.asarray(p["path"], object)[~first]):
+            problems.append(f"{os.path.basename(path)} claims rank {rank}, already read from "
+                            f"{os.path.basename(f.paths[rank])}; ignored")
+        p = {k: (v[first] if isinstance(v, np.ndarray) and k != "iters" else v) for k, v in p.items()}
         r = p["rank"]
-        for rank, path in zip(r.tolist(), p["path"]):
-            if rank in f.paths:
-                problems.append(f"{os.path.basename(path)} claims rank {rank}, already read from "
-                                f"{os.path.basename(f.paths[rank])}; ignored")
-                continue
-            f.paths[rank] = path
         f.coords[r] = p["coord"]
         cols = np.searchsorted(iters, p["iters"])
         if len(cols):
