@@ -173,6 +173,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"scan simulate: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a read-only directory: say where, not a traceback from a writer thread
+        print(f"scan simulate: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 1
     faults = "; ".join(f.label() for f in res.faults) or "none"
     print(f"wrote {res.world} rank files ({res.spans} spans) to {res.out_dir}: tp={res.tp} pp={res.pp} "
           f"dp={res.dp}, {res.iterations} iterations x {res.microbatches} microbatches; faults: {faults}")
