@@ -111,9 +111,14 @@ def flagged_ranks(traces: list[RankTrace], offsets: dict[int, int] | None = None
     from megatronapp.scan.detect import detect
 
     findings = detect(traces, offsets).findings
+    return _with_peers_of(findings, traces, group_limit), [f.describe() for f in findings]
+
+
+def _with_peers_of(findings: list, traces: list, group_limit: int) -> list[int]:
+    """The ranks findings name plus with_peers of those in findings of at most `group_limit` ranks."""
     small = [r for f in findings if len(f.ranks) <= group_limit for r in f.ranks]
     large = [r for f in findings if len(f.ranks) > group_limit for r in f.ranks]
-    return sorted(set(with_peers(small, traces)) | {int(r) for r in large}), [f.describe() for f in findings]
+    return sorted(set(with_peers(small, traces)) | {int(r) for r in large})
 
 
 def flagged_two_level(trace_dir: str | Path, group_limit: int = 8) -> tuple[list[RankTrace], list[str], str,
@@ -127,9 +132,7 @@ def flagged_two_level(trace_dir: str | Path, group_limit: int = 8) -> tuple[list
     present = [int(r) for r in np.flatnonzero(feats.coords[:, 0] >= 0)]
     stubs = [SimpleNamespace(rank=r, coord=tuple(feats.coords[r]), topo=feats.topo) for r in present]
     findings = an.report.findings
-    small = [r for f in findings if len(f.ranks) <= group_limit for r in f.ranks]
-    large = [r for f in findings if len(f.ranks) > group_limit for r in f.ranks]
-    chosen = sorted(set(with_peers(small, stubs)) | {int(r) for r in large})
+    chosen = _with_peers_of(findings, stubs, group_limit)
     shared: dict = {}
     traces = [read_rank(feats.paths[r], shared) for r in chosen if r in feats.paths]
     return traces, [f.describe() for f in findings], an.report.notes[0], problems, present

@@ -9,6 +9,11 @@ from statistics import NormalDist
 KINDS = ("hang", "slow-compute", "slow-link", "transient-pause", "late-arrival")
 
 
+def link_label(ranks) -> str:
+    """A slow link's ranks for a finding's text: `a-b` for a pair, else group_label."""
+    return f"{ranks[0]}-{ranks[1]}" if len(ranks) == 2 else group_label(ranks)
+
+
 def group_label(ranks) -> str:
     """A group of ranks for a finding's text: every member of a small group, the first few and the count of a large
     one (a DP group at 100,096 ranks has 782 members; listing them made one finding 5,000 characters long)."""

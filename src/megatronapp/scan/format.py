@@ -110,9 +110,7 @@ class RankWriter:
     """Append spans to one rank's trace file; buffers records and writes them as blocks."""
 
     def __init__(self, path: str | Path, header: dict, buffer_records: int = 4096):
-        for key in ("rank", "world", "coord", "topo"):
-            if key not in header:
-                raise ValueError(f"trace header needs {key!r} (got keys {sorted(header)})")
+        _check_header(header)
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f: BinaryIO | None = open(self.path, "wb")  # noqa: SIM115 (lives until close())
@@ -234,9 +232,7 @@ def write_rank_file(path: str | Path, header: dict, names: list[str], groups: li
     the records. For writers of many finished files (the simulator: 100,096 of them), where a RankWriter per file
     cost more than the records. The GIL is released while the records are checksummed and written, so writer
     threads overlap."""
-    for key in ("rank", "world", "coord", "topo"):
-        if key not in header:
-            raise ValueError(f"trace header needs {key!r} (got keys {sorted(header)})")
+    _check_header(header)
     if rec.dtype != RECORD or not rec.flags.c_contiguous:
         raise ValueError(f"write_rank_file: expected a contiguous format.RECORD array (got {rec.dtype})")
     parts: list = [MAGIC]
@@ -268,6 +264,12 @@ def write_rank_file(path: str | Path, header: dict, names: list[str], groups: li
                     done = 0
     finally:
         os.close(fd)
+
+
+def _check_header(header: dict) -> None:
+    for key in ("rank", "world", "coord", "topo"):
+        if key not in header:
+            raise ValueError(f"trace header needs {key!r} (got keys {sorted(header)})")
 
 
 def _members(ranks: Any) -> tuple[int, ...]:

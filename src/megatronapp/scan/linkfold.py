@@ -31,7 +31,7 @@ import numpy as np
 
 from megatronapp.scan.contention import STARVED, cpu_wait_share
 from megatronapp.scan.evidence import group_quantile
-from megatronapp.scan.findings import Finding, group_label
+from megatronapp.scan.findings import Finding, link_label
 from megatronapp.scan.fold import fold_into
 from megatronapp.scan.format import CAT_INDEX
 from megatronapp.scan.table import Table
@@ -130,8 +130,7 @@ def links_within_cpu_waits(findings: list[Finding], tb: Table) -> tuple[list[Fin
                 demoted.append(f)
     if not demoted:
         return findings, None
-    names = ", ".join(("-".join(map(str, f.ranks)) if len(f.ranks) == 2 else group_label(f.ranks))
-                      + f" (+{f.excess_ms:.1f} ms)" for f in demoted)
+    names = ", ".join(link_label(f.ranks) + f" (+{f.excess_ms:.1f} ms)" for f in demoted)
     return findings, (f"slower transfers on {names} by no more than their ends waited for a CPU per work span (up "
                       f"to {max(f.evidence['cpu_wait_ms_per_span'] for f in demoted):.1f} ms) on this "
                       f"oversubscribed host: confidence at most {_STARVED_LINK_CONFIDENCE}, confirm with "

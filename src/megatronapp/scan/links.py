@@ -8,7 +8,7 @@ import numpy as np
 from megatronapp.scan import ring
 from megatronapp.scan.align import row_offsets
 from megatronapp.scan.evidence import sign_p
-from megatronapp.scan.findings import Finding, Thresholds, group_label
+from megatronapp.scan.findings import Finding, Thresholds, link_label
 from megatronapp.scan.stats import confidence, group_median, lookup, robust_excess
 from megatronapp.scan.table import COMM, MS, Phases, Table, Waits, coord, group_name_ids, match_p2p, rank_chunks
 
@@ -219,7 +219,7 @@ def _link_findings(tb: Table, th: Thresholds, unit: np.ndarray, cls: np.ndarray,
             factor = float(rmed[k] / ref[i, 0])
             ev = {"what": what, "transfers": int(n[k]), "median_ms": round(tmed[k] / MS, 4),
                   "peer_median_ms": round(peer_t / MS, 4), "z": round(float(z[i, 0]), 1)}
-            label = f"{rks[0]}-{rks[1]}" if len(rks) == 2 else group_label(rks)
+            label = link_label(rks)
             out.append(Finding("slow-link", rks, [coord(tb, r) for r in rks],
                                f"{factor:.2f}x transfer time on {what} {label}", round(factor, 3),
                                round((tmed[k] - peer_t) / MS, 4), confidence(float(z[i, 0]), 1.0, zmin), ev))
@@ -274,7 +274,7 @@ def slower_of_two(tb: Table, th: Thresholds, units: np.ndarray, unit: np.ndarray
           "median_ms": round(float(np.median(tb_)) / MS, 4), "peer_median_ms": round(ref / MS, 4),
           "peer": [int(x) for x in ranks_of(units[0])], "median_difference_ms": round(med / MS, 4),
           "difference_spread_ms": round(spread / MS, 4), "z": round(z, 1)}
-    label = f"{rks[0]}-{rks[1]}" if len(rks) == 2 else group_label(rks)
+    label = link_label(rks)
     return Finding("slow-link", rks, [coord(tb, r) for r in rks],
                    f"{factor:.2f}x transfer time on {what} {label} (+{med / MS:.1f} ms in {slower} of {n} "
                    f"instances against its only peer)", round(factor, 3), round(med / MS, 4),

@@ -141,7 +141,6 @@ class _Slots:
     (dp, tp) plane. At 100,096 ranks x 10 iterations (128 million spans) that is 2 GB of times and a few MB of
     metadata, where a row per span with eleven columns of its own took 11 GB."""
 
-    GROUPS = ("", "tp", "pp", "dp")
     META = ("name", "cat", "it", "group", "seq", "peer_stage", "nbytes", "mb")
 
     def __init__(self, pp: int, plane: tuple[int, int]) -> None:

@@ -10,7 +10,7 @@ iteration, the quantities the full detector's views start from:
   stalls),
 - per P2P direction, the fastest transfer, and per collective kind, the fastest instance (slow links: a healthy
   link's fastest transfer is its cost, whatever the waits),
-- finished iterations and ops left open (hangs).
+- spans finished and ops left open (hangs).
 
 Each is compared with the rank's stage peers (median and MAD over the stage, per iteration where it has one). The
 ranks furthest above their peers are the suspects; the full detector (detect.analyse) then reads them with their
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatronapp.scan.evidence import group_quantile
 from megatronapp.scan.format import CAT_INDEX, FILE_PATTERN, TraceFormatError, read_rank
 
 COMPUTE, COMM, DATA, OPT, STEP = (CAT_INDEX[c] for c in ("compute", "comm", "data", "optimizer", "step"))
@@ -51,7 +52,6 @@ class Features:
     p2p: np.ndarray  # [rank, 4]: fastest send down, send up, recv from down, recv from up (down: lower rank)
     peer_up: np.ndarray  # [rank]: its P2P peer above (the highest it exchanged with), -1 if none
     coll: np.ndarray  # [rank, len(KINDS)]: fastest collective instance of each kind
-    finished: np.ndarray  # [rank]: iterations with a step span
     opened: np.ndarray  # [rank]: comm ops written as opened beyond those closed (in flight at the end)
     spans: np.ndarray  # [rank]: spans finished (how far the rank got)
     problems: list[str]
@@ -70,7 +70,7 @@ def _reduce(paths: list[str]) -> dict:
     problems: list[str] = []
     shared: dict = {}
     for lo in range(0, len(paths), _BATCH):
-        traces = []
+        traces, read = [], []
         for p in paths[lo:lo + _BATCH]:
             try:
                 t = read_rank(p, shared, _views=True)
@@ -78,27 +78,11 @@ def _reduce(paths: list[str]) -> dict:
                 problems.append(str(e))
                 continue
             problems.extend(t.problems)
-            t.header["_path"] = p  # this reader's own note, in its own copy of the header
             traces.append(t)
+            read.append(p)
         if traces:
-            parts.append(_batch(traces))
+            parts.append({**_batch(traces), "path": read})
     return {"problems": problems, "parts": parts}
-
-
-def _lut(t, cache: dict, fn) -> np.ndarray:
-    key = (fn.__name__, id(t.names) if fn is _is_send else id(t.groups))
-    got = cache.get(key)
-    if got is None:
-        got = cache[key] = fn(t)
-    return got
-
-
-def _is_send(t) -> np.ndarray:
-    return np.array([n == "send" for n in t.names] + [False])
-
-
-def _kinds(t) -> np.ndarray:
-    return _kind_lut(t.groups)
 
 
 def _batch(traces: list) -> dict:
@@ -111,9 +95,9 @@ def _batch(traces: list) -> dict:
     cat = np.concatenate([t.cat for t in traces])
     it = np.concatenate([t.it for t in traces], dtype=np.int64)
     peer = np.concatenate([t.peer for t in traces], dtype=np.int64)
-    cache: dict = {}
-    kind = np.concatenate([_lut(t, cache, _kinds)[np.asarray(t.gid, np.int64)] for t in traces])
-    send = np.concatenate([_lut(t, cache, _is_send)[np.asarray(t.name, np.int64)] for t in traces])
+    kind = np.concatenate([_kind_lut(t.groups)[np.asarray(t.gid, np.int64)] for t in traces])
+    send = np.concatenate([np.array([n == "send" for n in t.names] + [False])[np.asarray(t.name, np.int64)]
+                           for t in traces])
     end = ts + dur
     # Rank files are mostly in time order (the simulator's); a tracer writes a parent after its children.
     if len(ts) and not np.all((local[1:] > local[:-1]) | ((local[1:] == local[:-1]) & (ts[1:] >= ts[:-1]))):
@@ -181,7 +165,7 @@ def _batch(traces: list) -> dict:
     coll = np.stack([_min_per_rank(comm & (peer < 0) & (kind == k), local, fdur, B) for k in range(len(KINDS))],
                     axis=1)
     peer_up = -_min_per_rank(p2p & up, local, -peer.astype(np.float64), B)
-    return {"iters": iters, "rank": rank_of, "path": [t.header.get("_path") for t in traces],
+    return {"iters": iters, "rank": rank_of,
             "coord": np.array([t.coord[:3] for t in traces], np.int64).reshape(B, 3),
             "topo": tuple(int(x) for x in traces[0].topo[:3]),
             "world": max(int(t.world) for t in traces),
@@ -189,7 +173,6 @@ def _batch(traces: list) -> dict:
             "host": np.where(has, data + np.maximum(window - busy, 0), np.nan) / 1e6,
             "p2p": fast / 1e6, "peer_up": np.nan_to_num(peer_up, nan=-1).astype(np.int64),
             "coll": coll / 1e6,
-            "finished": has.sum(axis=1),
             # The tracer writes every comm op when opened; opened beyond closed is what was in flight at the end.
             "opened": np.maximum(np.array([len(t.opened.get("ts", ())) for t in traces], np.int64)
                                  - np.bincount(local[comm], minlength=B), 0),
@@ -230,7 +213,7 @@ def features(trace_dir: str | Path, workers: int = 2) -> Features:
                  np.full((world, W), np.nan), np.full((world, W), np.nan), np.full((world, 4), np.nan),
                  np.full(world, -1, np.int64),
                  np.full((world, len(KINDS)), np.nan), np.zeros(world, np.int64), np.zeros(world, np.int64),
-                 np.zeros(world, np.int64), problems, {})
+                 problems, {})
     # As read_dir: the first file by name that claims a rank is the rank (the workers' shares interleave).
     order = {path: i for i, path in enumerate(paths)}
     for p in parts:
@@ -249,7 +232,7 @@ def features(trace_dir: str | Path, workers: int = 2) -> Features:
         if len(cols):
             f.work[np.ix_(r, cols)] = p["work"][:, :len(cols)]
             f.host[np.ix_(r, cols)] = p["host"][:, :len(cols)]
-        f.p2p[r], f.coll[r], f.finished[r], f.opened[r] = p["p2p"], p["coll"], p["finished"], p["opened"]
+        f.p2p[r], f.coll[r], f.opened[r] = p["p2p"], p["coll"], p["opened"]
         f.spans[r] = p["spans"]
         f.peer_up[r] = np.where(p["peer_up"] < world, p["peer_up"], -1)
     return f
@@ -274,7 +257,8 @@ Z_GROUP = 10.0
 def _robust_z(x: np.ndarray, stage: np.ndarray, rel_floor: float | None = None,
               abs_floor: float = ABS_FLOOR_MS) -> np.ndarray:
     """Per value: how many robust spreads (1.4826 MAD, with the floors above) it lies above the median
-    of its stage's values in the same column; NaN stays NaN."""
+    of its stage's values in the same column; NaN stays NaN. (stats.robust_excess is the detector's version: its
+    leave-one-out references for stages under 5 ranks are a judgement the selection does not need to make.)"""
     z = np.full(x.shape, np.nan)
     for s in np.unique(stage[stage >= 0]):
         rows = stage == s
@@ -312,9 +296,9 @@ def _link_scores(f: Features, stage: np.ndarray) -> np.ndarray:
     return score
 
 
-def _group_z(key: np.ndarray, value: np.ndarray, stage_of_group: np.ndarray) -> list[tuple[int, float]]:
+def _group_z(key: np.ndarray, value: np.ndarray, per_stage: int) -> list[tuple[int, float]]:
     """Groups (key >= 0) whose low member value (GROUP_QUANTILE) stands Z_GROUP+ robust spreads above the other
-    groups of the same stage: [(group key, z)], the highest first.
+    groups of the same stage (a group's key // per_stage): [(group key, z)], the highest first.
 
     A low quantile, not the median: behind a slow MEMBER every other member waits in every instance, but the slow
     member itself arrives last and waits for no one, so the group's fastest members are as fast as anywhere. Behind
@@ -323,14 +307,9 @@ def _group_z(key: np.ndarray, value: np.ndarray, stage_of_group: np.ndarray) -> 
     m = (key >= 0) & np.isfinite(value)
     if not m.any():
         return []
-    keys, inv = np.unique(key[m], return_inverse=True)
-    order = np.argsort(inv, kind="stable")
-    vals, inv = value[m][order], inv[order]
-    starts = np.flatnonzero(np.r_[True, inv[1:] != inv[:-1]])
-    # "lower": a member's own value, never one pulled up by the next (of 8 TP members, the fastest one alone).
-    low = np.array([np.quantile(v, GROUP_QUANTILE, method="lower") for v in np.split(vals, starts[1:])])
-    gstage = stage_of_group[m][order][starts]
-    z = _robust_z(low[:, None], gstage, GROUP_REL_FLOOR, LINK_ABS_FLOOR_MS)[:, 0]
+    # The lower quantile: a member's own value, never one pulled up by the next (of 8 TP members, the fastest).
+    keys, low, _ = group_quantile(key[m], value[m], GROUP_QUANTILE)
+    z = _robust_z(low[:, None], keys // per_stage, GROUP_REL_FLOOR, LINK_ABS_FLOOR_MS)[:, 0]
     hot = np.flatnonzero(np.nan_to_num(z, nan=-np.inf) >= Z_GROUP)
     return [(int(keys[i]), float(z[i])) for i in hot[np.argsort(-z[hot])]]
 
@@ -427,7 +406,7 @@ def select(f: Features, budget: int = BUDGET) -> Selection:
         size = tp if kind == "tp" else dp
         if size < 3:
             continue  # a pair's link is a P2P-like pair: the members' own scores cover it
-        for g, z in _group_z(key, f.coll[:, k], key // (dp if kind == "tp" else tp))[:4]:
+        for g, z in _group_z(key, f.coll[:, k], dp if kind == "tp" else tp)[:4]:
             slow_groups.append((z, kind, np.flatnonzero(key == g)))
     slow_groups.sort(key=lambda x: -x[0])
     for z, kind, members in slow_groups:
