@@ -429,15 +429,22 @@ def _write_stage(out: Path, spans: _Slots, s: int, ranks: np.ndarray, topo: tupl
              ("seq", meta["seq"]), ("nbytes", meta["nbytes"]), ("chunk", np.where(cat == 0, 0, -1)),
              ("mb", meta["mb"]))
     world = len(offsets)
+    # What every rank's record of a slot shares, made once: a batch's records start as copies of this row.
+    template = np.zeros((1, start.shape[1]), RECORD)
+    template["cpu_wait"] = -1  # simulated ranks own their device: nothing to wait for
+    for k, v in fixed:
+        if len(v) == 1:
+            template[k] = v
 
     def write(lo: int, hi: int) -> None:
         # Records are made here, a few hundred ranks at a time: a stage's whole record array was 512 MB.
-        rec = np.zeros((hi - lo, start.shape[1]), RECORD)
+        rec = np.empty((hi - lo, start.shape[1]), RECORD)
+        rec[...] = template
         rec["ts"] = start[lo:hi]
         rec["dur"] = d[lo:hi]
-        rec["cpu_wait"] = -1  # simulated ranks own their device: nothing to wait for
         for k, v in fixed:
-            rec[k] = v if len(v) == 1 else v[lo:hi]
+            if len(v) > 1:
+                rec[k] = v[lo:hi]
         # A P2P peer is the same (dp, tp) position of the peer stage: tp * dp ranks away per stage.
         p = ps if len(ps) == 1 else ps[lo:hi]
         rec["peer"] = np.where(p >= 0, ranks[lo:hi, None] + (p - s) * tp * dp, -1)
