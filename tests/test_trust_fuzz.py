@@ -4,6 +4,7 @@ allocates without bound. Example counts are modest: this runs in every suite."""
 from __future__ import annotations
 
 import json
+import struct
 import time
 import zlib
 
@@ -53,6 +54,11 @@ blocks = st.one_of(
         {"range": st.lists(st.integers(-2**40, 2**40), min_size=3, max_size=3)})), max_size=2).map(
         lambda v: _block(b"GRPS", json.dumps(v).encode())),
     st.binary(max_size=200).map(lambda b: _block(b"SPAN", b)),
+    st.binary(max_size=300).map(lambda b: _block(b"COLS", b)),
+    # A column header that claims sizes, then whatever follows: counts and codes from the file never size memory.
+    st.tuples(st.integers(0, 2**32 - 1), st.lists(st.integers(0, 255), min_size=12, max_size=12),
+              st.binary(max_size=200)).map(
+        lambda x: _block(b"COLS", struct.pack("<I12B12q", x[0], *x[1], *([0] * 12)) + x[2])),
     st.binary(max_size=60).map(lambda b: _block(b"FOOT", b)),
     st.binary(max_size=40))
 

@@ -6,11 +6,20 @@ Layout: an 8-byte magic, then blocks `tag(4s) length(u32) crc32(u32) payload`. T
   GRPS  JSON list of new [group name, ranks] appended to the group table; ranks is a list of global ranks, or
         {"range": [start, stop, step]} for evenly spaced ones (a DP group of 384 ranks costs 30 bytes, not 2 KB)
   SPAN  packed fixed-size span records (`RECORD` dtype), read with one `np.frombuffer`
+  COLS  (format 3) the same spans column by column, each column in the narrowest integer that holds it (below)
   FOOT  JSON footer (records written, records dropped), merged into the header under "footer"
 Format 2 (magic ...\x02\x00) adds `cpu_wait` to every record: ns the span's thread spent runnable but waiting
 for a CPU (Linux schedstat's run-queue delay) while the span ran, -1 where unknown (a device-timed span, another
 OS, a format-1 file, which still reads). Time waiting for a core is not what the op costs: on an oversubscribed
 host it is the biggest noise in a span's duration, and one rank waits more than another by chance.
+Format 3 (magic ...\x03\x00) adds COLS blocks, which writers use wherever they are smaller than SPAN rows (64 records
+or more). A COLS payload is `records(u32) codes(12 x u8) bases(12 x i8)` and then, in RECORD's field order, each
+column that is not constant as `records` values of the width its code names: value = base + stored (offset
+codes, unsigned), or base + running sum of stored (delta codes, signed: start times, written nearly in order).
+A simulated span takes 22-26 bytes instead of 64: 100,096 ranks x 10 iterations were 8.2 GB of rank files, and
+writing and reading them back was most of `scan simulate` + `scan detect` (the VM's disk and fresh page cache).
+A writer never stores start times narrower than 4 bytes, so a block cannot claim more records than a quarter of
+its bytes (a crafted 1 KB block cannot ask for 10^9 records).
 A SPAN record with `dur` = -1 marks an op OPENED (written when a comm op starts, before it completes): a rank
 that hangs leaves its in-flight ops on disk. Readers put those in `RankTrace.opened`, apart from the spans.
 A string or group is always written before the first SPAN block that refers to it, so any prefix of a file is
@@ -34,7 +43,8 @@ import numpy as np
 CATS = ("compute", "comm", "data", "optimizer", "layer", "step", "other")
 CAT_INDEX = {c: i for i, c in enumerate(CATS)}
 
-MAGIC = b"MSCAN\x00\x02\x00"
+MAGIC = b"MSCAN\x00\x03\x00"
+MAGIC_V2 = b"MSCAN\x00\x02\x00"  # format 2: SPAN rows only
 MAGIC_V1 = b"MSCAN\x00\x01\x00"  # format 1: no cpu_wait (read as -1)
 _BLOCK = struct.Struct("<4sII")
 # Files are created one at a time. Threads creating files in one directory serialise on the directory's inode lock
@@ -52,6 +62,14 @@ RECORD_V1 = np.dtype([("ts", "<i8"), ("dur", "<i8"), ("seq", "<i8"), ("nbytes", 
                       ("chunk", "<i2"), ("cat", "i1"), ("_pad", "u1")])
 OPENED = -1  # `dur` of a record that marks an op as opened (not a finished span)
 COLUMNS = ("name", "cat", "ts", "dur", "it", "gid", "seq", "peer", "nbytes", "chunk", "mb", "cpu_wait")
+# COLS blocks: columns in RECORD's field order; per column a code (0 constant, 1-4 offset u1/u2/u4/u8, 5-8 delta
+# i1/i2/i4/i8) and a base.
+_COLS_ORDER = tuple(c for c in RECORD.names if c != "_pad")
+_COLS_HEAD = np.dtype([("n", "<u4"), ("code", "u1", len(_COLS_ORDER)), ("base", "<i8", len(_COLS_ORDER))])
+_COLS_WIDTH = {1: "<u1", 2: "<u2", 3: "<u4", 4: "<u8", 5: "<i1", 6: "<i2", 7: "<i4", 8: "<i8"}
+_COLS_MIN = 64  # records from which a writer tries COLS: below, the 112-byte column header does not pay
+_TS_MIN_WIDTH = 4  # bytes: start times are never stored narrower (bounds the records a block can claim)
+_COLS_DEFAULTS = {"seq": -1, "peer": -1, "mb": -1, "chunk": -1, "it": -1, "cpu_wait": -1, "gid": -1}
 
 
 class TraceFormatError(ValueError):
@@ -194,7 +212,7 @@ class RankWriter:
                 if c not in cols:
                     rec[c] = default
         self.flush()  # new names and groups must precede the block that uses them
-        self._block(b"SPAN", rec.tobytes())
+        self._block(*_span_block(rec))
         self.records += n
 
     def flush(self) -> None:
@@ -208,7 +226,7 @@ class RankWriter:
             self._block(b"GRPS", json.dumps(self._new_groups).encode())
             self._new_groups = []
         if self._rows:
-            self._block(b"SPAN", np.array(self._rows, dtype=RECORD).tobytes())
+            self._block(*_span_block(np.array(self._rows, dtype=RECORD)))
             self.records += len(self._rows)
             self._rows = []
         self._f.flush()
@@ -230,16 +248,125 @@ class RankWriter:
         self.close()
 
 
+def _fit_unsigned(span: int) -> int:
+    """Offset code (1-4) of the narrowest unsigned width holding 0..span."""
+    return 1 if span < 1 << 8 else 2 if span < 1 << 16 else 3 if span < 1 << 32 else 4
+
+
+def _fit_signed(lo: int, hi: int) -> int:
+    """Delta code (5-8) of the narrowest signed width holding lo..hi."""
+    for code, bits in ((5, 7), (6, 15), (7, 31)):
+        if -(1 << bits) <= lo and hi < 1 << bits:
+            return code
+    return 8
+
+
+def pack_columns(cols: dict[str, np.ndarray]) -> np.ndarray:
+    """COLS payloads of several blocks of equal length at once: `cols` maps RECORD fields to (blocks, records)
+    arrays, or (1, records) for values every block shares (absent fields take their "none": -1, nbytes 0). Returns
+    a (blocks, payload bytes) uint8 array whose rows are the blocks' payloads. Widths are chosen over all the blocks
+    (one layout, so the rows are made with whole-array copies); bases are each block's own."""
+    shapes = [np.shape(v) for v in cols.values()]
+    if not shapes or any(len(x) != 2 for x in shapes):
+        raise ValueError("pack_columns: every column must be 2-D (blocks, records)")
+    rows, n = max(x[0] for x in shapes), shapes[0][1]
+    if any(x[1] != n or x[0] not in (1, rows) for x in shapes):
+        raise ValueError(f"pack_columns: columns of shapes {sorted(set(shapes))} do not make {rows} blocks")
+    head = np.zeros(rows, _COLS_HEAD)
+    head["n"] = n
+    data: list[np.ndarray] = []
+    for i, c in enumerate(_COLS_ORDER):
+        v = cols.get(c)
+        v = np.full((1, n), _COLS_DEFAULTS.get(c, 0), np.int64) if v is None else np.asarray(v).astype(np.int64)
+        if n == 0:
+            continue
+        lo, hi = v.min(axis=1), v.max(axis=1)
+        head["base"][:, i] = lo
+        if c != "ts" and (lo == hi).all():
+            continue  # constant in each block: the base says it all
+        code = _fit_unsigned(int((hi - lo).view(np.uint64).max()))
+        if c == "ts":
+            d = np.diff(v, axis=1)
+            if d.size and _fit_signed(int(d.min()), int(d.max())) - 4 < code:
+                code = _fit_signed(int(d.min()), int(d.max()))
+            if code in (1, 2, 5, 6):
+                code = 3 if code < 5 else 7  # never narrower than 4 bytes
+            if code >= 5:
+                head["base"][:, i] = v[:, 0]
+                v = np.concatenate([np.zeros((v.shape[0], 1), np.int64), d], axis=1)
+                lo = 0
+        stored = v - (lo[:, None] if code < 5 else 0)
+        data.append(np.broadcast_to(stored.astype(_COLS_WIDTH[code]), (rows, n)))
+        head["code"][:, i] = code
+    out = np.empty((rows, _COLS_HEAD.itemsize + sum(a.shape[1] * a.itemsize for a in data)), np.uint8)
+    out[:, :_COLS_HEAD.itemsize] = head.view(np.uint8).reshape(rows, -1)
+    pos = _COLS_HEAD.itemsize
+    for a in data:
+        w = a.shape[1] * a.itemsize
+        out[:, pos:pos + w] = np.ascontiguousarray(a).view(np.uint8).reshape(rows, w) if a.strides[0] else \
+            a[:1].view(np.uint8).reshape(1, w)
+        pos += w
+    return out
+
+
+def _unpack_columns(payload: memoryview) -> dict[str, np.ndarray] | str:
+    """A COLS payload back to RECORD-typed columns, or what is wrong with it (never an exception, never an
+    allocation the payload's size does not bound)."""
+    if len(payload) < _COLS_HEAD.itemsize:
+        return "a column block shorter than its header"
+    head = np.frombuffer(payload, _COLS_HEAD, 1)[0]
+    n = int(head["n"])
+    if n > max(1, len(payload) // _TS_MIN_WIDTH):
+        return f"a column block claims {n} records in {len(payload)} bytes"
+    cols: dict[str, np.ndarray] = {}
+    pos = _COLS_HEAD.itemsize
+    for c, code, base in zip(_COLS_ORDER, head["code"].tolist(), head["base"].tolist()):
+        field = RECORD[c]
+        if code == 0:
+            cols[c] = np.full(n, base, np.int64).astype(field)  # astype wraps as a C cast, never raises
+            continue
+        width = _COLS_WIDTH.get(code)
+        if width is None:
+            return f"a column block has unknown code {code} for {c}"
+        end = pos + n * np.dtype(width).itemsize
+        if end > len(payload):
+            return "a column block shorter than its columns"
+        v = np.frombuffer(payload, width, n, pos).astype(np.int64)
+        if code >= 5:
+            v = np.cumsum(v)
+        v += base
+        cols[c] = v.astype(field)
+        pos = end
+    if pos != len(payload):
+        return f"a column block with {len(payload) - pos} bytes past its columns"
+    return cols
+
+
+def _span_block(rec: np.ndarray) -> tuple[bytes, Any]:
+    """The block for a RECORD array: COLS where it is smaller (64 records or more), else SPAN rows."""
+    if len(rec) >= _COLS_MIN:
+        cols = pack_columns({c: rec[c][None, :] for c in _COLS_ORDER})[0]
+        if len(cols) < rec.nbytes:
+            return b"COLS", memoryview(cols)
+    return b"SPAN", memoryview(np.ascontiguousarray(rec)).cast("B")
+
+
 def write_rank_file(path: str | Path, header: dict, names: list[str], groups: list[tuple[str, Any]],
-                    rec: np.ndarray) -> None:
-    """Write a whole rank file at once: the bytes RankWriter writes for one `write_columns(names, groups, rec)`
-    (rec a contiguous `RECORD` array, ids already indexing names and groups), in one gathered write with no copy of
-    the records. For writers of many finished files (the simulator: 100,096 of them), where a RankWriter per file
-    cost more than the records. The GIL is released while the records are checksummed and written, so writer
-    threads overlap."""
+                    spans: np.ndarray) -> None:
+    """Write a whole rank file at once: the bytes RankWriter writes for one `write_columns(names, groups, spans)`,
+    in one gathered write. `spans` is a `RECORD` array (ids already indexing names and groups) or a row of
+    `pack_columns` (a COLS payload made with other ranks' in one go). For writers of many finished files (the
+    simulator: 100,096 of them), where a RankWriter per file cost more than the records. The GIL is released while
+    the blocks are checksummed and written, so writer threads overlap."""
     _check_header(header)
-    if rec.dtype != RECORD or not rec.flags.c_contiguous:
-        raise ValueError(f"write_rank_file: expected a contiguous format.RECORD array (got {rec.dtype})")
+    if spans.dtype == np.uint8 and spans.ndim == 1:
+        if len(spans) < _COLS_HEAD.itemsize:
+            raise ValueError("write_rank_file: a COLS payload shorter than its header")
+        tag, payload, n = b"COLS", memoryview(np.ascontiguousarray(spans)), int(spans[:4].view("<u4")[0])
+    elif spans.dtype == RECORD:
+        (tag, payload), n = _span_block(spans), len(spans)
+    else:
+        raise ValueError(f"write_rank_file: expected a format.RECORD array or a COLS payload (got {spans.dtype})")
     parts: list = [MAGIC]
 
     def block(tag: bytes, payload) -> None:
@@ -247,13 +374,13 @@ def write_rank_file(path: str | Path, header: dict, names: list[str], groups: li
         parts.append(payload)
 
     block(b"HEAD", json.dumps(header, default=_jsonable).encode())
-    if len(rec):
+    if n:
         if names:
             block(b"STRS", json.dumps(list(names)).encode())
         if groups:
             block(b"GRPS", json.dumps([[str(g), _pack_members(r, None)] for g, r in groups]).encode())
-        block(b"SPAN", memoryview(rec).cast("B"))
-    block(b"FOOT", json.dumps({"records": len(rec)}).encode())
+        block(tag, payload)
+    block(b"FOOT", json.dumps({"records": n}).encode())
     with _CREATE:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -351,14 +478,16 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
             data = fh.read()
     except OSError as e:
         raise TraceFormatError(f"{name}: cannot read ({e.strerror})") from None
-    if data[:len(MAGIC)] not in (MAGIC, MAGIC_V1):
+    magic = data[:len(MAGIC)]
+    if magic not in (MAGIC, MAGIC_V2, MAGIC_V1):
         raise TraceFormatError(f"{name}: not a MegaScan trace (bad magic); expected a file written by RankWriter")
-    dtype = RECORD if data[:len(MAGIC)] == MAGIC else RECORD_V1
+    dtype = RECORD_V1 if magic == MAGIC_V1 else RECORD
+    tags = (b"HEAD", b"STRS", b"GRPS", b"SPAN", b"FOOT") + ((b"COLS",) if magic == MAGIC else ())
     header: dict | None = None
     footer: dict | None = None
     names: list[str] = []
     groups: list[tuple[str, tuple[int, ...]]] = []
-    spans: list[np.ndarray] = []
+    spans: list[np.ndarray | dict[str, np.ndarray]] = []  # SPAN records or COLS columns, in file order
     problems: list[str] = []
     nrec = 0
     pos, size = len(MAGIC), len(data)
@@ -370,7 +499,7 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
         tag, length, crc = _BLOCK.unpack_from(data, pos)
         body = pos + _BLOCK.size
         payload = view[body:body + length]
-        if tag not in (b"HEAD", b"STRS", b"GRPS", b"SPAN", b"FOOT"):
+        if tag not in tags:
             problems.append(f"{name} corrupt at byte {pos} after {nrec} records (unknown block); rest ignored")
             break
         if len(payload) < length:
@@ -380,7 +509,8 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
                 if k:
                     spans.append(np.frombuffer(payload, dtype=dtype, count=k))
                     nrec += k
-            problems.append(f"{name} truncated after {nrec} records")
+            problems.append(f"{name} truncated after {nrec} records" + (
+                " (a column block cut short is lost whole)" if tag == b"COLS" else ""))
             break
         pos = body + length
         if zlib.crc32(payload) != crc:
@@ -395,6 +525,13 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
                 continue
             spans.append(np.frombuffer(payload, dtype=dtype))
             nrec += length // dtype.itemsize
+        elif tag == b"COLS":
+            got = _unpack_columns(payload)
+            if isinstance(got, str):
+                problems.append(f"{name}: {got} at byte {body - _BLOCK.size}; block skipped")
+                continue
+            spans.append(got)
+            nrec += len(got["ts"])
         elif tag == b"STRS":
             # Every rank of a job usually writes the same string table: parsed once per distinct block.
             key = (tag, bytes(payload))
@@ -438,10 +575,13 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
         header = {**header, "footer": footer}
         if footer.get("dropped"):
             problems.append(f"{name}: the tracer dropped {footer['dropped']} spans (queue full)")
-    rec = np.concatenate(spans) if len(spans) > 1 else (spans[0] if spans else np.zeros(0, dtype))
-    cols = {c: (rec[c] if _views else np.ascontiguousarray(rec[c])) if c in dtype.names
-            else np.full(len(rec), -1, np.int64)
-            for c in COLUMNS}
+    if all(isinstance(p, np.ndarray) for p in spans):
+        rec = np.concatenate(spans) if len(spans) > 1 else (spans[0] if spans else np.zeros(0, dtype))
+        cols = {c: (rec[c] if _views else np.ascontiguousarray(rec[c])) if c in dtype.names
+                else np.full(len(rec), -1, np.int64)
+                for c in COLUMNS}
+    else:  # COLS blocks (and any SPAN rows beside them, RECORD's layout in format 3)
+        cols = {c: np.concatenate([p[c] for p in spans]) if len(spans) > 1 else spans[0][c] for c in COLUMNS}
     bad = (cols["name"] < 0) | (cols["name"] >= len(names)) | (cols["gid"] < -1) | (cols["gid"] >= len(groups))
     if bad.any():
         problems.append(f"{name}: {int(bad.sum())} records refer to unknown names/groups; dropped")
@@ -527,7 +667,9 @@ class _ColumnStore:
     memory."""
 
     def __init__(self, total_bytes: int):
-        self.cap = total_bytes // RECORD_V1.itemsize + 1
+        # Format 3's column blocks hold a record in 22-30 bytes as writers make them (at least 4: see the top); a
+        # store that fills up leaves later traces their own arrays, which is only less compact.
+        self.cap = total_bytes // 16 + 1
         self.cols = {c: np.empty(self.cap, _COLUMN_DTYPES[c]) for c in COLUMNS}
         self.pos = 0
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatronapp.scan.format import CAT_INDEX, RECORD, rank_file, write_rank_file
+from megatronapp.scan.format import CAT_INDEX, pack_columns, rank_file, write_rank_file
 
 FAULT_KINDS = ("slow-compute", "slow-link", "pause", "late-arrival")
 MS = 1_000_000  # ns
@@ -429,25 +429,16 @@ def _write_stage(out: Path, spans: _Slots, s: int, ranks: np.ndarray, topo: tupl
              ("seq", meta["seq"]), ("nbytes", meta["nbytes"]), ("chunk", np.where(cat == 0, 0, -1)),
              ("mb", meta["mb"]))
     world = len(offsets)
-    # What every rank's record of a slot shares, made once: a batch's records start as copies of this row.
-    template = np.zeros((1, start.shape[1]), RECORD)
-    template["cpu_wait"] = -1  # simulated ranks own their device: nothing to wait for
-    for k, v in fixed:
-        if len(v) == 1:
-            template[k] = v
 
     def write(lo: int, hi: int) -> None:
-        # Records are made here, a few hundred ranks at a time: a stage's whole record array was 512 MB.
-        rec = np.empty((hi - lo, start.shape[1]), RECORD)
-        rec[...] = template
-        rec["ts"] = start[lo:hi]
-        rec["dur"] = d[lo:hi]
+        # Blocks are packed here, a few hundred ranks at a time (format.pack_columns): one layout for the batch.
+        cols = {"ts": start[lo:hi], "dur": d[lo:hi]}  # cpu_wait left out: -1, simulated ranks own their device
         for k, v in fixed:
-            if len(v) > 1:
-                rec[k] = v[lo:hi]
+            cols[k] = v if len(v) == 1 else v[lo:hi]
         # A P2P peer is the same (dp, tp) position of the peer stage: tp * dp ranks away per stage.
         p = ps if len(ps) == 1 else ps[lo:hi]
-        rec["peer"] = np.where(p >= 0, ranks[lo:hi, None] + (p - s) * tp * dp, -1)
+        cols["peer"] = np.where(p >= 0, ranks[lo:hi, None] + (p - s) * tp * dp, -1)
+        blocks = pack_columns(cols)
         for i in range(lo, hi):
             r = int(ranks[i])
             d_, t = (r // tp) % dp, r % tp
@@ -458,7 +449,7 @@ def _write_stage(out: Path, spans: _Slots, s: int, ranks: np.ndarray, topo: tupl
                     "pid": 10_000 + r, "clock": "monotonic_ns", "simulated": True}
             if stage_work is not None:
                 head["stage_work"] = list(stage_work)  # what a cost model of the job would say
-            write_rank_file(rank_file(out, r), head, NAMES, groups, rec[i - lo])
+            write_rank_file(rank_file(out, r), head, NAMES, groups, blocks[i - lo])
 
     step = 256
     return [pool.submit(write, lo, min(lo + step, len(ranks))) for lo in range(0, len(ranks), step)]
