@@ -154,3 +154,23 @@ def test_earlier_formats_still_read_and_columns_need_format_3(tmp_path):
                      + struct.pack("<4sII", b"STRS", 11, zlib.crc32(b'["forward"]')) + b'["forward"]'
                      + struct.pack("<4sII", b"SPAN", len(body), zlib.crc32(body)) + body)
     _same(read_rank(path), rec)
+
+
+@pytest.mark.parametrize("members", [[0, 5], [-1, 1], {"range": [0, 12, 4]}])
+def test_group_tables_naming_ranks_outside_the_world_are_refused(tmp_path, members):
+    def block(tag: bytes, body: bytes) -> bytes:
+        return struct.pack("<4sII", tag, len(body), zlib.crc32(body)) + body
+
+    ok = json.dumps([["tp", [0, 1]]]).encode()
+    bad = json.dumps([["dp", members]]).encode()
+    shared: dict = {}
+    for i, tables in enumerate(([ok], [ok, bad], [ok])):
+        path = tmp_path / f"rank0000{i}.mst"
+        path.write_bytes(fmt.MAGIC + block(b"HEAD", json.dumps({**HEADER, "world": 4}).encode())
+                         + b"".join(block(b"GRPS", t) for t in tables))
+        if bad in tables:  # the bounds of a table are kept with it: the second file to carry it is refused too
+            for _ in range(2):
+                with pytest.raises(fmt.TraceFormatError, match="outside its world of 4"):
+                    read_rank(path, shared)
+        else:
+            assert read_rank(path, shared).groups == [("tp", (0, 1))]

@@ -162,3 +162,18 @@ def test_a_second_file_claiming_a_rank_is_ignored_as_read_dir_does(jobs, tmp_pat
     assert np.allclose(f.work[slow], healthy.work[slow]) and np.allclose(f.host, healthy.host, equal_nan=True)
     an, problems = triage.analyse_two_level(d, workers=1, budget=200)
     assert not an.report.findings and any("claims rank" in p for p in problems)
+
+
+def test_span_estimate_counts_spans_not_bytes(jobs, tmp_path):
+    """`--two-level auto` decides on spans: format 3's files are 2.6x smaller than rows for as many spans."""
+    traces, _ = read_dir(jobs["healthy"])
+    true = sum(len(t) for t in traces)
+    assert abs(triage.estimated_spans(jobs["healthy"]) - true) < 0.02 * true
+    for t in traces[:16]:  # the same spans as rows (format 2's layout, as a tracer's small blocks are written)
+        rec = np.zeros(len(t), RECORD)
+        for c in ("ts", "dur", "name", "it", "gid", "peer", "cat", "seq", "nbytes", "mb", "chunk", "cpu_wait"):
+            rec[c] = getattr(t, c)
+        with RankWriter(tmp_path / f"rank{t.rank:05d}.mst", t.header) as w:
+            w.write_columns(t.names, t.groups, rec[:63])  # below COLS_MIN: a row block
+    assert abs(triage.estimated_spans(tmp_path) - 16 * 63) < 16
+    assert triage.estimated_spans(tmp_path / "empty" if (tmp_path / "empty").mkdir() is None else "") == 0

@@ -99,21 +99,15 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
 
 
 def _two_level(args: argparse.Namespace) -> bool:
-    """Whether `detect` triages first: asked for, or (auto) rank files too large for one table in memory."""
+    """Whether `detect` triages first: asked for, or (auto) more spans than one table holds in memory."""
     if args.two_level != "auto":
         return args.two_level == "on"
-    from megatronapp.scan.format import FILE_PATTERN
-    from megatronapp.scan.triage import LARGE_BYTES
+    from megatronapp.scan.triage import LARGE_SPANS, estimated_spans
 
-    total = 0
     try:
-        with os.scandir(args.dir) as it:
-            for e in it:
-                if FILE_PATTERN.search(e.name):
-                    total += e.stat().st_size
+        return estimated_spans(args.dir) > LARGE_SPANS
     except OSError:
         return False  # _load names the problem
-    return total > LARGE_BYTES
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
@@ -200,7 +194,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "ring neighbours: a file Perfetto can open at thousands of ranks")
     p.add_argument("--two-level", choices=("auto", "on", "off"), default="auto",
                    help="with --only-flagged: detect by triage and read only the written ranks in full, their clocks "
-                        "aligned among themselves (auto: when the rank files pass 3 GB)")
+                        "aligned among themselves (auto: past about 50 million spans)")
     p.set_defaults(func=cmd_aggregate)
 
     def common(p: argparse.ArgumentParser) -> None:
@@ -215,7 +209,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fail-on-finding", action="store_true", help="exit 1 when anything is found (for CI)")
     p.add_argument("--two-level", choices=("auto", "on", "off"), default="auto",
                    help="triage every rank cheaply, then analyse the suspects, their groups and reference pipelines "
-                        "in full (auto: when the rank files pass 3 GB, about 50 million spans)")
+                        "in full (auto: past about 50 million spans, counted from file sizes)")
     p.set_defaults(func=cmd_detect)
 
     p = sub.add_parser("heatmap", help="rank-grid heat-map as .png or interactive .html")

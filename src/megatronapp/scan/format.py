@@ -67,6 +67,9 @@ COLUMNS = ("name", "cat", "ts", "dur", "it", "gid", "seq", "peer", "nbytes", "ch
 _COLS_ORDER = tuple(c for c in RECORD.names if c != "_pad")
 _COLS_HEAD = np.dtype([("n", "<u4"), ("code", "u1", len(_COLS_ORDER)), ("base", "<i8", len(_COLS_ORDER))])
 _COLS_WIDTH = {1: "<u1", 2: "<u2", 3: "<u4", 4: "<u8", 5: "<i1", 6: "<i2", 7: "<i4", 8: "<i8"}
+_COLS_WIDTHS = {k: np.dtype(v) for k, v in _COLS_WIDTH.items()}
+_FIELDS = {c: RECORD[c] for c in _COLS_ORDER}
+_FIELD_RANGE = {c: (int(np.iinfo(f).min), int(np.iinfo(f).max)) for c, f in _FIELDS.items()}
 _COLS_MIN = 64  # records from which a writer tries COLS: below, the 112-byte column header does not pay
 _TS_MIN_WIDTH = 4  # bytes: start times are never stored narrower (bounds the records a block can claim)
 _COLS_DEFAULTS = {"seq": -1, "peer": -1, "mb": -1, "chunk": -1, "it": -1, "cpu_wait": -1, "gid": -1}
@@ -321,21 +324,25 @@ def _unpack_columns(payload: memoryview) -> dict[str, np.ndarray] | str:
     cols: dict[str, np.ndarray] = {}
     pos = _COLS_HEAD.itemsize
     for c, code, base in zip(_COLS_ORDER, head["code"].tolist(), head["base"].tolist()):
-        field = RECORD[c]
+        field = _FIELDS[c]
+        # The field's own width from the start, wrapping as C does (value = base + stored modulo 2^bits, the same
+        # as in int64 and then narrowed): a call or two a column, where int64 and back cost five (100,096 files).
+        lo, hi = _FIELD_RANGE[c]
+        b = base if lo <= base <= hi else np.array(base, np.int64).astype(field)
         if code == 0:
-            cols[c] = np.full(n, base, np.int64).astype(field)  # astype wraps as a C cast, never raises
+            cols[c] = np.full(n, b, field)
             continue
-        width = _COLS_WIDTH.get(code)
+        width = _COLS_WIDTHS.get(code)
         if width is None:
             return f"a column block has unknown code {code} for {c}"
-        end = pos + n * np.dtype(width).itemsize
+        end = pos + n * width.itemsize
         if end > len(payload):
             return "a column block shorter than its columns"
-        v = np.frombuffer(payload, width, n, pos).astype(np.int64)
-        if code >= 5:
-            v = np.cumsum(v)
-        v += base
-        cols[c] = v.astype(field)
+        raw = np.frombuffer(payload, width, n, pos)
+        v = raw.cumsum(dtype=field) if code >= 5 else raw.astype(field)
+        if base:
+            v += b
+        cols[c] = v
         pos = end
     if pos != len(payload):
         return f"a column block with {len(payload) - pos} bytes past its columns"
@@ -446,6 +453,16 @@ def _unpack_members(ranks: Any, cache: dict) -> tuple[int, ...]:
     return tuple(map(int, ranks))
 
 
+def _member_bounds(groups: list[tuple[str, tuple[int, ...]]], lowest: int, highest: int) -> tuple[int, int]:
+    """(lowest, highest) rank named by `groups` and the bounds so far ((0, -1): none yet). min/max per group are C
+    loops, not a Python test per member: 1.5 million at 12,288 ranks."""
+    for _, members in groups:
+        if members:
+            lo, hi = min(members), max(members)
+            lowest, highest = (lo, hi) if highest < lowest else (min(lowest, lo), max(highest, hi))
+    return lowest, highest
+
+
 def _json_object(payload: bytes, name: str, what: str) -> dict:
     """A JSON object block, or TraceFormatError naming the file (never a raw traceback)."""
     try:
@@ -490,6 +507,7 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
     spans: list[np.ndarray | dict[str, np.ndarray]] = []  # SPAN records or COLS columns, in file order
     problems: list[str] = []
     nrec = 0
+    lowest, highest = 0, -1  # smallest and largest rank the group tables name (none yet)
     pos, size = len(MAGIC), len(data)
     view = memoryview(data)  # blocks as views of the file's bytes: a span block is not copied before numpy sees it
     while pos < size:
@@ -548,18 +566,23 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
             names.extend(new)
         elif tag == b"GRPS":
             key = (tag, bytes(payload))
-            got = shared.get(key)
-            if got is None:
+            cached = shared.get(key)
+            if cached is None:
                 got = []
                 try:
                     for g, rs in json.loads(key[1]):
                         got.append((str(g), _unpack_members(rs, shared)))
                 except (TypeError, ValueError, KeyError):
                     groups.extend(got)  # the groups before the bad entry stand (as they always did)
+                    lowest, highest = _member_bounds(got, lowest, highest)
                     problems.append(f"{name}: malformed group table at byte {body - _BLOCK.size}; rest ignored")
                     break
-                shared[key] = got
-            groups.extend(got)
+                # Bounds once per distinct table (a DP group of 782 members, in 100,096 files).
+                cached = shared[key] = (got, *_member_bounds(got, 0, -1))
+            groups.extend(cached[0])
+            if cached[2] >= cached[1]:
+                lowest, highest = cached[1:] if highest < lowest else (min(lowest, cached[1]),
+                                                                      max(highest, cached[2]))
         elif tag == b"HEAD":
             header = _json_object(bytes(payload), name, "header")
         else:
@@ -597,8 +620,7 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
     if not 0 < world <= MAX_WORLD or not 0 <= rank < world:
         raise TraceFormatError(f"{name}: header claims rank {str(header['rank'])[:20]} of world "
                                f"{str(header['world'])[:20]}; a world holds 1 to {MAX_WORLD} ranks")
-    # min/max per group (C loops), not a Python test per member: 1.5 million at 12,288 ranks.
-    if any(members and (min(members) < 0 or max(members) >= world) for _, members in groups):
+    if highest >= lowest and (lowest < 0 or highest >= world):
         raise TraceFormatError(f"{name}: its group table names a rank outside its world of {world}")
     is_open = cols["dur"] == OPENED
     if is_open.any():

@@ -36,7 +36,7 @@ COMPUTE, COMM, DATA, OPT, STEP = (CAT_INDEX[c] for c in ("compute", "comm", "dat
 KINDS = ("tp", "pp", "dp")  # group name prefixes of the engine's (and the simulator's) collectives
 _NEST_SLACK_NS = 2_000
 _BATCH = 256  # rank files reduced together: one set of numpy passes per batch, not per file
-LARGE_BYTES = 3 << 30  # rank files above this in total: `scan detect` triages first (about 50 million spans)
+LARGE_SPANS = 50_000_000  # spans above this in a directory: `scan detect` triages first (the table: ~9 GB)
 
 
 @dataclass
@@ -58,10 +58,49 @@ class Features:
     paths: dict[int, str]  # rank -> its file
 
 
-def _kind_lut(groups: list[tuple[str, tuple[int, ...]]]) -> np.ndarray:
+def estimated_spans(trace_dir: str | Path, samples: int = 3) -> int:
+    """Spans in a directory's rank files, from their sizes and the bytes a span takes in a few of them (first, middle
+    and last by name, read whole): format 3's column blocks take 22-64 bytes a span, row blocks 56-64, so bytes
+    alone misjudge by 3x. The densest sample counts (a large job is not taken for a small one)."""
+    d = os.fspath(trace_dir)
+    sizes: dict[str, int] = {}
+    with os.scandir(d) as it:
+        for e in it:
+            if FILE_PATTERN.search(e.name):
+                sizes[e.name] = e.stat().st_size
+    if not sizes:
+        return 0
+    names = sorted(sizes)
+    per_byte = 0.0
+    for name in {names[0], names[len(names) // 2], names[-1]} if samples > 1 else {names[0]}:
+        try:
+            t = read_rank(os.path.join(d, name))
+        except TraceFormatError:
+            continue
+        if sizes[name]:
+            per_byte = max(per_byte, (len(t) + len(t.opened.get("ts", ()))) / sizes[name])
+    if not per_byte:
+        per_byte = 1 / 56  # no sample readable: the widest record (the reader names the bad files)
+    return int(sum(sizes.values()) * per_byte)
+
+
+def _kind_lut(groups: tuple[str, ...]) -> np.ndarray:
     """Per local group id (and -1 at the end): the index of its kind in KINDS, -1 for other groups."""
-    return np.array([KINDS.index(g.split(".")[0]) if g.split(".")[0] in KINDS else -1 for g, _ in groups] + [-1],
+    return np.array([KINDS.index(g.split(".")[0]) if g.split(".")[0] in KINDS else -1 for g in groups] + [-1],
                     np.int64)
+
+
+def _through_luts(traces: list, column: str, key, make) -> np.ndarray:
+    """A batch's `column` (file-local ids, -1 for none) through each file's lookup table, made once per distinct
+    table (`key` of a trace -> `make(key)`): a job's files mostly share their tables, so usually one lookup."""
+    luts: dict = {}
+    keys = [key(t) for t in traces]
+    for k in keys:
+        if k not in luts:
+            luts[k] = make(k)
+    if len(luts) == 1:
+        return next(iter(luts.values()))[np.concatenate([getattr(t, column) for t in traces], dtype=np.int64)]
+    return np.concatenate([luts[k][np.asarray(getattr(t, column), np.int64)] for k, t in zip(keys, traces)])
 
 
 def _reduce(paths: list[str]) -> dict:
@@ -95,9 +134,9 @@ def _batch(traces: list) -> dict:
     cat = np.concatenate([t.cat for t in traces])
     it = np.concatenate([t.it for t in traces], dtype=np.int64)
     peer = np.concatenate([t.peer for t in traces], dtype=np.int64)
-    kind = np.concatenate([_kind_lut(t.groups)[np.asarray(t.gid, np.int64)] for t in traces])
-    send = np.concatenate([np.array([n == "send" for n in t.names] + [False])[np.asarray(t.name, np.int64)]
-                           for t in traces])
+    kind = _through_luts(traces, "gid", lambda t: tuple(g for g, _ in t.groups), _kind_lut)
+    send = _through_luts(traces, "name", lambda t: tuple(t.names),
+                         lambda names: np.array([n == "send" for n in names] + [False]))
     end = ts + dur
     # Rank files are mostly in time order (the simulator's); a tracer writes a parent after its children.
     if len(ts) and not np.all((local[1:] > local[:-1]) | ((local[1:] == local[:-1]) & (ts[1:] >= ts[:-1]))):
