@@ -16,14 +16,15 @@ Format 3 (magic ...\x03\x00) adds COLS blocks, which writers use wherever they a
 or more). A COLS payload is `records(u32) codes(12 x u8) bases(12 x i8)` and then, in RECORD's field order, each
 column that is not constant as `records` values of the width its code names: value = base + stored (offset
 codes, unsigned), or base + running sum of stored (delta codes, signed: start times, written nearly in order).
-A simulated span takes 22-26 bytes instead of 64: 100,096 ranks x 10 iterations were 8.2 GB of rank files, and
+A simulated span takes 22 bytes instead of 64: 100,096 ranks x 10 iterations were 8.2 GB of rank files, and
 writing and reading them back was most of `scan simulate` + `scan detect` (the VM's disk and fresh page cache).
 A writer never stores start times narrower than 4 bytes, so a block cannot claim more records than a quarter of
 its bytes (a crafted 1 KB block cannot ask for 10^9 records).
 A SPAN record with `dur` = -1 marks an op OPENED (written when a comm op starts, before it completes): a rank
 that hangs leaves its in-flight ops on disk. Readers put those in `RankTrace.opened`, apart from the spans.
-A string or group is always written before the first SPAN block that refers to it, so any prefix of a file is
-a valid trace: a truncated file reads up to its last complete record. A block whose checksum fails is skipped
+A string or group is always written before the first span block that refers to it, so any prefix of a file is
+a valid trace: a truncated file reads up to its last complete record (of a SPAN block; a COLS block cut short is
+lost whole, and the problem says so). A block whose checksum fails is skipped
 and named in `problems`; reading stops at an unknown tag (the framing is lost).
 """
 from __future__ import annotations
