@@ -177,3 +177,30 @@ def test_span_estimate_counts_spans_not_bytes(jobs, tmp_path):
             w.write_columns(t.names, t.groups, rec[:63])  # below COLS_MIN: a row block
     assert abs(triage.estimated_spans(tmp_path) - 16 * 63) < 16
     assert triage.estimated_spans(tmp_path / "empty" if (tmp_path / "empty").mkdir() is None else "") == 0
+
+
+@pytest.mark.parametrize("case", ["healthy", "slow-compute", "pause", "slow-p2p", "slow-dp-link"])
+def test_batches_by_slot_reduce_as_span_by_span(jobs, case):
+    """The triage's fast path for ranks that share their spans' order gives the general path's numbers."""
+    traces, _ = read_dir(jobs[case])
+    stages: dict = {}
+    for t in traces:
+        stages.setdefault(t.coord[1], []).append(t)
+    uniform = 0
+    for members in stages.values():
+        for lo in range(0, len(members), 48):
+            batch = members[lo:lo + 48]
+            same = triage._uniform(batch)
+            if same is None:
+                continue
+            uniform += 1
+            fast, slow = triage._batch_uniform(batch, *same), triage._batch_spans(batch)
+            assert fast.keys() == slow.keys()
+            for k, v in slow.items():
+                if isinstance(v, np.ndarray):
+                    assert np.allclose(fast[k], v, rtol=1e-12, atol=0, equal_nan=True), (case, k)
+                else:
+                    assert fast[k] == v, (case, k)
+    assert uniform >= len(traces) // 48 // 2  # most batches of a stage share one order
+    mixed = [t for members in stages.values() for t in members[:2]]  # two stages: different spans
+    assert triage._uniform(mixed) is None
