@@ -249,7 +249,7 @@ def _uniform(traces: list) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
 
 def _batch_uniform(traces: list, ts: np.ndarray, dur: np.ndarray, peer: np.ndarray) -> dict:
     """`_batch` for a batch whose ranks share their spans' metadata (`_uniform`): every mask is one row of slots,
-    the times are (ranks, slots) arrays, and a sum per iteration is a product with a (slots, iterations) indicator
+    the times are (ranks, slots) arrays, and a sum per iteration is a reduceat over the slots grouped by iteration
     (sums of integer nanoseconds, exact in float64 whatever the order). Same numbers as `_batch` (tested)."""
     t0 = traces[0]
     B, S = ts.shape
@@ -263,11 +263,17 @@ def _batch_uniform(traces: list, ts: np.ndarray, dur: np.ndarray, peer: np.ndarr
     col = np.searchsorted(iters, it).clip(0, W - 1)
     ok = (iters[col] == it) if len(iters) else np.zeros(S, bool)
 
-    def indicator(mask: np.ndarray) -> np.ndarray:
-        m = np.zeros((S, W))
+    def per_iter(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """(ranks, W): each rank's `values` summed over the slots in `mask` (and an iteration), per iteration. Not a
+        matrix product: BLAS threads in each of the two worker processes spun and doubled the triage's CPU."""
+        out = np.zeros((B, W))
         sel = np.flatnonzero(mask & ok)
-        m[sel, col[sel]] = 1.0
-        return m
+        if len(sel):
+            sel = sel[np.argsort(col[sel], kind="stable")]
+            c = col[sel]
+            starts = np.flatnonzero(np.r_[True, c[1:] != c[:-1]])
+            out[:, c[starts]] = np.add.reduceat(values[:, sel], starts, axis=1)
+        return out
 
     fdur = dur.astype(np.float64)
     work = (cat == COMPUTE) | (cat == OPT)
@@ -277,8 +283,7 @@ def _batch_uniform(traces: list, ts: np.ndarray, dur: np.ndarray, peer: np.ndarr
     nest_cand = np.flatnonzero(comm & (last >= 0))
     nested = np.zeros((B, S), bool)
     nested[:, nest_cand] = end[:, nest_cand] <= end[:, last[nest_cand]] + _NEST_SLACK_NS
-    all_ok = indicator(np.ones(S, bool))
-    own = np.maximum(fdur @ indicator(work) - (fdur * nested) @ all_ok, 0)
+    own = np.maximum(per_iter(fdur, work) - per_iter(fdur * nested, comm), 0)
     cov = np.flatnonzero(~step & ok)
     busy = np.zeros((B, W))
     if len(cov):
@@ -286,9 +291,10 @@ def _batch_uniform(traces: list, ts: np.ndarray, dur: np.ndarray, peer: np.ndarr
         s_, e_ = ts.T[cov], end.T[cov]
         run = np.maximum.accumulate(e_, axis=0)
         prev = np.concatenate([np.full((1, B), np.iinfo(np.int64).min), run[:-1]], axis=0)
-        busy = all_ok[cov].T @ np.maximum(e_ - np.maximum(s_, prev), 0).astype(np.float64)
-        busy = busy.T
-    data = fdur @ indicator(cat == DATA)
+        gain = np.zeros((B, S))
+        gain[:, cov] = np.maximum(e_ - np.maximum(s_, prev), 0).T
+        busy = per_iter(gain, ~step)
+    data = per_iter(fdur, cat == DATA)
     w_end = np.full((B, W), np.nan)
     w_start = np.full((B, W), np.nan)
     for j in np.flatnonzero(step & ok):  # in slot order: a repeated step of one iteration counts its last
