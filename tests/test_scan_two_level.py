@@ -204,3 +204,20 @@ def test_batches_by_slot_reduce_as_span_by_span(jobs, case):
     assert uniform >= len(traces) // 48 // 2  # most batches of a stage share one order
     mixed = [t for members in stages.values() for t in members[:2]]  # two stages: different spans
     assert triage._uniform(mixed) is None
+
+
+def test_summary_and_heatmap_two_level_show_the_ranks_read(jobs, tmp_path):
+    """Past what one table holds, `scan summary` and `scan heatmap` show the two-level analysis: the flagged rank
+    first among the ranks read in full, and a line saying only those are shown."""
+    run = [sys.executable, "-m", "megatronapp", "scan"]
+    summ = subprocess.run(run + ["summary", str(jobs["slow-compute"]), "--two-level", "on"], capture_output=True,
+                          text=True, timeout=300)
+    assert summ.returncode == 0, summ.stderr
+    assert "only the ranks analysed in full are shown" in summ.stderr and "Mean of empty slice" not in summ.stderr
+    flagged = [line for line in summ.stdout.splitlines() if line.rstrip().endswith("slow-compute")]
+    assert len(flagged) == 1 and flagged[0].split()[0] == str(rank(9, 2, 1))
+    html = tmp_path / "heat.html"
+    heat = subprocess.run(run + ["heatmap", str(jobs["slow-compute"]), "--two-level", "on", "-o", str(html)],
+                          capture_output=True, text=True, timeout=300)
+    assert heat.returncode == 0, heat.stderr
+    assert "only the ranks analysed in full" in heat.stderr and html.stat().st_size > 1000

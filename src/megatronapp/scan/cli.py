@@ -131,13 +131,34 @@ def cmd_detect(args: argparse.Namespace) -> int:
     return 1 if (args.fail_on_finding and report.findings) else 0
 
 
-def cmd_heatmap(args: argparse.Namespace) -> int:
-    from megatronapp.scan import heatmap
+def _analysis(args: argparse.Namespace, command: str):
+    """The analysis `heatmap` and `summary` show: of every rank, or (two-level) of the ranks the triage chose, with
+    the others left out and a line on stderr saying so."""
     from megatronapp.scan.detect import analyse
 
+    if _two_level(args):
+        from megatronapp.scan.triage import analyse_two_level
+
+        _tune_memory()
+        try:
+            an, problems = analyse_two_level(args.dir, align=args.align)
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"scan: {e}") from None
+        for p in problems:
+            print(f"scan: {p}", file=sys.stderr)
+        print(f"scan {command}: {an.report.notes[0].split(':')[0]}: only the ranks analysed in full are shown "
+              f"({int(an.table.present.sum())} of {len(an.table.present)})", file=sys.stderr)
+        return an
     traces, offsets, clock = _load(args.dir, args.align)
+    return analyse(traces, offsets, clock=clock, release_traces=True)
+
+
+def cmd_heatmap(args: argparse.Namespace) -> int:
+    from megatronapp.scan import heatmap
+
+    an = _analysis(args, "heatmap")
     try:
-        out = heatmap.write(analyse(traces, offsets, clock=clock, release_traces=True), args.out)
+        out = heatmap.write(an, args.out)
     except ValueError as e:
         print(f"scan heatmap: {e}", file=sys.stderr)
         return 2
@@ -146,11 +167,9 @@ def cmd_heatmap(args: argparse.Namespace) -> int:
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
-    from megatronapp.scan.detect import analyse
     from megatronapp.scan.summary import summary_table
 
-    traces, offsets, clock = _load(args.dir, args.align)
-    an = analyse(traces, offsets, clock=clock, release_traces=True)
+    an = _analysis(args, "summary")
     print(summary_table(an, limit=None if args.all else args.limit))
     print()
     print(an.report.to_text())
@@ -215,12 +234,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("heatmap", help="rank-grid heat-map as .png or interactive .html")
     common(p)
     p.add_argument("-o", "--out", required=True, help="heat.png or heat.html")
+    p.add_argument("--two-level", choices=("auto", "on", "off"), default="auto",
+                   help="as detect's: past about 50 million spans, only the ranks analysed in full are drawn")
     p.set_defaults(func=cmd_heatmap)
 
     p = sub.add_parser("summary", help="per-rank table of compute / comm / wait time and the findings")
     common(p)
     p.add_argument("--limit", type=int, default=40, help="rows to show for large jobs (flagged ranks first)")
     p.add_argument("--all", action="store_true", help="show every rank")
+    p.add_argument("--two-level", choices=("auto", "on", "off"), default="auto",
+                   help="as detect's: past about 50 million spans, only the ranks analysed in full are listed")
     p.set_defaults(func=cmd_summary)
 
     p = sub.add_parser("simulate", help="write synthetic traces of a large 3D-parallel job with injected faults")

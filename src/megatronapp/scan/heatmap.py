@@ -7,6 +7,7 @@ one self-contained file (canvas + a little inline JS, no CDN) with a metric pick
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,9 @@ def grids(an: Analysis) -> tuple[dict[str, np.ndarray], np.ndarray, list[str]]:
     for r, (d, p, t) in enumerate(tb.coords):
         if d >= 0:
             rank_at[p * dp_n + d, t] = r
-    with np.errstate(invalid="ignore"):
+    # Ranks without data (a missing file; two-level: ranks not read in full) are NaN rows: no warning for them.
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
         st = np.nanmean(ph.self_time, axis=1)
         stage_med = np.array([np.nanmedian(st[tb.coords[:, 1] == p]) if (tb.coords[:, 1] == p).any() else np.nan
                               for p in range(pp_n)])

@@ -1,6 +1,8 @@
 """Per-rank summary table for the terminal: where each rank's iteration time went, and who was flagged."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from megatronapp.scan.detect import Analysis
@@ -17,7 +19,9 @@ def rank_rows(an: Analysis) -> list[dict]:
         for r in f.ranks:
             flagged.setdefault(r, []).append(f.kind)
     present = np.flatnonzero(tb.present)
-    with np.errstate(invalid="ignore"):
+    # Ranks without data (a missing file; two-level: ranks not read in full) are NaN rows: no warning for them.
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
         mean = {k: np.nanmean(v, axis=1) for k, v in (("iter ms", ph.window), ("compute", ph.compute),
                                                        ("data", ph.data), ("gap", ph.gap), ("comm", ph.comm),
                                                        ("waited", wt.waited), ("others waited", wt.caused))}
