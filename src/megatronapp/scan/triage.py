@@ -401,8 +401,9 @@ REL_FLOOR, ABS_FLOOR_MS = 0.02, 0.05
 LINK_ABS_FLOOR_MS = 0.005  # links and collectives: their fastest instance is steady to microseconds
 GROUP_QUANTILE, GROUP_REL_FLOOR = 0.05, 0.005
 # A slow group costs its stage in the full pass (6,256 ranks at 100,096): healthy 100,096-rank jobs had a DP group at
-# 5 MADs, the weak (1.5x) DP links 19 and 40.
-Z_GROUP = 10.0
+# 5 MADs, the weak (1.5x) DP links 19 and 40, and 9.2 in a third job (seed 2), which a bar of 10 missed. The triage
+# only chooses what is read (a group read for nothing costs time, never a finding), so the bar sits between.
+Z_GROUP = 7.0
 
 
 def _robust_z(x: np.ndarray, stage: np.ndarray, rel_floor: float | None = None,
