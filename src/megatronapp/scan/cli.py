@@ -114,15 +114,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
     from megatronapp.scan.detect import detect
 
     if _two_level(args):
-        from megatronapp.scan.triage import analyse_two_level
-
-        _tune_memory()
-        try:
-            an, problems = analyse_two_level(args.dir, align=args.align)
-        except (ValueError, FileNotFoundError) as e:
-            raise SystemExit(f"scan: {e}") from None
-        for p in problems:
-            print(f"scan: {p}", file=sys.stderr)
+        an = _two_level_analysis(args)
         print(an.report.to_json() if args.json else an.report.to_text())
         return 1 if (args.fail_on_finding and an.report.findings) else 0
     traces, offsets, clock = _load(args.dir, args.align)
@@ -131,21 +123,27 @@ def cmd_detect(args: argparse.Namespace) -> int:
     return 1 if (args.fail_on_finding and report.findings) else 0
 
 
+def _two_level_analysis(args: argparse.Namespace):
+    """Triage, then the full detector on what it chose (triage.analyse_two_level); its problems on stderr."""
+    from megatronapp.scan.triage import analyse_two_level
+
+    _tune_memory()
+    try:
+        an, problems = analyse_two_level(args.dir, align=args.align)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"scan: {e}") from None
+    for p in problems:
+        print(f"scan: {p}", file=sys.stderr)
+    return an
+
+
 def _analysis(args: argparse.Namespace, command: str):
     """The analysis `heatmap` and `summary` show: of every rank, or (two-level) of the ranks the triage chose, with
     the others left out and a line on stderr saying so."""
     from megatronapp.scan.detect import analyse
 
     if _two_level(args):
-        from megatronapp.scan.triage import analyse_two_level
-
-        _tune_memory()
-        try:
-            an, problems = analyse_two_level(args.dir, align=args.align)
-        except (ValueError, FileNotFoundError) as e:
-            raise SystemExit(f"scan: {e}") from None
-        for p in problems:
-            print(f"scan: {p}", file=sys.stderr)
+        an = _two_level_analysis(args)
         print(f"scan {command}: {an.report.notes[0].split(':')[0]}: only the ranks analysed in full are shown "
               f"({int(an.table.present.sum())} of {len(an.table.present)})", file=sys.stderr)
         return an

@@ -194,13 +194,6 @@ def _batch_spans(traces: list) -> dict:
     w_start = np.full(n, np.nan)
     w_start[cell[sm]] = ts[sm]
     w_end, w_start = w_end.reshape(B, W), w_start.reshape(B, W)
-    # As phases(): an iteration starts where the previous one (by number) ended, so a stall between steps (a late
-    # arrival before the step opens) is the rank's own host time.
-    prev = np.concatenate([np.full((B, 1), np.nan), w_end[:, :-1]], axis=1)
-    if len(iters):
-        prev[:, np.r_[True, np.diff(iters) != 1][:W]] = np.nan
-    window = w_end - np.where(np.isnan(prev), w_start, prev)
-    has = np.isfinite(window)
     rank_of = np.array([t.rank for t in traces], np.int64)
     # Fastest transfer per P2P direction (send/recv x peer below/above): a healthy link's fastest is its cost.
     p2p = comm & (peer >= 0)
@@ -211,7 +204,23 @@ def _batch_spans(traces: list) -> dict:
     coll = np.stack([_min_per_rank(comm & (peer < 0) & (kind == k), local, fdur, B) for k in range(len(KINDS))],
                     axis=1)
     peer_up = -_min_per_rank(p2p & up, local, -peer.astype(np.float64), B)
-    return {"iters": iters, "rank": rank_of,
+    return _features(traces, iters, own, data, busy, w_start, w_end, fast, coll, peer_up,
+                     np.bincount(local[comm], minlength=B), lens)
+
+
+def _features(traces: list, iters: np.ndarray, own, data, busy, w_start, w_end, fast, coll, peer_up, comm_closed,
+              spans) -> dict:
+    """A batch's features from its per-(rank, iteration) sums and step windows and its per-rank fastest
+    transfers (ns): what both paths hand back."""
+    B, W = w_end.shape
+    # As phases(): an iteration starts where the previous one (by number) ended, so a stall between steps (a late
+    # arrival before the step opens) is the rank's own host time.
+    prev = np.concatenate([np.full((B, 1), np.nan), w_end[:, :-1]], axis=1)
+    if len(iters):
+        prev[:, np.r_[True, np.diff(iters) != 1][:W]] = np.nan
+    window = w_end - np.where(np.isnan(prev), w_start, prev)
+    has = np.isfinite(window)
+    return {"iters": iters, "rank": np.array([t.rank for t in traces], np.int64),
             "coord": np.array([t.coord[:3] for t in traces], np.int64).reshape(B, 3),
             "topo": tuple(int(x) for x in traces[0].topo[:3]),
             "world": max(int(t.world) for t in traces),
@@ -220,9 +229,8 @@ def _batch_spans(traces: list) -> dict:
             "p2p": fast / 1e6, "peer_up": np.nan_to_num(peer_up, nan=-1).astype(np.int64),
             "coll": coll / 1e6,
             # The tracer writes every comm op when opened; opened beyond closed is what was in flight at the end.
-            "opened": np.maximum(np.array([len(t.opened.get("ts", ())) for t in traces], np.int64)
-                                 - np.bincount(local[comm], minlength=B), 0),
-            "spans": lens}
+            "opened": np.maximum(np.array([len(t.opened.get("ts", ())) for t in traces], np.int64) - comm_closed, 0),
+            "spans": spans}
 
 
 def _uniform(traces: list) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -300,11 +308,6 @@ def _batch_uniform(traces: list, ts: np.ndarray, dur: np.ndarray, peer: np.ndarr
     for j in np.flatnonzero(step & ok):  # in slot order: a repeated step of one iteration counts its last
         w_end[:, col[j]] = end[:, j]
         w_start[:, col[j]] = ts[:, j]
-    prev_end = np.concatenate([np.full((B, 1), np.nan), w_end[:, :-1]], axis=1)
-    if len(iters):
-        prev_end[:, np.r_[True, np.diff(iters) != 1][:W]] = np.nan
-    window = w_end - np.where(np.isnan(prev_end), w_start, prev_end)
-    has = np.isfinite(window)
     rank_of = np.array([t.rank for t in traces], np.int64)
     p2p = comm & (peer >= 0)
     up = peer > rank_of[:, None]
@@ -317,17 +320,8 @@ def _batch_uniform(traces: list, ts: np.ndarray, dur: np.ndarray, peer: np.ndarr
                      fastest(p2p & ~send & up)], axis=1)
     coll = np.stack([fastest(comm & (peer < 0) & (kind == k)) for k in range(len(KINDS))], axis=1)
     peer_up = -fastest(p2p & up, -peer.astype(np.float64))
-    return {"iters": iters, "rank": rank_of,
-            "coord": np.array([t.coord[:3] for t in traces], np.int64).reshape(B, 3),
-            "topo": tuple(int(x) for x in t0.topo[:3]),
-            "world": max(int(t.world) for t in traces),
-            "work": np.where(has, own, np.nan) / 1e6,
-            "host": np.where(has, data + np.maximum(window - busy, 0), np.nan) / 1e6,
-            "p2p": fast / 1e6, "peer_up": np.nan_to_num(peer_up, nan=-1).astype(np.int64),
-            "coll": coll / 1e6,
-            "opened": np.maximum(np.array([len(t.opened.get("ts", ())) for t in traces], np.int64)
-                                 - int(comm.sum()), 0),
-            "spans": np.full(B, S, np.int64)}
+    return _features(traces, iters, own, data, busy, w_start, w_end, fast, coll, peer_up, int(comm.sum()),
+                     np.full(B, S, np.int64))
 
 
 def _min_per_rank(mask: np.ndarray, local: np.ndarray, values: np.ndarray, B: int) -> np.ndarray:
