@@ -67,13 +67,14 @@ COLUMNS = ("name", "cat", "ts", "dur", "it", "gid", "seq", "peer", "nbytes", "ch
 # i1/i2/i4/i8) and a base.
 _COLS_ORDER = tuple(c for c in RECORD.names if c != "_pad")
 _COLS_HEAD = np.dtype([("n", "<u4"), ("code", "u1", len(_COLS_ORDER)), ("base", "<i8", len(_COLS_ORDER))])
-_COLS_WIDTH = {1: "<u1", 2: "<u2", 3: "<u4", 4: "<u8", 5: "<i1", 6: "<i2", 7: "<i4", 8: "<i8"}
-_COLS_WIDTHS = {k: np.dtype(v) for k, v in _COLS_WIDTH.items()}
+_COLS_WIDTHS = {k: np.dtype(v) for k, v in
+                {1: "<u1", 2: "<u2", 3: "<u4", 4: "<u8", 5: "<i1", 6: "<i2", 7: "<i4", 8: "<i8"}.items()}
 _FIELDS = {c: RECORD[c] for c in _COLS_ORDER}
 _FIELD_RANGE = {c: (int(np.iinfo(f).min), int(np.iinfo(f).max)) for c, f in _FIELDS.items()}
 _COLS_MIN = 64  # records from which a writer tries COLS: below, the 112-byte column header does not pay
 _TS_MIN_WIDTH = 4  # bytes: start times are never stored narrower (bounds the records a block can claim)
-_COLS_DEFAULTS = {"seq": -1, "peer": -1, "mb": -1, "chunk": -1, "it": -1, "cpu_wait": -1, "gid": -1}
+# A field a writer is not given: "none" (-1); nbytes and the rest 0.
+_NONE = {"seq": -1, "peer": -1, "mb": -1, "chunk": -1, "it": -1, "cpu_wait": -1, "gid": -1}
 
 
 class TraceFormatError(ValueError):
@@ -212,8 +213,8 @@ class RankWriter:
                     rec[c] = cols[c]
             rec["name"] = np.array(nids + [-1], np.int32)[np.asarray(cols["name"])]
             rec["gid"] = np.array(gids + [-1], np.int32)[np.asarray(cols["gid"])] if "gid" in cols else -1
-            for c, default in (("seq", -1), ("peer", -1), ("mb", -1), ("chunk", -1), ("it", -1), ("cpu_wait", -1)):
-                if c not in cols:
+            for c, default in _NONE.items():
+                if c not in cols and c != "gid":
                     rec[c] = default
         self.flush()  # new names and groups must precede the block that uses them
         self._block(*_span_block(rec))
@@ -281,7 +282,7 @@ def pack_columns(cols: dict[str, np.ndarray]) -> np.ndarray:
     data: list[np.ndarray] = []
     for i, c in enumerate(_COLS_ORDER):
         v = cols.get(c)
-        v = np.full((1, n), _COLS_DEFAULTS.get(c, 0), np.int64) if v is None else np.asarray(v).astype(np.int64)
+        v = np.full((1, n), _NONE.get(c, 0), np.int64) if v is None else np.asarray(v).astype(np.int64)
         if n == 0:
             continue
         lo, hi = v.min(axis=1), v.max(axis=1)
@@ -300,7 +301,7 @@ def pack_columns(cols: dict[str, np.ndarray]) -> np.ndarray:
                 v = np.concatenate([np.zeros((v.shape[0], 1), np.int64), d], axis=1)
                 lo = 0
         stored = v - (lo[:, None] if code < 5 else 0)
-        data.append(np.broadcast_to(stored.astype(_COLS_WIDTH[code]), (rows, n)))
+        data.append(np.broadcast_to(stored.astype(_COLS_WIDTHS[code]), (rows, n)))
         head["code"][:, i] = code
     out = np.empty((rows, _COLS_HEAD.itemsize + sum(a.shape[1] * a.itemsize for a in data)), np.uint8)
     out[:, :_COLS_HEAD.itemsize] = head.view(np.uint8).reshape(rows, -1)
@@ -454,16 +455,6 @@ def _unpack_members(ranks: Any, cache: dict) -> tuple[int, ...]:
     return tuple(map(int, ranks))
 
 
-def _member_bounds(groups: list[tuple[str, tuple[int, ...]]], lowest: int, highest: int) -> tuple[int, int]:
-    """(lowest, highest) rank named by `groups` and the bounds so far ((0, -1): none yet). min/max per group are C
-    loops, not a Python test per member: 1.5 million at 12,288 ranks."""
-    for _, members in groups:
-        if members:
-            lo, hi = min(members), max(members)
-            lowest, highest = (lo, hi) if highest < lowest else (min(lowest, lo), max(highest, hi))
-    return lowest, highest
-
-
 def _json_object(payload: bytes, name: str, what: str) -> dict:
     """A JSON object block, or TraceFormatError naming the file (never a raw traceback)."""
     try:
@@ -508,7 +499,6 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
     spans: list[np.ndarray | dict[str, np.ndarray]] = []  # SPAN records or COLS columns, in file order
     problems: list[str] = []
     nrec = 0
-    lowest, highest = 0, -1  # smallest and largest rank the group tables name (none yet)
     pos, size = len(MAGIC), len(data)
     view = memoryview(data)  # blocks as views of the file's bytes: a span block is not copied before numpy sees it
     while pos < size:
@@ -567,23 +557,18 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
             names.extend(new)
         elif tag == b"GRPS":
             key = (tag, bytes(payload))
-            cached = shared.get(key)
-            if cached is None:
+            got = shared.get(key)
+            if got is None:
                 got = []
                 try:
                     for g, rs in json.loads(key[1]):
                         got.append((str(g), _unpack_members(rs, shared)))
                 except (TypeError, ValueError, KeyError):
                     groups.extend(got)  # the groups before the bad entry stand (as they always did)
-                    lowest, highest = _member_bounds(got, lowest, highest)
                     problems.append(f"{name}: malformed group table at byte {body - _BLOCK.size}; rest ignored")
                     break
-                # Bounds once per distinct table (a DP group of 782 members, in 100,096 files).
-                cached = shared[key] = (got, *_member_bounds(got, 0, -1))
-            groups.extend(cached[0])
-            if cached[2] >= cached[1]:
-                lowest, highest = cached[1:] if highest < lowest else (min(lowest, cached[1]),
-                                                                      max(highest, cached[2]))
+                shared[key] = got
+            groups.extend(got)
         elif tag == b"HEAD":
             header = _json_object(bytes(payload), name, "header")
         else:
@@ -621,7 +606,8 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
     if not 0 < world <= MAX_WORLD or not 0 <= rank < world:
         raise TraceFormatError(f"{name}: header claims rank {str(header['rank'])[:20]} of world "
                                f"{str(header['world'])[:20]}; a world holds 1 to {MAX_WORLD} ranks")
-    if highest >= lowest and (lowest < 0 or highest >= world):
+    # min/max per group (C loops), not a Python test per member: 1.5 million at 12,288 ranks.
+    if any(members and (min(members) < 0 or max(members) >= world) for _, members in groups):
         raise TraceFormatError(f"{name}: its group table names a rank outside its world of {world}")
     is_open = cols["dur"] == OPENED
     if is_open.any():

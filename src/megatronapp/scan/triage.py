@@ -58,7 +58,7 @@ class Features:
     paths: dict[int, str]  # rank -> its file
 
 
-def estimated_spans(trace_dir: str | Path, samples: int = 3) -> int:
+def estimated_spans(trace_dir: str | Path) -> int:
     """Spans in a directory's rank files, from their sizes and the bytes a span takes in a few of them (first, middle
     and last by name, read whole): format 3's column blocks take 22-64 bytes a span, row blocks 56-64, so bytes
     alone misjudge by 3x. The densest sample counts (a large job is not taken for a small one)."""
@@ -72,7 +72,7 @@ def estimated_spans(trace_dir: str | Path, samples: int = 3) -> int:
         return 0
     names = sorted(sizes)
     per_byte = 0.0
-    for name in {names[0], names[len(names) // 2], names[-1]} if samples > 1 else {names[0]}:
+    for name in {names[0], names[len(names) // 2], names[-1]}:
         try:
             t = read_rank(os.path.join(d, name))
         except TraceFormatError:
@@ -88,6 +88,11 @@ def _kind_lut(groups: tuple[str, ...]) -> np.ndarray:
     """Per local group id (and -1 at the end): the index of its kind in KINDS, -1 for other groups."""
     return np.array([KINDS.index(g.split(".")[0]) if g.split(".")[0] in KINDS else -1 for g in groups] + [-1],
                     np.int64)
+
+
+def _send_lut(names: tuple[str, ...]) -> np.ndarray:
+    """Per local name id (and -1 at the end): whether it is a send."""
+    return np.array([n == "send" for n in names] + [False])
 
 
 def _through_luts(traces: list, column: str, key, make) -> np.ndarray:
@@ -142,8 +147,7 @@ def _batch_spans(traces: list) -> dict:
     it = np.concatenate([t.it for t in traces], dtype=np.int64)
     peer = np.concatenate([t.peer for t in traces], dtype=np.int64)
     kind = _through_luts(traces, "gid", lambda t: tuple(g for g, _ in t.groups), _kind_lut)
-    send = _through_luts(traces, "name", lambda t: tuple(t.names),
-                         lambda names: np.array([n == "send" for n in names] + [False]))
+    send = _through_luts(traces, "name", lambda t: tuple(t.names), _send_lut)
     end = ts + dur
     # Rank files are mostly in time order (the simulator's); a tracer writes a parent after its children.
     if len(ts) and not np.all((local[1:] > local[:-1]) | ((local[1:] == local[:-1]) & (ts[1:] >= ts[:-1]))):
@@ -258,12 +262,12 @@ def _uniform(traces: list) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
 def _batch_uniform(traces: list, ts: np.ndarray, dur: np.ndarray, peer: np.ndarray) -> dict:
     """`_batch` for a batch whose ranks share their spans' metadata (`_uniform`): every mask is one row of slots,
     the times are (ranks, slots) arrays, and a sum per iteration is a reduceat over the slots grouped by iteration
-    (sums of integer nanoseconds, exact in float64 whatever the order). Same numbers as `_batch` (tested)."""
+    (sums of integer nanoseconds, exact in float64 whatever the order). Same numbers as `_batch_spans` (tested)."""
     t0 = traces[0]
     B, S = ts.shape
     cat, it = np.asarray(t0.cat), np.asarray(t0.it, np.int64)
     kind = _kind_lut(tuple(g for g, _ in t0.groups))[np.asarray(t0.gid, np.int64)]
-    send = np.array([n == "send" for n in t0.names] + [False])[np.asarray(t0.name, np.int64)]
+    send = _send_lut(tuple(t0.names))[np.asarray(t0.name, np.int64)]
     end = ts + dur
     step = cat == STEP
     iters = np.unique(it[step])
