@@ -121,14 +121,14 @@ def _with_peers_of(findings: list, traces: list, group_limit: int) -> list[int]:
     return sorted(set(with_peers(small, traces)) | {int(r) for r in large})
 
 
-def flagged_two_level(trace_dir: str | Path, group_limit: int = 8) -> tuple[list[RankTrace], list[str], str,
-                                                                              list[str], list[int]]:
+def flagged_two_level(trace_dir: str | Path, group_limit: int = 8, use_summaries: bool = True
+                      ) -> tuple[list[RankTrace], list[str], str, list[str], list[int]]:
     """flagged_ranks for a job too large for one table (triage.analyse_two_level): (the traces of the ranks to write,
     finding labels, what the triage read, problems, every rank that has a file). Only the written ranks' files are
     read in full."""
     from megatronapp.scan.triage import analyse_two_level
 
-    an, problems, feats = analyse_two_level(trace_dir, with_features=True)
+    an, problems, feats = analyse_two_level(trace_dir, with_features=True, use_summaries=use_summaries)
     present = [int(r) for r in np.flatnonzero(feats.coords[:, 0] >= 0)]
     stubs = [SimpleNamespace(rank=r, coord=tuple(feats.coords[r]), topo=feats.topo) for r in present]
     findings = an.report.findings
@@ -140,16 +140,17 @@ def flagged_two_level(trace_dir: str | Path, group_limit: int = 8) -> tuple[list
 
 def aggregate(trace_dir: str | Path, out_path: str | Path, offsets: dict[int, int] | None = None,
               flows: bool = True, ranks: Iterable[int] | None = None, only_flagged: bool = False,
-              two_level: bool = False) -> dict:
+              two_level: bool = False, use_summaries: bool = True) -> dict:
     """Merge a trace directory into Chrome trace JSON (gzip if `out_path` ends in .gz); return a report.
 
     `offsets` (ns per rank, relative to rank 0) overrides the estimate from the traces' own anchors. `ranks`
     writes only those ranks; `only_flagged` only the ranks detect names plus their peers (with_peers) and, when
     nothing is found, no rank at all (the report says so). Flow arrows are kept between written ranks.
     `two_level` (with only_flagged): detect by triage (triage.py) and read only the written ranks in full; their
-    clocks are then aligned among themselves (a job too large to hold: 100,096 ranks)."""
+    clocks are then aligned among themselves (a job too large to hold: 100,096 ranks); `use_summaries` as
+    triage.features'."""
     if two_level and only_flagged and ranks is None:
-        traces, labels, note, problems, present = flagged_two_level(trace_dir)
+        traces, labels, note, problems, present = flagged_two_level(trace_dir, use_summaries=use_summaries)
         report: dict[str, Any] = {"out": str(out_path), "ranks": present, "problems": problems, "findings": labels,
                                   "two_level": note,
                                   "clocks": "aligned among the written ranks (two-level: the others were not read)"}

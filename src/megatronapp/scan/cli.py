@@ -86,7 +86,8 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
     _tune_memory()
     try:
         report = aggregate(args.dir, args.out, ranks=parse_ranks(args.ranks) if args.ranks else None,
-                           only_flagged=args.only_flagged, two_level=args.only_flagged and _two_level(args))
+                           only_flagged=args.only_flagged, two_level=args.only_flagged and _two_level(args),
+                           use_summaries=not args.no_summaries)
     except ValueError as e:
         print(f"scan aggregate: {e}", file=sys.stderr)
         return 2
@@ -96,6 +97,12 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
               + (f" ({found})" if found else ""), file=sys.stderr)
     print(json.dumps(report, indent=1, default=str) if args.json else f"wrote {args.out}")
     return 0
+
+
+def _no_summaries(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-summaries", action="store_true",
+                   help="two-level: work every rank's triage numbers out from its spans, not from the summary block "
+                        "its writer left at the end of its file (slower; for files whose summaries you doubt)")
 
 
 def _two_level(args: argparse.Namespace) -> bool:
@@ -129,7 +136,7 @@ def _two_level_analysis(args: argparse.Namespace):
 
     _tune_memory()
     try:
-        an, problems = analyse_two_level(args.dir, align=args.align)
+        an, problems = analyse_two_level(args.dir, align=args.align, use_summaries=not args.no_summaries)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"scan: {e}") from None
     for p in problems:
@@ -212,6 +219,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--two-level", choices=("auto", "on", "off"), default="auto",
                    help="with --only-flagged: detect by triage and read only the written ranks in full, their clocks "
                         "aligned among themselves (auto: past about 50 million spans)")
+    _no_summaries(p)
     p.set_defaults(func=cmd_aggregate)
 
     def common(p: argparse.ArgumentParser) -> None:
@@ -219,6 +227,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("--align", action="store_true",
                        help="estimate clock offsets first and use aligned start times (default: skew-free "
                             "duration-based analysis)")
+        _no_summaries(p)
 
     p = sub.add_parser("detect", help="name the ranks and links that slow the job down (root cause, not victims)")
     common(p)

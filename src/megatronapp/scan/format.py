@@ -8,6 +8,8 @@ Layout: an 8-byte magic, then blocks `tag(4s) length(u32) crc32(u32) payload`. T
   SPAN  packed fixed-size span records (`RECORD` dtype), read with one `np.frombuffer`
   COLS  (format 3) the same spans column by column, each column in the narrowest integer that holds it (below)
   FOOT  JSON footer (records written, records dropped), merged into the header under "footer"
+  SUMS  (format 3, optional, last) the writer's summary of the rank for the triage: rank_summary.py; readers of
+        spans skip it (a format-3 reader older than it stops there as at any unknown block, losing nothing)
 Format 2 (magic ...\x02\x00) adds `cpu_wait` to every record: ns the span's thread spent runnable but waiting
 for a CPU (Linux schedstat's run-queue delay) while the span ran, -1 where unknown (a device-timed span, another
 OS, a format-1 file, which still reads). Time waiting for a core is not what the op costs: on an oversubscribed
@@ -361,12 +363,13 @@ def _span_block(rec: np.ndarray) -> tuple[bytes, Any]:
 
 
 def write_rank_file(path: str | Path, header: dict, names: list[str], groups: list[tuple[str, Any]],
-                    spans: np.ndarray) -> None:
+                    spans: np.ndarray, summary: bytes | None = None) -> None:
     """Write a whole rank file at once: the bytes RankWriter writes for one `write_columns(names, groups, spans)`,
     in one gathered write. `spans` is a `RECORD` array (ids already indexing names and groups) or a row of
     `pack_columns` (a COLS payload made with other ranks' in one go). For writers of many finished files (the
     simulator: 100,096 of them), where a RankWriter per file cost more than the records. The GIL is released while
-    the blocks are checksummed and written, so writer threads overlap."""
+    the blocks are checksummed and written, so writer threads overlap. `summary`: a whole SUMS block
+    (rank_summary.encode), written last."""
     _check_header(header)
     if spans.dtype == np.uint8 and spans.ndim == 1:
         if len(spans) < _COLS_HEAD.itemsize:
@@ -390,6 +393,8 @@ def write_rank_file(path: str | Path, header: dict, names: list[str], groups: li
             block(b"GRPS", json.dumps([[str(g), _pack_members(r, None)] for g, r in groups]).encode())
         block(tag, payload)
     block(b"FOOT", json.dumps({"records": n}).encode())
+    if summary is not None:
+        parts.append(summary)
     with _CREATE:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -491,7 +496,7 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
     if magic not in (MAGIC, MAGIC_V2, MAGIC_V1):
         raise TraceFormatError(f"{name}: not a MegaScan trace (bad magic); expected a file written by RankWriter")
     dtype = RECORD_V1 if magic == MAGIC_V1 else RECORD
-    tags = (b"HEAD", b"STRS", b"GRPS", b"SPAN", b"FOOT") + ((b"COLS",) if magic == MAGIC else ())
+    tags = (b"HEAD", b"STRS", b"GRPS", b"SPAN", b"FOOT") + ((b"COLS", b"SUMS") if magic == MAGIC else ())
     header: dict | None = None
     footer: dict | None = None
     names: list[str] = []
@@ -541,6 +546,8 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
                 continue
             spans.append(got)
             nrec += len(got["ts"])
+        elif tag == b"SUMS":
+            continue  # the writer's summary of these spans (rank_summary.py): the triage's, not the reader's
         elif tag == b"STRS":
             # Every rank of a job usually writes the same string table: parsed once per distinct block.
             key = (tag, bytes(payload))

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from megatronapp.scan.format import CAT_INDEX, pack_columns, rank_file, write_rank_file
+from megatronapp.scan.triage import SpanRows, summary_blocks
 
 FAULT_KINDS = ("slow-compute", "slow-link", "pause", "late-arrival")
 MS = 1_000_000  # ns
@@ -398,6 +399,9 @@ def _time_order(ts: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     return o, idx
 
 
+ROW_COLUMNS = ("name", "cat", "ts", "dur", "it", "gid", "peer")  # SpanRows' columns, in its order
+
+
 def _write_stage(out: Path, spans: _Slots, s: int, ranks: np.ndarray, topo: tuple[int, int, int],
                  offsets: np.ndarray, drift: np.ndarray, stage_work: tuple[float, ...] | None,
                  pool: ThreadPoolExecutor) -> list[Future]:
@@ -439,17 +443,29 @@ def _write_stage(out: Path, spans: _Slots, s: int, ranks: np.ndarray, topo: tupl
         p = ps if len(ps) == 1 else ps[lo:hi]
         cols["peer"] = np.where(p >= 0, ranks[lo:hi, None] + (p - s) * tp * dp, -1)
         blocks = pack_columns(cols)
+        heads, groups, rows = [], [], []
         for i in range(lo, hi):
             r = int(ranks[i])
             d_, t = (r // tp) % dp, r % tp
             first = tp * (d_ + dp * s)  # (tp 0, this replica, this stage)
-            groups = [("tp", range(first, first + tp)), ("pp", range(r % (tp * dp), world, tp * dp)),
-                      ("dp", range(t + tp * dp * s, t + tp * dp * (s + 1), tp))]
+            groups.append([("tp", range(first, first + tp)), ("pp", range(r % (tp * dp), world, tp * dp)),
+                           ("dp", range(t + tp * dp * s, t + tp * dp * (s + 1), tp))])
             head = {"rank": r, "world": world, "coord": [d_, s, t], "topo": [tp, pp, dp], "host": f"node{r // 8}",
                     "pid": 10_000 + r, "clock": "monotonic_ns", "simulated": True}
             if stage_work is not None:
                 head["stage_work"] = list(stage_work)  # what a cost model of the job would say
-            write_rank_file(rank_file(out, r), head, NAMES, groups, blocks[i - lo])
+            heads.append(head)
+            k = i - lo
+            rows.append(SpanRows(r, world, (d_, s, t), (tp, pp, dp), NAMES, groups[-1],
+                                 *(c[0] if len(c) == 1 else c[k] for c in (cols[x] for x in ROW_COLUMNS)), {}))
+        # Each rank's summary block (rank_summary.py), from the very columns its file holds, as a tracer leaves one.
+        # One slot order for the stage (_time_order sorted every row by it): the batch is what triage._uniform
+        # checks for, by construction.
+        same = all(len(cols[k]) == 1 for k in ("name", "cat", "it", "gid"))
+        sums = summary_blocks(rows, (cols["ts"], cols["dur"], cols["peer"]) if same else None)
+        for i in range(lo, hi):
+            k = i - lo
+            write_rank_file(rank_file(out, heads[k]["rank"]), heads[k], NAMES, groups[k], blocks[k], sums[k])
 
     step = 256
     return [pool.submit(write, lo, min(lo + step, len(ranks))) for lo in range(0, len(ranks), step)]

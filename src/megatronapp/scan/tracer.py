@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -325,8 +326,23 @@ class Tracer:
         self._writer.close(footer={"dropped": self.dropped, "iterations": sorted(self._seen),
                                    "repeated_iterations": self.repeated,
                                    "writer_error": repr(self._error) if self._error else None})
+        if self._error is None:
+            self._summarise()
         if self._error is not None:
             raise RuntimeError(f"MegaScan writer for {self._writer.path} failed: {self._error!r}")
+
+
+    def _summarise(self) -> None:
+        """Leave the rank's summary block at the end of its file (rank_summary.py): the triage of a large job then
+        reads a page per rank, not its spans. Best effort: without it the file is read in full, so a failure here
+        is a warning, never the job's end."""
+        from megatronapp.scan.triage import write_summary  # (the detector's code: loaded only at the end)
+
+        try:
+            write_summary(self._writer.path)
+        except Exception as e:  # noqa: BLE001 (the trace is written and whole; only the shortcut is missing)
+            warnings.warn(f"MegaScan: no summary block for {self._writer.path}: {e!r}", RuntimeWarning,
+                          stacklevel=2)
 
 
 def handshake(group: Any, rounds: int = 5, cuda: bool = False,

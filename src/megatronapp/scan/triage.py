@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatronapp.scan import rank_summary
 from megatronapp.scan.evidence import group_quantile
 from megatronapp.scan.format import CAT_INDEX, FILE_PATTERN, TraceFormatError, read_rank
 
@@ -108,14 +109,29 @@ def _through_luts(traces: list, column: str, key, make) -> np.ndarray:
     return np.concatenate([luts[k][np.asarray(getattr(t, column), np.int64)] for k, t in zip(keys, traces)])
 
 
-def _reduce(paths: list[str]) -> dict:
-    """Features of the rank files `paths` (one worker's share), batch by batch; per-batch iteration numbers."""
+def _reduce(paths: list[str], use_summaries: bool = True) -> dict:
+    """Features of the rank files `paths` (one worker's share), batch by batch; per-batch iteration numbers. A file
+    that ends in a valid summary block (rank_summary.py) gives its numbers from there, without its spans."""
     parts: list[dict] = []
     problems: list[str] = []
     shared: dict = {}
-    for lo in range(0, len(paths), _BATCH):
+    summed: dict[tuple, list] = {}  # iterations -> [(path, summary)]: one part per set of iterations
+    todo = []
+    for p in paths:
+        got, why = rank_summary.read(p) if use_summaries else (None, None)
+        if why:
+            problems.append(why)
+        if got is None:
+            todo.append(p)
+            continue
+        if got["dropped"]:
+            problems.append(f"{os.path.basename(p)}: the tracer dropped {got['dropped']} spans (queue full)")
+        summed.setdefault(tuple(got["iters"].tolist()), []).append((p, got))
+    for group in summed.values():
+        parts.append(_summary_part(group))
+    for lo in range(0, len(todo), _BATCH):
         traces, read = [], []
-        for p in paths[lo:lo + _BATCH]:
+        for p in todo[lo:lo + _BATCH]:
             try:
                 t = read_rank(p, shared, _views=True)
             except TraceFormatError as e:
@@ -127,6 +143,78 @@ def _reduce(paths: list[str]) -> dict:
         if traces:
             parts.append({**_batch(traces), "path": read})
     return {"problems": problems, "parts": parts}
+
+
+def _summary_part(group: list[tuple[str, dict]]) -> dict:
+    """A part (as _batch makes, plus paths) from summaries of the same iterations."""
+    rows = [g for _, g in group]
+
+    def stack(k: str, dtype=np.float64) -> np.ndarray:
+        return np.array([r[k] for r in rows], dtype)
+
+    W = len(rows[0]["iters"])
+    return {"iters": rows[0]["iters"], "rank": stack("rank", np.int64), "coord": stack("coord", np.int64),
+            "topo": rows[0]["topo"], "world": max(r["world"] for r in rows),
+            "work": stack("work").reshape(len(rows), W), "host": stack("host").reshape(len(rows), W),
+            "p2p": stack("p2p"), "peer_up": stack("peer_up", np.int64), "coll": stack("coll"),
+            "opened": stack("opened", np.int64), "spans": stack("spans", np.int64), "path": [p for p, _ in group]}
+
+
+@dataclass
+class SpanRows:
+    """One rank's spans as a writer holds them (the columns `_batch` reads, as read_rank would give them): for
+    summaries made before, or instead of, reading the file back."""
+
+    rank: int
+    world: int
+    coord: tuple
+    topo: tuple
+    names: list
+    groups: list
+    name: np.ndarray
+    cat: np.ndarray
+    ts: np.ndarray
+    dur: np.ndarray
+    it: np.ndarray
+    gid: np.ndarray
+    peer: np.ndarray
+    opened: dict
+    dropped: int = 0
+
+    def __len__(self) -> int:
+        return len(self.ts)
+
+
+def summary_blocks(traces: list, uniform: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> list[bytes]:
+    """SUMS blocks (rank_summary.encode) for a batch of traces (RankTrace or SpanRows): the numbers the triage would
+    work out from their files, by the same code. `uniform`: (ts, dur, peer) as (ranks, spans) arrays, from a writer
+    that knows what `_uniform` checks (every rank's spans the same in the same order, each row in time order), so
+    the batch is not stacked and compared again."""
+    f = _batch_uniform(traces, *uniform) if uniform is not None else _batch(traces)
+    W = len(f["iters"])  # (a batch without steps has one column of NaN: no iterations to summarise)
+    dropped = [getattr(t, "dropped", None) for t in traces]
+    dropped = [int((t.header.get("footer") or {}).get("dropped") or 0) if d is None else d
+               for d, t in zip(dropped, traces)]
+    B = len(traces)
+    ints = np.column_stack([f["rank"], np.full(B, f["world"]), f["coord"], np.tile(np.asarray(f["topo"]), (B, 1)),
+                            f["peer_up"], f["opened"], f["spans"], dropped]).astype(np.int64)
+    floats = np.concatenate([f["work"][:, :W], f["host"][:, :W], f["p2p"], f["coll"]], axis=1)
+    return rank_summary.encode_batch(ints, np.asarray(f["iters"], np.int64), floats)
+
+
+def write_summary(path: str | Path) -> bool:
+    """Append the summary block to a closed rank file (the tracer, at its end): its spans read back and reduced as
+    the triage would. False, and the file untouched, where it cannot be read whole or already ends in one."""
+    p = os.fspath(path)
+    if rank_summary.read(p) != (None, None):
+        return False
+    t = read_rank(p)
+    if any("truncated" in x or "corrupt" in x or "checksum" in x for x in t.problems):
+        return False  # the file's end is not where its writer left it: no block after a broken one
+    block = summary_blocks([t])[0]
+    with open(p, "ab") as fh:
+        fh.write(block)
+    return True
 
 
 def _batch(traces: list) -> dict:
@@ -261,8 +349,11 @@ def _uniform(traces: list) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
 
 def _batch_uniform(traces: list, ts: np.ndarray, dur: np.ndarray, peer: np.ndarray) -> dict:
     """`_batch` for a batch whose ranks share their spans' metadata (`_uniform`): every mask is one row of slots,
-    the times are (ranks, slots) arrays, and a sum per iteration is a reduceat over the slots grouped by iteration
-    (sums of integer nanoseconds, exact in float64 whatever the order). Same numbers as `_batch_spans` (tested)."""
+    the times are (ranks, slots) arrays, and a sum per iteration is a reduceat over the slots grouped by iteration.
+    Sums and minima stay in integer nanoseconds until the end (a sum of integers below 2^53 is the same in float64
+    whatever the order): the same numbers as `_batch_spans` (tested). Each step touches only the slots it needs
+    (comm slots for transfers, comm-in-work slots for nesting): this runs once per rank file written by the
+    simulator (its summary blocks) and per file read without one."""
     t0 = traces[0]
     B, S = ts.shape
     cat, it = np.asarray(t0.cat), np.asarray(t0.it, np.int64)
@@ -275,56 +366,63 @@ def _batch_uniform(traces: list, ts: np.ndarray, dur: np.ndarray, peer: np.ndarr
     col = np.searchsorted(iters, it).clip(0, W - 1)
     ok = (iters[col] == it) if len(iters) else np.zeros(S, bool)
 
-    def per_iter(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """(ranks, W): each rank's `values` summed over the slots in `mask` (and an iteration), per iteration. Not a
-        matrix product: BLAS threads in each of the two worker processes spun and doubled the triage's CPU."""
+    def per_iter(values: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """(ranks, W) float: `values` (ranks, len(slots)) summed per iteration of their slots (all in an
+        iteration). Not a matrix product: BLAS threads in each of the two worker processes spun and doubled the
+        triage's CPU."""
         out = np.zeros((B, W))
-        sel = np.flatnonzero(mask & ok)
-        if len(sel):
-            sel = sel[np.argsort(col[sel], kind="stable")]
-            c = col[sel]
+        if len(slots):
+            c = col[slots]
+            if (np.diff(c) < 0).any():
+                o = np.argsort(c, kind="stable")
+                values, c = values[:, o], c[o]
             starts = np.flatnonzero(np.r_[True, c[1:] != c[:-1]])
-            out[:, c[starts]] = np.add.reduceat(values[:, sel], starts, axis=1)
+            out[:, c[starts]] = np.add.reduceat(values, starts, axis=1)
         return out
 
-    fdur = dur.astype(np.float64)
-    work = (cat == COMPUTE) | (cat == OPT)
+    work = np.flatnonzero(((cat == COMPUTE) | (cat == OPT)) & ok)
     comm = cat == COMM
     # The last work span at or before each slot (the same slot on every rank: one order).
-    last = np.maximum.accumulate(np.where(work, np.arange(S), -1))
-    nest_cand = np.flatnonzero(comm & (last >= 0))
-    nested = np.zeros((B, S), bool)
-    nested[:, nest_cand] = end[:, nest_cand] <= end[:, last[nest_cand]] + _NEST_SLACK_NS
-    own = np.maximum(per_iter(fdur, work) - per_iter(fdur * nested, comm), 0)
+    last = np.maximum.accumulate(np.where((cat == COMPUTE) | (cat == OPT), np.arange(S), -1))
+    nest_cand = np.flatnonzero(comm & (last >= 0) & ok)
+    nested = end[:, nest_cand] <= end[:, last[nest_cand]] + _NEST_SLACK_NS
+    own = np.maximum(per_iter(dur[:, work], work) - per_iter(np.where(nested, dur[:, nest_cand], 0), nest_cand), 0)
     cov = np.flatnonzero(~step & ok)
     busy = np.zeros((B, W))
     if len(cov):
-        # Slots as rows: the running end accumulates one row of ranks at a time (vectorised), not along each rank.
-        s_, e_ = ts.T[cov], end.T[cov]
-        run = np.maximum.accumulate(e_, axis=0)
-        prev = np.concatenate([np.full((1, B), np.iinfo(np.int64).min), run[:-1]], axis=0)
-        gain = np.zeros((B, S))
-        gain[:, cov] = np.maximum(e_ - np.maximum(s_, prev), 0).T
-        busy = per_iter(gain, ~step)
-    data = per_iter(fdur, cat == DATA)
+        # The running end along each rank's row (contiguous: a row-wise accumulate and reduceat are 20x faster
+        # than the same on a transposed view).
+        s_, e_ = ts[:, cov], end[:, cov]
+        run = np.maximum.accumulate(e_, axis=1)
+        gain = e_
+        gain[:, 1:] -= np.maximum(s_[:, 1:], run[:, :-1])
+        gain[:, 0] -= s_[:, 0]
+        np.maximum(gain, 0, out=gain)
+        busy = per_iter(gain, cov)
+    data = np.flatnonzero((cat == DATA) & ok)
+    data = per_iter(dur[:, data], data)
     w_end = np.full((B, W), np.nan)
     w_start = np.full((B, W), np.nan)
     for j in np.flatnonzero(step & ok):  # in slot order: a repeated step of one iteration counts its last
         w_end[:, col[j]] = end[:, j]
         w_start[:, col[j]] = ts[:, j]
     rank_of = np.array([t.rank for t in traces], np.int64)
-    p2p = comm & (peer >= 0)
-    up = peer > rank_of[:, None]
+    # Transfers and collectives: the comm slots only.
+    cs = np.flatnonzero(comm)
+    c_dur, c_peer, c_send, c_kind = dur[:, cs], peer[:, cs], send[cs], kind[cs]
+    p2p = c_peer >= 0
+    up = c_peer > rank_of[:, None]
+    big = np.iinfo(np.int64).max
 
-    def fastest(mask: np.ndarray, values: np.ndarray = fdur) -> np.ndarray:
-        v = np.where(mask, values, np.inf).min(axis=1)
-        return np.where(np.isfinite(v), v, np.nan)
+    def fastest(mask: np.ndarray, values: np.ndarray = c_dur) -> np.ndarray:
+        v = np.where(mask, values, big).min(axis=1, initial=big)
+        return np.where(v < big, v, np.nan)
 
-    fast = np.stack([fastest(p2p & send & ~up), fastest(p2p & send & up), fastest(p2p & ~send & ~up),
-                     fastest(p2p & ~send & up)], axis=1)
-    coll = np.stack([fastest(comm & (peer < 0) & (kind == k)) for k in range(len(KINDS))], axis=1)
-    peer_up = -fastest(p2p & up, -peer.astype(np.float64))
-    return _features(traces, iters, own, data, busy, w_start, w_end, fast, coll, peer_up, int(comm.sum()),
+    fast = np.stack([fastest(p2p & c_send & ~up), fastest(p2p & c_send & up), fastest(p2p & ~c_send & ~up),
+                     fastest(p2p & ~c_send & up)], axis=1)
+    coll = np.stack([fastest(~p2p & (c_kind == k)) for k in range(len(KINDS))], axis=1)
+    peer_up = -fastest(p2p & up, -c_peer)
+    return _features(traces, iters, own, data, busy, w_start, w_end, fast, coll, peer_up, len(cs),
                      np.full(B, S, np.int64))
 
 
@@ -338,8 +436,9 @@ def _min_per_rank(mask: np.ndarray, local: np.ndarray, values: np.ndarray, B: in
     return out
 
 
-def features(trace_dir: str | Path, workers: int = 2) -> Features:
-    """Read every rank file of a directory in `workers` processes and reduce it to Features."""
+def features(trace_dir: str | Path, workers: int = 2, use_summaries: bool = True) -> Features:
+    """Read every rank file of a directory in `workers` processes and reduce it to Features (from the files'
+    summary blocks where they end in one and `use_summaries`)."""
     d = os.fspath(trace_dir)
     names = sorted(n for n in os.listdir(d) if FILE_PATTERN.search(n))
     paths = [os.path.join(d, n) for n in names]
@@ -348,9 +447,9 @@ def features(trace_dir: str | Path, workers: int = 2) -> Features:
     shares = [paths[i::workers] for i in range(workers)] if workers > 1 else [paths]
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
-            results = list(pool.map(_reduce, shares))
+            results = list(pool.map(_reduce, shares, [use_summaries] * len(shares)))
     else:
-        results = [_reduce(paths)]
+        results = [_reduce(paths, use_summaries)]
     parts = [p for r in results for p in r["parts"]]
     problems = [x for r in results for x in r["problems"]]
     if not parts:
@@ -571,16 +670,17 @@ def select(f: Features, budget: int = BUDGET) -> Selection:
 
 
 def analyse_two_level(trace_dir: str | Path, thresholds=None, workers: int = 2, budget: int = BUDGET,
-                      align: bool = False, with_features: bool = False):
+                      align: bool = False, with_features: bool = False, use_summaries: bool = True):
     """detect.analyse for a job too large for one table: triage every rank (features, select), then the full
     detector on the selected ranks. Returns (analysis, problems), plus the Features with `with_features`; the
     report's notes say what was read. `align`: clock offsets estimated on the selected ranks (as `scan detect
-    --align` on all of them)."""
+    --align` on all of them). `use_summaries`: False works every rank's numbers out from its spans, whatever
+    summary blocks the files end in."""
     from megatronapp.scan.detect import analyse
 
     if not os.path.isdir(trace_dir):
         raise FileNotFoundError(f"trace directory {trace_dir} does not exist")
-    f = features(trace_dir, workers)
+    f = features(trace_dir, workers, use_summaries)
     sel = select(f, budget)
     shared: dict = {}
     traces = [read_rank(f.paths[r], shared) for r in sel.ranks]
