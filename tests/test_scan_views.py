@@ -3,6 +3,7 @@ import argparse
 import json
 import re
 
+import numpy as np
 import pytest
 
 from megatronapp.scan import cli, heatmap
@@ -46,6 +47,24 @@ def test_html_is_self_contained_and_carries_the_grid(job, tmp_path):
     assert any("slow-compute" in f for f in data["findings"])
     with pytest.raises(ValueError, match=".png or .html"):
         heatmap.write(an, tmp_path / "heat.jpg")
+
+
+def test_rows_past_the_limit_are_binned_keeping_flagged_and_worst_ranks(job, tmp_path):
+    """16 ranks, tp 2, pp 2: 8 rows (stage x replica); at most 4 rows, each stage's 4 replicas go in bins of 2, a
+    cell showing its bin's flagged rank, else its highest self vs stage."""
+    _, an = job
+    full, rank_full, _ = heatmap.grids(an)
+    g, rank_at, labels = heatmap.grids(an, max_rows=4)
+    assert rank_at.shape == (4, 2) and labels == ["PP0 DP0-1", "PP0 DP2-3", "PP1 DP0-1", "PP1 DP2-3"]
+    flagged = {r for f in an.report.findings for r in f.ranks}
+    score = {int(r): full["self vs stage"][i, j] for (i, j), r in np.ndenumerate(rank_full)}
+    for (i, j), r in np.ndenumerate(rank_at):
+        bin_ranks = [int(x) for x in rank_full[2 * i:2 * i + 2, j]]
+        assert r in bin_ranks
+        want = [x for x in bin_ranks if x in flagged] or [max(bin_ranks, key=lambda x: score[x])]
+        assert r in want
+        assert g["self vs stage"][i, j] == score[int(r)]
+    assert flagged <= set(rank_at.ravel().tolist())
 
 
 def test_summary_rows_and_table(job):

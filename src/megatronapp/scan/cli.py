@@ -121,7 +121,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
     from megatronapp.scan.detect import detect
 
     if _two_level(args):
-        an = _two_level_analysis(args)
+        an, _ = _two_level_analysis(args)
         print(an.report.to_json() if args.json else an.report.to_text())
         return 1 if (args.fail_on_finding and an.report.findings) else 0
     traces, offsets, clock = _load(args.dir, args.align)
@@ -131,17 +131,19 @@ def cmd_detect(args: argparse.Namespace) -> int:
 
 
 def _two_level_analysis(args: argparse.Namespace):
-    """Triage, then the full detector on what it chose (triage.analyse_two_level); its problems on stderr."""
+    """Triage, then the full detector on what it chose (triage.analyse_two_level); its problems on stderr.
+    Returns (analysis, the triage's Features of every rank)."""
     from megatronapp.scan.triage import analyse_two_level
 
     _tune_memory()
     try:
-        an, problems = analyse_two_level(args.dir, align=args.align, use_summaries=not args.no_summaries)
+        an, problems, feats = analyse_two_level(args.dir, align=args.align, with_features=True,
+                                                use_summaries=not args.no_summaries)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"scan: {e}") from None
     for p in problems:
         print(f"scan: {p}", file=sys.stderr)
-    return an
+    return an, feats
 
 
 def _analysis(args: argparse.Namespace, command: str):
@@ -150,20 +152,22 @@ def _analysis(args: argparse.Namespace, command: str):
     from megatronapp.scan.detect import analyse
 
     if _two_level(args):
-        an = _two_level_analysis(args)
-        print(f"scan {command}: {an.report.notes[0].split(':')[0]}: only the ranks analysed in full are shown "
-              f"({int(an.table.present.sum())} of {len(an.table.present)})", file=sys.stderr)
-        return an
+        an, feats = _two_level_analysis(args)
+        shown = "only the ranks analysed in full are shown" if command == "summary" else \
+            "every rank's triage numbers are drawn, the waits of the ranks analysed in full"
+        print(f"scan {command}: {an.report.notes[0].split(':')[0]}: {shown} ({int(an.table.present.sum())} of "
+              f"{len(an.table.present)} read in full)", file=sys.stderr)
+        return an, feats
     traces, offsets, clock = _load(args.dir, args.align)
-    return analyse(traces, offsets, clock=clock, release_traces=True)
+    return analyse(traces, offsets, clock=clock, release_traces=True), None
 
 
 def cmd_heatmap(args: argparse.Namespace) -> int:
     from megatronapp.scan import heatmap
 
-    an = _analysis(args, "heatmap")
+    an, feats = _analysis(args, "heatmap")
     try:
-        out = heatmap.write(an, args.out)
+        out = heatmap.write(an, args.out, feats)
     except ValueError as e:
         print(f"scan heatmap: {e}", file=sys.stderr)
         return 2
@@ -174,7 +178,7 @@ def cmd_heatmap(args: argparse.Namespace) -> int:
 def cmd_summary(args: argparse.Namespace) -> int:
     from megatronapp.scan.summary import summary_table
 
-    an = _analysis(args, "summary")
+    an, _ = _analysis(args, "summary")
     print(summary_table(an, limit=None if args.all else args.limit))
     print()
     print(an.report.to_text())
@@ -242,7 +246,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     common(p)
     p.add_argument("-o", "--out", required=True, help="heat.png or heat.html")
     p.add_argument("--two-level", choices=("auto", "on", "off"), default="auto",
-                   help="as detect's: past about 50 million spans, only the ranks analysed in full are drawn")
+                   help="as detect's: past about 50 million spans, every rank's triage numbers are drawn (own work "
+                        "and host time) and the waits of the ranks analysed in full; rows binned past 1,200")
     p.set_defaults(func=cmd_heatmap)
 
     p = sub.add_parser("summary", help="per-rank table of compute / comm / wait time and the findings")
