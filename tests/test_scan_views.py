@@ -1,6 +1,7 @@
 """Heat-maps, the summary table and the `scan` CLI on a small simulated job."""
 import argparse
 import json
+import os
 import re
 
 import numpy as np
@@ -89,3 +90,37 @@ def test_cli_detect_json_summary_heatmap(job, tmp_path, capsys):
     assert (tmp_path / "h.html").exists()
     assert _main(["scan", "simulate", "--ranks", "10", "--tp", "4", "--pp", "2", "-o", str(tmp_path)]) == 2
     assert "not a multiple" in capsys.readouterr().err
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is not installed")
+@pytest.mark.parametrize("max_rows", [None, 4])
+def test_html_heatmap_in_chromium_draws_and_reads_out_the_flagged_rank(job, tmp_path, monkeypatch, max_rows):
+    """The page as a user opens it: no script error, a canvas of the grid, and hovering the slow rank's cell (binned
+    or not) reads out that rank."""
+    from playwright.sync_api import sync_playwright
+
+    _, an = job
+    if max_rows:
+        monkeypatch.setattr(heatmap, "MAX_ROWS_HTML", max_rows)
+    page_file = heatmap.write(an, tmp_path / "heat.html")
+    data = json.loads(re.search(r"const D = (\{.*?\});\n", page_file.read_text()).group(1))
+    assert data["rows"] == (max_rows or 8)
+    i, j = divmod(data["rank"].index(5), data["cols"])
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 900, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(page_file.as_uri())
+        box = page.locator("#c").bounding_box()
+        assert box["width"] > 20 and box["height"] > 20
+        cw, ch = box["width"] / data["cols"], box["height"] / data["rows"]
+        page.mouse.move(box["x"] + (j + 0.5) * cw, box["y"] + (i + 0.5) * ch)
+        tip = page.inner_text("#tip")
+        browser.close()
+    assert errors == []
+    assert tip.startswith(f"rank 5 {data['labels'][i]} TP{j}") and "self vs stage" in tip
