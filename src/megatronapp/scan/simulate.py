@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megatronapp.scan.format import CAT_INDEX, pack_columns, rank_file, write_rank_file
-from megatronapp.scan.triage import SpanRows, summary_blocks
+from megatronapp.scan.format import CAT_INDEX, RankTrace, pack_columns, rank_file, write_rank_file
+from megatronapp.scan.triage import summary_blocks
 
 FAULT_KINDS = ("slow-compute", "slow-link", "pause", "late-arrival")
 MS = 1_000_000  # ns
@@ -409,9 +409,6 @@ def _time_order(ts: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     return o, idx
 
 
-ROW_COLUMNS = ("name", "cat", "ts", "dur", "it", "gid", "peer")  # SpanRows' columns, in its order
-
-
 def _write_stage(out: Path, spans: _Slots, s: int, ranks: np.ndarray, topo: tuple[int, int, int],
                  offsets: np.ndarray, drift: np.ndarray, stage_work: tuple[float, ...] | None,
                  pool: ThreadPoolExecutor) -> list[Future]:
@@ -445,6 +442,7 @@ def _write_stage(out: Path, spans: _Slots, s: int, ranks: np.ndarray, topo: tupl
         p = ps if len(ps) == 1 else ps[lo:hi]
         cols["peer"] = np.where(p >= 0, ranks[lo:hi, None] + (p - s) * tp * dp, -1)
         blocks = pack_columns(cols)
+        no_wait = np.full(cols["ts"].shape[1], -1, np.int64)
         heads, groups, rows = [], [], []
         for i in range(lo, hi):
             r = int(ranks[i])
@@ -458,8 +456,8 @@ def _write_stage(out: Path, spans: _Slots, s: int, ranks: np.ndarray, topo: tupl
                 head["stage_work"] = list(stage_work)  # what a cost model of the job would say
             heads.append(head)
             k = i - lo
-            rows.append(SpanRows(r, world, (d_, s, t), (tp, pp, dp), NAMES, groups[-1],
-                                 *(c[0] if len(c) == 1 else c[k] for c in (cols[x] for x in ROW_COLUMNS)), {}))
+            rows.append(RankTrace(r, world, (d_, s, t), (tp, pp, dp), head, NAMES, groups[-1], cpu_wait=no_wait,
+                                  **{c: v[0] if len(v) == 1 else v[k] for c, v in cols.items()}))
         # Each rank's summary block (rank_summary.py), from the very columns its file holds, as a tracer leaves one.
         # One slot order for the stage (_time_order sorted every row by it): the batch is what triage._uniform
         # checks for, by construction.

@@ -160,41 +160,14 @@ def _summary_part(group: list[tuple[str, dict]]) -> dict:
             "opened": stack("opened", np.int64), "spans": stack("spans", np.int64), "path": [p for p, _ in group]}
 
 
-@dataclass
-class SpanRows:
-    """One rank's spans as a writer holds them (the columns `_batch` reads, as read_rank would give them): for
-    summaries made before, or instead of, reading the file back."""
-
-    rank: int
-    world: int
-    coord: tuple
-    topo: tuple
-    names: list
-    groups: list
-    name: np.ndarray
-    cat: np.ndarray
-    ts: np.ndarray
-    dur: np.ndarray
-    it: np.ndarray
-    gid: np.ndarray
-    peer: np.ndarray
-    opened: dict
-    dropped: int = 0
-
-    def __len__(self) -> int:
-        return len(self.ts)
-
-
 def summary_blocks(traces: list, uniform: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> list[bytes]:
-    """SUMS blocks (rank_summary.encode) for a batch of traces (RankTrace or SpanRows): the numbers the triage would
-    work out from their files, by the same code. `uniform`: (ts, dur, peer) as (ranks, spans) arrays, from a writer
-    that knows what `_uniform` checks (every rank's spans the same in the same order, each row in time order), so
-    the batch is not stacked and compared again."""
+    """SUMS blocks (rank_summary.encode) for a batch of RankTraces (read back, or a writer's own columns): the
+    numbers the triage would work out from their files, by the same code. `uniform`: (ts, dur, peer) as (ranks,
+    spans) arrays, from a writer that knows what `_uniform` checks (every rank's spans the same in the same order,
+    each row in time order), so the batch is not stacked and compared again."""
     f = _batch_uniform(traces, *uniform) if uniform is not None else _batch(traces)
     W = len(f["iters"])  # (a batch without steps has one column of NaN: no iterations to summarise)
-    dropped = [getattr(t, "dropped", None) for t in traces]
-    dropped = [int((t.header.get("footer") or {}).get("dropped") or 0) if d is None else d
-               for d, t in zip(dropped, traces)]
+    dropped = [int((t.header.get("footer") or {}).get("dropped") or 0) for t in traces]
     B = len(traces)
     ints = np.column_stack([f["rank"], np.full(B, f["world"]), f["coord"], np.tile(np.asarray(f["topo"]), (B, 1)),
                             f["peer_up"], f["opened"], f["spans"], dropped]).astype(np.int64)
