@@ -119,12 +119,12 @@ def read(path: str) -> tuple[dict | None, str | None]:
         tail = os.pread(fd, min(size, _TAIL), max(size - _TAIL, 0))
         if len(tail) < _TRAILER.size or tail[-4:] != TAG:
             return None, None
+        if os.pread(fd, len(MAGIC), 0) != MAGIC:
+            return None, None  # not format 3: whatever it ends with, the full reader judges the file
         length = _TRAILER.unpack_from(tail, len(tail) - _TRAILER.size)[0]
         start = size - length - _BLOCK.size
         if length > payload_size(MAX_ITERS) or start < len(MAGIC):
             return None, f"{name}: a summary trailer claiming {length} bytes; read in full"
-        if os.pread(fd, len(MAGIC), 0) != MAGIC:
-            return None, None  # not format 3: whatever it ends with, the full reader judges the file
         if size - start > len(tail):
             tail = os.pread(fd, size - start, start)
         block = tail[len(tail) - (size - start):]
