@@ -196,3 +196,25 @@ def test_a_lying_summary_hides_a_rank_until_no_summaries(tmp_path):
     assert out.returncode == 0, out.stderr
     first = json.loads(out.stdout)["findings"][0]
     assert (first["kind"], first["ranks"]) == ("slow-compute", [slow])
+
+
+def test_a_ranks_numbers_do_not_depend_on_the_ranks_beside_it(tmp_path):
+    """Rank 1 has no step for iteration 1 but a span tagged 1 that runs into iteration 2; rank 0 has all three
+    steps. Read together (the triage's batch) or alone (a tracer's summary), rank 1's numbers are the same."""
+    ms = 1_000_000
+    for r, steps in ((0, (0, 1, 2)), (1, (0, 2))):
+        header = {"rank": r, "world": 2, "coord": [r, 0, 0], "topo": [1, 1, 2]}
+        with RankWriter(tmp_path / f"rank{r:05d}.mst", header) as w:
+            for it in steps:
+                w.write("step", "step", it * 10 * ms, 10 * ms, it)
+                w.write("forward", "compute", it * 10 * ms + ms, 5 * ms, it)
+            if r == 1:
+                w.write("data", "data", 15 * ms, 10 * ms, 1)  # iteration 1's, ending inside iteration 2
+    t0, t1 = (read_rank(tmp_path / f"rank{r:05d}.mst") for r in (0, 1))
+    both, alone = triage._batch([t0, t1]), triage._batch([t1])
+    cols = np.searchsorted(both["iters"], alone["iters"])
+    for k in ("work", "host"):
+        assert np.array_equal(both[k][1, cols], alone[k][0], equal_nan=True), k
+    got = rank_summary.decode(triage.summary_blocks([t1])[0][12:])
+    assert np.array_equal(got["host"], alone["host"][0, :len(alone["iters"])], equal_nan=True)
+    assert_same(triage.features(tmp_path, workers=1), triage.features(tmp_path, workers=1, use_summaries=False))

@@ -226,6 +226,11 @@ def _batch_spans(traces: list) -> dict:
         ok = (iters[col] == it) if len(iters) else np.zeros(len(it), bool)
     cell = local * W + np.clip(col, 0, W - 1)
     n = B * W
+    # A span counts only in an iteration its OWN rank has a step for: a rank's numbers must not depend on which
+    # ranks share its batch (a summary is made from a batch of one; second review).
+    own_step = np.zeros(n, bool)
+    own_step[cell[step & ok]] = True
+    ok &= own_step[cell]
 
     def per_cell(mask: np.ndarray, values: np.ndarray) -> np.ndarray:
         m = mask & ok
