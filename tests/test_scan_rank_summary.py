@@ -153,7 +153,7 @@ def test_summary_reader_survives_random_damage(tmp_path):
         cut = int(rng.integers(0, len(data))) if rng.random() < 0.2 else len(data)
         open(path, "wb").write(bytes(data[:cut]))
         got, why = rank_summary.read(path)  # never raises
-        assert got is None or why is None
+        assert why is None or (got is None and why.startswith("rank00000.mst: ") and why.endswith("read in full"))
         if got is not None:  # damage before the block, or a byte rewritten as it was: what passes is the original
             assert all(np.array_equal(np.asarray(got[k]), np.asarray(v), equal_nan=True) for k, v in orig.items())
     for n in range(0, 200, 7):
@@ -175,6 +175,13 @@ def test_other_files_never_read_as_summaries(tmp_path):
     assert triage.write_summary(tmp_path / "rank00001.mst")  # a closed file gets one, once
     assert not triage.write_summary(tmp_path / "rank00001.mst")
     assert read_rank(tmp_path / "rank00001.mst").problems == []
+    # A damaged file gets none (no block after the damage), and is left as it was.
+    write_rank_file(tmp_path / "rank00002.mst", {**header, "rank": 2, "world": 3}, ["forward"], [], rec)
+    data = bytearray((tmp_path / "rank00002.mst").read_bytes())
+    data[-20] ^= 0xFF  # inside the footer
+    (tmp_path / "rank00002.mst").write_bytes(bytes(data))
+    assert not triage.write_summary(tmp_path / "rank00002.mst")
+    assert (tmp_path / "rank00002.mst").read_bytes() == bytes(data)
 
 
 def test_a_lying_summary_hides_a_rank_until_no_summaries(tmp_path):
@@ -218,3 +225,19 @@ def test_a_ranks_numbers_do_not_depend_on_the_ranks_beside_it(tmp_path):
     got = rank_summary.decode(triage.summary_blocks([t1])[0][12:])
     assert np.array_equal(got["host"], alone["host"][0, :len(alone["iters"])], equal_nan=True)
     assert_same(triage.features(tmp_path, workers=1), triage.features(tmp_path, workers=1, use_summaries=False))
+
+
+def test_a_summary_must_be_its_own_files(tmp_path):
+    """A well-formed summary claiming another rank of the job (or another world) than its file's header is refused
+    by name: it would put numbers on the wrong rank."""
+    paths = _job(tmp_path, 6)
+    other = rank_summary.read(paths[4])[0]
+    _rewrite(paths[5], rank_summary.encode(other)[12:])
+    got, why = rank_summary.read(paths[5])
+    assert got is None and "rank00005.mst: its summary claims rank 4 of 32, the header rank 5 of 32" in why
+    s = rank_summary.read(paths[3])[0]
+    _rewrite(paths[3], rank_summary.encode({**s, "world": 64})[12:])
+    assert "claims rank 3 of 64, the header rank 3 of 32" in rank_summary.read(paths[3])[1]
+    got = triage.features(tmp_path, workers=1)
+    assert_same(got, triage.features(tmp_path, workers=1, use_summaries=False))
+    assert sum("its summary claims" in p for p in got.problems) == 2

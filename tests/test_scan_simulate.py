@@ -93,13 +93,28 @@ def test_bad_grid_and_link_are_user_errors(tmp_path):
 
 def test_resimulating_into_a_directory_overwrites_in_place_and_removes_only_stale_ranks(tmp_path):
     """A second job in the same directory: files of its ranks are rewritten (same inodes: no search past freshly
-    deleted ones, which ext4 without a journal makes slow), files of ranks it does not have are removed."""
-    simulate(tmp_path, 64, 2, 2, iterations=2, seed=1)
-    (tmp_path / "rank7.mst").write_bytes(b"stale")  # a name this writer never uses
-    inodes = {p.name: p.stat().st_ino for p in tmp_path.glob("rank*.mst")}
-    simulate(tmp_path, 32, 2, 2, iterations=3, seed=2)
-    now = sorted(p.name for p in tmp_path.glob("rank*.mst"))
-    assert now == [f"rank{r:05d}.mst" for r in range(32)]
-    assert all((tmp_path / n).stat().st_ino == inodes[n] for n in now)
-    traces, problems = read_dir(tmp_path)
+    deleted ones, which ext4 without a journal makes slow), files of ranks it does not have are removed, and a file
+    with another hard link (a `cp -al` backup) or a symlink is replaced, never written through."""
+    import os
+
+    d, backup = tmp_path / "job", tmp_path / "backup"
+    simulate(d, 64, 2, 2, iterations=2, seed=1)
+    (d / "rank7.mst").write_bytes(b"stale")  # a name this writer never uses
+    backup.mkdir()
+    os.link(d / "rank00003.mst", backup / "rank00003.mst")
+    saved = (backup / "rank00003.mst").read_bytes()
+    (tmp_path / "elsewhere.mst").write_bytes(b"not a trace")
+    (d / "rank00004.mst").unlink()
+    (d / "rank00004.mst").symlink_to(tmp_path / "elsewhere.mst")
+    # Held open: were the file deleted and created again, the new one could not get this inode number back.
+    fd = os.open(d / "rank00002.mst", os.O_RDONLY)
+    try:
+        simulate(d, 32, 2, 2, iterations=3, seed=2)
+        assert os.fstat(fd).st_ino == (d / "rank00002.mst").stat().st_ino
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in d.glob("rank*.mst")) == [f"rank{r:05d}.mst" for r in range(32)]
+    assert (backup / "rank00003.mst").read_bytes() == saved  # the other link kept the first job's file
+    assert (tmp_path / "elsewhere.mst").read_bytes() == b"not a trace" and not (d / "rank00004.mst").is_symlink()
+    traces, problems = read_dir(d)
     assert problems == [] and len(traces) == 32 and {t.world for t in traces} == {32}

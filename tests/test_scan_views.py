@@ -124,3 +124,21 @@ def test_html_heatmap_in_chromium_draws_and_reads_out_the_flagged_rank(job, tmp_
         browser.close()
     assert errors == []
     assert tip.startswith(f"rank 5 {data['labels'][i]} TP{j}") and "self vs stage" in tip
+
+
+def test_two_level_heatmap_of_a_directory_mixing_two_jobs(tmp_path):
+    """Half the files of a 64-rank job overwritten by a 32-rank job's: the triage's world (64) is larger than that
+    of the ranks read in full; the page is written (it raised IndexError before the second review)."""
+    import shutil
+
+    big, small = tmp_path / "big", tmp_path / "small"
+    for d, n in ((big, "64"), (small, "32")):
+        assert _main(["scan", "simulate", "--ranks", n, "--tp", "2", "--pp", "2", "--iterations", "3",
+                      "--fault", "slow-compute=5:1.4", "-o", str(d)]) == 0
+    for f in small.glob("rank*.mst"):
+        shutil.copy(f, big / f.name)
+    out = tmp_path / "heat.html"
+    assert _main(["scan", "heatmap", str(big), "--two-level", "on", "-o", str(out)]) == 0
+    data = json.loads(re.search(r"const D = (\{.*?\});\n", out.read_text()).group(1))
+    drawn = [r for r in data["rank"] if r >= 0]  # two jobs' coordinates overlap: a cell shows one of its ranks
+    assert data["rows"] * data["cols"] == 64 and len(drawn) >= 32 and set(drawn) <= set(range(64))

@@ -59,14 +59,23 @@ def grids(an: Analysis, features=None, max_rows: int | None = None
                               for p in range(pp_n)])
         per_rank = {"self vs stage": st / stage_med[stage], "compute ms": compute,
                     # (a rank not read has no waits: blank, not 0)
-                    "waited ms": np.where(tb.present, np.nanmean(wt.waited, axis=1), np.nan),
-                    "others waited ms": np.where(tb.present, np.nanmean(wt.caused, axis=1), np.nan)}
+                    "waited ms": _fit(np.where(tb.present, np.nanmean(wt.waited, axis=1), np.nan), len(coords)),
+                    "others waited ms": _fit(np.where(tb.present, np.nanmean(wt.caused, axis=1), np.nan),
+                                             len(coords))}
     labels = [f"PP{p} DP{d}" for p in range(pp_n) for d in range(dp_n)]
     if max_rows and len(rank_at) > max_rows:
         rank_at, labels = _binned(rank_at, per_rank["self vs stage"], {r for f in an.report.findings for r in f.ranks},
                                   pp_n, dp_n, max_rows)
     out = {k: np.where(rank_at >= 0, v[rank_at.clip(0)], np.nan) for k, v in per_rank.items()}
     return out, rank_at, labels
+
+
+def _fit(a: np.ndarray, n: int) -> np.ndarray:
+    """`a` over n ranks: the analysis read a subset and its world can be smaller than the triage's (a directory
+    holding files of two jobs, a summary claiming a larger world); ranks past its end are blank."""
+    out = np.full(n, np.nan)
+    out[:min(n, len(a))] = a[:n]
+    return out
 
 
 def _binned(rank_at: np.ndarray, score: np.ndarray, flagged: set[int], pp_n: int, dp_n: int,
@@ -78,10 +87,11 @@ def _binned(rank_at: np.ndarray, score: np.ndarray, flagged: set[int], pp_n: int
     pad = per_stage * k - dp_n
     grid = np.pad(rank_at.reshape(pp_n, dp_n, -1), ((0, 0), (0, pad), (0, 0)), constant_values=-1)
     grid = grid.reshape(pp_n, per_stage, k, -1)
-    sc = np.where(grid >= 0, np.nan_to_num(score[grid.clip(0)], nan=-np.inf), -np.inf)
+    # A rank without a score still beats an empty slot (-inf): a bin shows blank only when it holds no rank.
+    sc = np.where(grid >= 0, np.nan_to_num(score[grid.clip(0)], nan=-1e300), -np.inf)
     if flagged:
         sc = np.where(np.isin(grid, list(flagged)), np.inf, sc)
-    pick = np.argmax(np.where(grid >= 0, sc, -np.inf), axis=2)[:, :, None, :]
+    pick = np.argmax(sc, axis=2)[:, :, None, :]
     binned = np.take_along_axis(grid, pick, axis=2)[:, :, 0, :].reshape(pp_n * per_stage, -1)
     labels = [f"PP{p} DP{b * k}-{min(b * k + k, dp_n) - 1}" for p in range(pp_n) for b in range(per_stage)]
     return binned, labels

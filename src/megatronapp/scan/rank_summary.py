@@ -14,12 +14,15 @@ length and checksum must agree. Without one (an older file, a rank that never cl
 with one that fails a check, the file is read in full as before: a summary saves reading and is never needed.
 
 Trust: it is data. Sizes are bounded before anything is read, every value is range-checked, floats are NaN or
-finite and not negative. It decides what the full detector reads, never what it finds (findings come from the
-spans of the ranks read); a summary that lies could keep a rank out of the triage, so `scan detect --no-summaries`
-works the numbers out from the spans instead.
+finite and not negative, and its rank, world, coord and topo must be those of its file's header (the first page).
+It decides what the full detector reads, never what it finds (findings come from the spans of the ranks read); a
+summary that lies could keep a rank out of the triage, so `scan detect --no-summaries` works the numbers out from
+the spans instead. Damage to a span block after the summary was written is seen only in the ranks read in full (the
+report's note says how many ranks were taken from summaries).
 """
 from __future__ import annotations
 
+import json
 import os
 import struct
 import zlib
@@ -119,7 +122,8 @@ def read(path: str) -> tuple[dict | None, str | None]:
         tail = os.pread(fd, min(size, _TAIL), max(size - _TAIL, 0))
         if len(tail) < _TRAILER.size or tail[-4:] != TAG:
             return None, None
-        if os.pread(fd, len(MAGIC), 0) != MAGIC:
+        head = os.pread(fd, _TAIL, 0)
+        if head[:len(MAGIC)] != MAGIC:
             return None, None  # not format 3: whatever it ends with, the full reader judges the file
         length = _TRAILER.unpack_from(tail, len(tail) - _TRAILER.size)[0]
         start = size - length - _BLOCK.size
@@ -137,4 +141,26 @@ def read(path: str) -> tuple[dict | None, str | None]:
     got = decode(payload)
     if isinstance(got, str):
         return None, f"{name}: {got}; read in full"
+    mismatch = _against_header(head, got)
+    if mismatch:
+        return None, f"{name}: its summary {mismatch}; read in full"
     return got, None
+
+
+def _against_header(head: bytes, s: dict) -> str | None:
+    """What the summary says that its file's HEAD block (the first page) does not: rank, world, coord, topo. A
+    summary is its file's; one that claims another rank would put numbers on the wrong rank."""
+    pos = len(MAGIC)
+    if len(head) < pos + _BLOCK.size:
+        return "sits in a file without a readable header"
+    tag, n, crc = _BLOCK.unpack_from(head, pos)
+    body = head[pos + _BLOCK.size:pos + _BLOCK.size + n]
+    if tag != b"HEAD" or len(body) != n or zlib.crc32(body) != crc:
+        return "sits in a file whose header does not fit its first page or fails its checksum"
+    try:
+        h = json.loads(body)
+        claims = (int(h["rank"]), int(h["world"]), [int(x) for x in h["coord"]][:3], [int(x) for x in h["topo"]][:3])
+    except (ValueError, TypeError, KeyError, RecursionError):
+        return "sits in a file whose header cannot be read"
+    mine = (s["rank"], s["world"], [int(x) for x in s["coord"]], list(s["topo"]))
+    return None if claims == mine else f"claims rank {mine[0]} of {mine[1]}, the header rank {claims[0]} of {claims[1]}"

@@ -20,6 +20,7 @@ rank's clock has its own offset (files are written in local time, like real ones
 from __future__ import annotations
 
 import json
+import stat
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -370,9 +371,12 @@ def simulate(out_dir: str | Path, ranks: int, tp: int, pp: int, dp: int | None =
     # Files of ranks this job writes are overwritten in place (their inodes reused): on ext4 without a journal a new
     # inode skips every inode deleted in the last minutes, and re-simulating 100,096 ranks after deleting them cost
     # ~28% of the CPU in that search. Only the files this job does not write are removed.
+    # A file that is a symlink or has other hard links is removed, not written through (a `cp -al` copy of the
+    # earlier job must not change).
     keep = {rank_file(out, r).name for r in range(ranks)}
     for old in out.glob("rank*.mst"):
-        if old.name not in keep:
+        st = old.lstat()
+        if old.name not in keep or stat.S_ISLNK(st.st_mode) or st.st_nlink > 1:
             old.unlink()
     n_spans = spans.count()
     # A stage at a time, written by two threads while the next stage's records are made (the kernel's file writes

@@ -57,6 +57,7 @@ class Features:
     spans: np.ndarray  # [rank]: spans finished (how far the rank got)
     problems: list[str]
     paths: dict[int, str]  # rank -> its file
+    summarised: int = 0  # ranks whose numbers came from their files' summary blocks (rank_summary.py)
 
 
 def estimated_spans(trace_dir: str | Path) -> int:
@@ -153,7 +154,8 @@ def _summary_part(group: list[tuple[str, dict]]) -> dict:
         return np.array([r[k] for r in rows], dtype)
 
     W = len(rows[0]["iters"])
-    return {"iters": rows[0]["iters"], "rank": stack("rank", np.int64), "coord": stack("coord", np.int64),
+    return {"summarised": True, "iters": rows[0]["iters"], "rank": stack("rank", np.int64),
+            "coord": stack("coord", np.int64),
             "topo": rows[0]["topo"], "world": max(r["world"] for r in rows),
             "work": stack("work").reshape(len(rows), W), "host": stack("host").reshape(len(rows), W),
             "p2p": stack("p2p"), "peer_up": stack("peer_up", np.int64), "coll": stack("coll"),
@@ -177,16 +179,27 @@ def summary_blocks(traces: list, uniform: tuple[np.ndarray, np.ndarray, np.ndarr
 
 def write_summary(path: str | Path) -> bool:
     """Append the summary block to a closed rank file (the tracer, at its end): its spans read back and reduced as
-    the triage would. False, and the file untouched, where it cannot be read whole or already ends in one."""
+    the triage would. False, and the file untouched, where it already ends in one, where its reader found anything
+    but dropped spans (a file that does not end where its writer left it gets no block after the damage), or where
+    it has more iterations than a summary holds. A write that fails part-way is cut back off."""
     p = os.fspath(path)
     if rank_summary.read(p) != (None, None):
         return False
     t = read_rank(p)
-    if any("truncated" in x or "corrupt" in x or "checksum" in x for x in t.problems):
-        return False  # the file's end is not where its writer left it: no block after a broken one
+    dropped = int((t.header.get("footer") or {}).get("dropped") or 0)
+    if len(t.problems) > (1 if dropped else 0):
+        return False
     block = summary_blocks([t])[0]
-    with open(p, "ab") as fh:
-        fh.write(block)
+    if len(block) - 12 > rank_summary.payload_size(rank_summary.MAX_ITERS):
+        return False  # every reader would refuse it
+    with open(p, "r+b") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        try:
+            fh.write(block)
+            fh.flush()
+        except OSError:
+            fh.truncate(size)
+            raise
     return True
 
 
@@ -461,6 +474,8 @@ def features(trace_dir: str | Path, workers: int = 2, use_summaries: bool = True
         f.p2p[r], f.coll[r], f.opened[r] = p["p2p"], p["coll"], p["opened"]
         f.spans[r] = p["spans"]
         f.peer_up[r] = np.where(p["peer_up"] < world, p["peer_up"], -1)
+        if p.get("summarised"):
+            f.summarised += len(r)
     return f
 
 
@@ -672,9 +687,13 @@ def analyse_two_level(trace_dir: str | Path, thresholds=None, workers: int = 2, 
     present = int((f.coords[:, 0] >= 0).sum())
     why = f"{len(sel.suspects)} suspects (each view's top {PER_VIEW} at {Z_SUSPECT:g}+ MADs above their stage " \
           "peers: own work, host time, P2P link cost, collective cost)"
+    from_summaries = (f" ({f.summarised} from the summary blocks their writers left: damage to those files' span "
+                      "blocks shows only in the ranks read in full; --no-summaries reads every block)"
+                      if f.summarised else "")
     note = (f"two-level analysis of {present} ranks: every rank reduced to per-iteration own work and host time and "
-            f"its fastest transfers and collectives, then {len(sel.ranks)} ranks analysed in full: {why} with "
-            f"their TP groups, pipeline and ring neighbours, and {REFERENCE_PIPELINES} reference pipelines")
+            f"its fastest transfers and collectives{from_summaries}, then {len(sel.ranks)} ranks analysed in full: "
+            f"{why} with their TP groups, pipeline and ring neighbours, and {REFERENCE_PIPELINES} reference "
+            "pipelines")
     if sel.groups:
         note += "; whole groups: " + ", ".join(sel.groups)
     if sel.truncated:
