@@ -590,7 +590,7 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
     if footer is not None:
         header = {**header, "footer": footer}
         if footer.get("dropped"):
-            problems.append(f"{name}: the tracer dropped {footer['dropped']} spans (queue full)")
+            problems.append(dropped_problem(name, footer["dropped"]))
     if all(isinstance(p, np.ndarray) for p in spans):
         rec = np.concatenate(spans) if len(spans) > 1 else (spans[0] if spans else np.zeros(0, dtype))
         cols = {c: (rec[c] if _views else np.ascontiguousarray(rec[c])) if c in dtype.names
@@ -624,6 +624,11 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
         opened = {c: np.empty(0, v.dtype) for c, v in cols.items()}
     return RankTrace(rank=rank, world=world, coord=coord, topo=topo, header=header, names=names, groups=groups,
                      problems=problems, opened=opened, **cols)
+
+
+def dropped_problem(name: str, dropped: int) -> str:
+    """The problem a file whose tracer dropped spans reports (read in full, or through its summary block)."""
+    return f"{name}: the tracer dropped {dropped} spans (queue full)"
 
 
 def read_dir(path: str | Path) -> tuple[list[RankTrace], list[str]]:

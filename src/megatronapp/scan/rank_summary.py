@@ -29,13 +29,11 @@ import zlib
 
 import numpy as np
 
-from megatronapp.scan.format import MAGIC, MAX_WORLD
+from megatronapp.scan.format import _BLOCK, MAGIC, MAX_WORLD
 
 TAG = b"SUMS"
-_BLOCK = struct.Struct("<4sII")  # as format._BLOCK: tag, length, crc32
 _HEAD = struct.Struct("<4sI")
 _VERSION = b"RS01"
-_INTS = ("rank", "world", "coord", "topo", "peer_up", "opened", "spans", "dropped")
 _N_INTS = 12  # rank, world, coord x3, topo x3, peer_up, opened, spans, dropped
 _TRAILER = struct.Struct("<I4s")
 MAX_ITERS = 1 << 16  # iterations a summary may hold (a payload of at most 1.6 MB)
@@ -122,7 +120,7 @@ def read(path: str) -> tuple[dict | None, str | None]:
         tail = os.pread(fd, min(size, _TAIL), max(size - _TAIL, 0))
         if len(tail) < _TRAILER.size or tail[-4:] != TAG:
             return None, None
-        head = os.pread(fd, _TAIL, 0)
+        head = tail if size <= _TAIL else os.pread(fd, _TAIL, 0)  # a small file: the same bytes
         if head[:len(MAGIC)] != MAGIC:
             return None, None  # not format 3: whatever it ends with, the full reader judges the file
         length = _TRAILER.unpack_from(tail, len(tail) - _TRAILER.size)[0]

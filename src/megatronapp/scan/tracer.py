@@ -331,7 +331,6 @@ class Tracer:
         if self._error is not None:
             raise RuntimeError(f"MegaScan writer for {self._writer.path} failed: {self._error!r}")
 
-
     def _summarise(self) -> None:
         """Leave the rank's summary block at the end of its file (rank_summary.py): the triage of a large job then
         reads a page per rank, not its spans. Best effort: without it the file is read in full, so a failure here

@@ -31,7 +31,7 @@ import numpy as np
 
 from megatronapp.scan import rank_summary
 from megatronapp.scan.evidence import group_quantile
-from megatronapp.scan.format import CAT_INDEX, FILE_PATTERN, TraceFormatError, read_rank
+from megatronapp.scan.format import CAT_INDEX, FILE_PATTERN, TraceFormatError, dropped_problem, read_rank
 
 COMPUTE, COMM, DATA, OPT, STEP = (CAT_INDEX[c] for c in ("compute", "comm", "data", "optimizer", "step"))
 KINDS = ("tp", "pp", "dp")  # group name prefixes of the engine's (and the simulator's) collectives
@@ -126,7 +126,7 @@ def _reduce(paths: list[str], use_summaries: bool = True) -> dict:
             todo.append(p)
             continue
         if got["dropped"]:
-            problems.append(f"{os.path.basename(p)}: the tracer dropped {got['dropped']} spans (queue full)")
+            problems.append(dropped_problem(os.path.basename(p), got["dropped"]))
         summed.setdefault(tuple(got["iters"].tolist()), []).append((p, got))
     for group in summed.values():
         parts.append(_summary_part(group))
@@ -371,10 +371,11 @@ def _batch_uniform(traces: list, ts: np.ndarray, dur: np.ndarray, peer: np.ndarr
             out[:, c[starts]] = np.add.reduceat(values, starts, axis=1)
         return out
 
-    work = np.flatnonzero(((cat == COMPUTE) | (cat == OPT)) & ok)
+    is_work = (cat == COMPUTE) | (cat == OPT)
+    work = np.flatnonzero(is_work & ok)
     comm = cat == COMM
     # The last work span at or before each slot (the same slot on every rank: one order).
-    last = np.maximum.accumulate(np.where((cat == COMPUTE) | (cat == OPT), np.arange(S), -1))
+    last = np.maximum.accumulate(np.where(is_work, np.arange(S), -1))
     nest_cand = np.flatnonzero(comm & (last >= 0) & ok)
     nested = end[:, nest_cand] <= end[:, last[nest_cand]] + _NEST_SLACK_NS
     own = np.maximum(per_iter(dur[:, work], work) - per_iter(np.where(nested, dur[:, nest_cand], 0), nest_cand), 0)
