@@ -23,9 +23,9 @@ def module_of(path: Path, root: Path) -> str:
     return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
 
 
-def _statements(path: Path, root: Path) -> Iterator[tuple[int, str, list[str]]]:
-    """(line, base module, names taken from it) of every import in `path`; `import a.b` is (line, 'a.b', [])."""
-    module = module_of(path, root)
+def _statements(path: Path, module: str) -> Iterator[tuple[int, str, list[str]]]:
+    """(line, base module, names taken from it) of every import in `path`, the file of `module` (relative imports
+    resolve against it); `import a.b` is (line, 'a.b', [])."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -46,10 +46,11 @@ def _statements(path: Path, root: Path) -> Iterator[tuple[int, str, list[str]]]:
                 yield node.lineno, node.args[0].value, []
 
 
-def imported_names(path: Path, root: Path) -> list[tuple[int, str]]:
-    """(line, dotted name) of everything `path` imports; `from a import b` gives a and a.b (b may be a module)."""
+def imported_names(path: Path, module: str) -> list[tuple[int, str]]:
+    """(line, dotted name) of everything `path` (the file of `module`) imports; `from a import b` gives a and a.b
+    (b may be a module)."""
     found: list[tuple[int, str]] = []
-    for line, base, names in _statements(path, root):
+    for line, base, names in _statements(path, module):
         found.append((line, base))
         found += [(line, f"{base}.{n}") for n in names]
     return found
@@ -69,14 +70,13 @@ def _resolve(name: str, known: dict[str, Path]) -> str | None:
     return None
 
 
-def file_graph(files: dict[str, Path], roots: dict[str, Path] | None = None) -> dict[str, dict[str, int]]:
-    """Module -> {module of ours it imports: first line}. `from pkg import x` is an edge to pkg.x when x is a
-    module, else to pkg (a name from its __init__). `roots` maps a top package to its root (default TREES)."""
-    roots = roots or {top: root for root, top in TREES}
+def file_graph(files: dict[str, Path]) -> dict[str, dict[str, int]]:
+    """Module -> {module of `files` it imports: first line}. `from pkg import x` is an edge to pkg.x when x is a
+    module, else to pkg (a name from its __init__); imports of anything else (torch, numpy) are left out."""
     graph: dict[str, dict[str, int]] = {}
     for mod, path in files.items():
         edges: dict[str, int] = {}
-        for line, base, names in _statements(path, roots[mod.split(".")[0]]):
+        for line, base, names in _statements(path, mod):
             targets = [f"{base}.{n}" if f"{base}.{n}" in files else base for n in names] or [base]
             for t in targets:
                 r = _resolve(t, files)
@@ -158,4 +158,48 @@ def package_graph(graph: dict[str, dict[str, int]], files: dict[str, Path]) -> d
     out: dict[str, set[str]] = {u: set() for u in unit.values()}
     for m, edges in graph.items():
         out[unit[m]] |= {unit[d] for d in edges if unit[d] != unit[m]}
+    return out
+
+
+def top_unit(module: str) -> str:
+    """The unit a module has in the layer order: the top-level file or package of megatronapp it is in
+    (megatronapp.parallel.comm -> parallel, megatronapp.config -> config, megatronapp -> __init__), or the
+    top package itself for any other tree (benchmarks)."""
+    parts = module.split(".")
+    if parts[0] != "megatronapp":
+        return parts[0]
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def read_layers(text: str) -> list[list[str]]:
+    """The layer order written in docs/architecture.md: the first fenced block after the '## Layers' heading, one
+    floor per line, top floor first; names on one line are one floor; '#' starts a comment."""
+    section = text.split("\n## Layers", 1)[1]
+    block = section.split("```", 2)[1]
+    floors = [line.split("#", 1)[0].split() for line in block.splitlines()[1:]]
+    return [f for f in floors if f]
+
+
+def upward_imports(graph: dict[str, dict[str, int]], layers: list[list[str]]) -> list[str]:
+    """Every import of a unit on the same floor or one above the importer's (as 'a:line imports b (x -> y)'), and
+    every unit missing from the layers."""
+    floor = {u: len(layers) - i for i, names in enumerate(layers) for u in names}  # higher number: higher floor
+    out = sorted({f"{top_unit(m)} is not in the layer order" for m in graph if top_unit(m) not in floor})
+    for m, edges in sorted(graph.items()):
+        a = top_unit(m)
+        for d, line in sorted(edges.items()):
+            b = top_unit(d)
+            if a != b and a in floor and b in floor and floor[b] >= floor[a]:
+                how = "up" if floor[b] > floor[a] else "across a floor"
+                out.append(f"{m}:{line} imports {d} ({a} -> {b}: {how})")
+    return out
+
+
+def describe_cycles(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Each import circle of the graph as one path with the line of every import on it."""
+    out = []
+    for comp in cycles(graph):
+        inside = {m: [d for d in graph[m] if d in comp] for m in comp}
+        path = find_cycle(inside) or comp
+        out.append(" -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(path, path[1:])) + f" -> {path[-1]}")
     return out
