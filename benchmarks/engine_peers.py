@@ -22,7 +22,7 @@ from torch import nn
 from megatronapp.config import RunConfig
 from megatronapp.data.dataset import BatchSource
 from megatronapp.model.transformer import TransformerChunk, build_model
-from megatronapp.pipeline.partition import stage_chunks
+from megatronapp.partition import stage_chunks
 from megatronapp.train.optim import build_optimizer, lr_at, set_lr
 
 

@@ -9,7 +9,7 @@ import pytest
 from megatronapp.cli import build_parser, config_from_args, main
 from megatronapp.config import ConfigError, ModelConfig, RunConfig, load_yaml, validate
 from megatronapp.parallel.topology import Topology, coord_of, rank_of
-from megatronapp.pipeline.partition import split_layers
+from megatronapp.partition import split_layers
 from megatronapp.pipeline.schedules import check_orders, stage_orders
 
 

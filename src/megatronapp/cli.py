@@ -213,7 +213,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg.scope_port = args.scope_port
     if getattr(args, "attach", None):
         cfg.attach = list(cfg.attach) + list(args.attach)
-    if getattr(args, "emulate_device", None):
+    if getattr(args, "emulate_device", None) is not None:  # an empty SPEC is refused by validate, not ignored
         cfg.emulate_device = args.emulate_device
     if getattr(args, "resume", None):
         _check_steps_beyond_checkpoint(args.resume, cfg.train.steps)

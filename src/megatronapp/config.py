@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A user-fixable configuration problem; the message names the field and the fix."""
+from megatronapp import flops
+from megatronapp.device_spec import check_spec
+from megatronapp.errors import ConfigError
 
 
 @dataclass
@@ -67,28 +67,13 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
     def num_params(self) -> int:
-        """Parameter count (embeddings included once when tied)."""
-        h, f, v, L = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
-        kv = self.num_kv_heads * self.head_dim
-        attn = h * (h + 2 * kv) + h * h
-        mlp = (3 if self.family == "llama" else 2) * h * f
-        emb = v * h * (1 if self.tie_embeddings else 2)
-        pos = self.max_seq_len * h if self.family == "gpt2" else 0
-        return L * (attn + mlp) + emb + pos
+        """Parameter count (embeddings included once when tied); counted in flops.py."""
+        return flops.num_params(self)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs per trained token (forward + backward), as PaLM (appendix B) and MegaScale count them:
-        6N + 12*L*H*Q*T, where N counts the weights that take part in a matmul. Embedding lookups (token and
-        position) are gathers, not matmuls: no FLOPs. The output projection (the h x V logits GEMM) is a matmul
-        and counts once, tied to the input embedding or not. H*Q is the attention width (num_heads*head_dim =
-        hidden_size) and T the full sequence length (PaLM's convention; causal masking is not halved). V is the
-        model's vocab_size, not the TP-padded one: padding is an implementation choice, not model work."""
-        h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
-        kv = self.num_kv_heads * self.head_dim
-        attn = h * (h + 2 * kv) + h * h  # QKV and output projections
-        mlp = (3 if self.family == "llama" else 2) * h * f  # SwiGLU has gate, up and down
-        n = L * (attn + mlp) + h * self.vocab_size
-        return 6.0 * n + 12.0 * L * self.num_heads * self.head_dim * seq_len
+        """Model FLOPs per trained token (forward + backward) as PaLM (appendix B) and MegaScale count them:
+        6N + 12*L*H*Q*T, N the weights that take part in a matmul (flops.py says what counts and why)."""
+        return flops.flops_per_token(self, seq_len)
 
 
 @dataclass
@@ -192,7 +177,7 @@ class RunConfig:
     inject: list[str] = field(default_factory=list)  # fault injection specs, see megatronapp.faults
     scope_port: int | None = None
     attach: list[str] = field(default_factory=list)  # plug-ins by import path "pkg.mod:fn" (train/plugins.py)
-    # Emulated devices (parallel/device_emulation.py): "tflops=T,jitter=lognormal:S,speed=RANKS:FACTOR,..."
+    # Emulated devices (device_spec.py): "tflops=T,jitter=lognormal:S,speed=RANKS:FACTOR,..."
     emulate_device: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -398,10 +383,10 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
                           f"prefetching off)")
     if cfg.trace.granularity not in ("coarse", "full"):
         raise ConfigError(f"trace.granularity={cfg.trace.granularity!r}: choose coarse or full")
-    if cfg.emulate_device is not None:
-        from megatronapp.parallel.device_emulation import check_spec  # it imports this file
-
-        check_spec(cfg.emulate_device, world_size or p.total_ranks)
+    if cfg.emulate_device is not None:  # the longest task of one microbatch bounds the modelled device time
+        tasks = flops.virtual_stage_flops(m, t.seq_len, micro_batch_size(cfg) * t.seq_len, p.pp, p.vpp, p.tp,
+                                          t.recompute)
+        check_spec(cfg.emulate_device, world_size or p.total_ranks, task_flops=max(f + b + w for f, b, w in tasks))
 
 
 # The modules' entry points, switched on by their own flags. Strings, not imports: the engine never imports a

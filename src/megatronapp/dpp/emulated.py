@@ -8,7 +8,9 @@ task's device time, real message latency, and the optimizer step (added here fro
 from __future__ import annotations
 
 from megatronapp.config import RunConfig
+from megatronapp.device_spec import parse_spec
 from megatronapp.dpp.simulator import SimConfig, SimResult, simulate
+from megatronapp.flops import OPTIMIZER_FLOPS_PER_PARAM
 from megatronapp.parallel import device_emulation as emu
 
 
@@ -37,7 +39,7 @@ def sim_config(cfg: RunConfig, step: int, dp: int = 0, latency: float = 0.0) -> 
     """A SimConfig of one step of an emulated run: its shape, its tasks' device seconds, its memory cap."""
     if not cfg.emulate_device:
         raise ValueError("the run has no emulate_device spec: nothing to simulate from")
-    spec = emu.parse_spec(cfg.emulate_device)
+    spec = parse_spec(cfg.emulate_device)
     p = cfg.parallel
     costs = emu.cost_tables(spec, cfg, step, dp, slow_stages(cfg))
     return SimConfig(pp=p.pp, vpp=p.vpp, microbatches=p.microbatches, latency=latency,
@@ -46,9 +48,9 @@ def sim_config(cfg: RunConfig, step: int, dp: int = 0, latency: float = 0.0) -> 
 
 def optimizer_seconds(cfg: RunConfig, params_per_stage: list[int]) -> float:
     """Device seconds of the slowest stage's optimizer step (every rank steps after the pipeline drains)."""
-    spec = emu.parse_spec(cfg.emulate_device or "")
+    spec = parse_spec(cfg.emulate_device or "")
     slow = slow_stages(cfg)
-    return max(emu.OPTIMIZER_FLOPS_PER_PARAM * n * slow.get(s, 1.0) / (spec.rate * emu.stage_speed(spec, cfg, s))
+    return max(OPTIMIZER_FLOPS_PER_PARAM * n * slow.get(s, 1.0) / (spec.rate * emu.stage_speed(spec, cfg, s))
                for s, n in enumerate(params_per_stage))
 
 

@@ -17,7 +17,7 @@ from megatronapp.fbd.layout import FbdLayout, ParamSpec, Transfer, weight_plan
 from megatronapp.model.transformer import TransformerChunk
 from megatronapp.parallel import comm
 from megatronapp.parallel.topology import Group
-from megatronapp.pipeline.partition import split_layers
+from megatronapp.partition import split_layers
 
 
 def segment(cfg: ModelConfig, layout: FbdLayout, v: int, tp_group: Group | None, device, seed: int,

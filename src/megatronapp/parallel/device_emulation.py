@@ -11,7 +11,7 @@ follows the previous one at once (its input was ready) starts on the device wher
 queued kernels do, even if a loaded host woke the rank late from that one's sleep (`late_s` records how late).
 
 The cost model: device time = FLOPs / rate * jitter / speed * slow.
-  * FLOPs are counted as MFU counts them (`ModelConfig.flops_per_token`: 6N + 12*L*H*Q*T per token): per layer
+  * FLOPs are counted as MFU counts them, by the one FLOP model (flops.py: 6N + 12*L*H*Q*T per token): per layer
     and token a forward is 2n + 4HQT (n: the layer's matmul weights), an input-gradient backward (B) 2n + 8HQT,
     a weight-gradient backward (W) 2n; the output layer adds 2hV to each. Recompute is work the device does:
     full recompute adds the layers' forward to B, selective the attention core (4HQT). TP ranks do 1/tp of it.
@@ -26,14 +26,8 @@ The cost model: device time = FLOPs / rate * jitter / speed * slow.
   * per-rank speed factors for heterogeneous devices, and `--inject slow-compute` (which, with emulation on,
     multiplies device time instead of stretching host time).
 
-SPEC is comma-separated KEY=VALUE:
-  tflops=T              device rate in TFLOP/s (required), e.g. tflops=0.001
-  jitter=lognormal:S    lognormal multiplier per forward and per backward, mean 1, log-sd S (default none)
-  speed=RANKS:FACTOR    repeatable: the devices of RANKS run at FACTOR times the rate (0.5: twice as slow);
-                        RANKS is one rank (3), a list joined by '+' (1+5) or a range (4-7)
-  seed=N                jitter seed (default 0)
-  host_share=X          warn when a rank's host time exceeds X of its device time (default 0.5)
-e.g. `tflops=0.001,jitter=lognormal:0.5,speed=1:0.5`. Communication stays real.
+SPEC (tflops, jitter, speed, seed, host_share) is parsed and bounded by device_spec.py, in the launching process
+when the config is validated. Communication stays real.
 
 Honesty: each rank keeps, per task kind, the host wall time (compute before the sleep), host CPU time and
 device time, and counts overruns (tasks whose host time exceeded their device time: the device time was not
@@ -42,7 +36,6 @@ warns and summary.json says so; benchmarks must not quote such a run.
 """
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,156 +43,23 @@ from typing import Any
 
 import numpy as np
 
-from megatronapp.config import ConfigError, ModelConfig, RunConfig, micro_batch_size
+from megatronapp.config import RunConfig, micro_batch_size
+from megatronapp.device_spec import DeviceSpec, parse_spec
+from megatronapp.flops import OPTIMIZER_FLOPS_PER_PARAM, virtual_stage_flops
 from megatronapp.parallel.topology import Coord, rank_of
-from megatronapp.pipeline.partition import split_layers
 
 # forward, backward (input gradients; whole backward unsplit), weight gradients, recompute (MegaFBD), optimizer
 KINDS = ("F", "B", "W", "R", "O")
 FIELDS = ("count", "host_s", "cpu_s", "device_s", "overruns", "late_s")  # late_s: woken after the device time
-OPTIMIZER_FLOPS_PER_PARAM = 12.0  # AdamW: moments, bias corrections, sqrt, divide, decay, update
 _KEY_CODE = {"F": 1, "B": 2, "W": 2, "R": 4}  # W shares B's code: one jitter draw per whole backward
 QUEUE_GAP_S = 0.002  # host time between two tasks below which the second was queued behind the first
-SPEC_HELP = ("tflops=T[,jitter=lognormal:S][,speed=RANKS:FACTOR ...][,seed=N][,host_share=X], e.g. "
-             "tflops=0.001,jitter=lognormal:0.5,speed=1:0.5")
 
 
-@dataclass(frozen=True)
-class DeviceSpec:
-    """A parsed `--emulate-device` SPEC."""
-
-    tflops: float
-    sigma: float = 0.0  # lognormal jitter log-sd; 0: no jitter
-    speed: tuple[tuple[int, float], ...] = ()  # (rank, relative speed)
-    seed: int = 0
-    host_share: float = 0.5
-    text: str = ""
-
-    def speed_of(self, rank: int) -> float:
-        """Relative speed of `rank`'s device (1.0 unless a speed entry names it; the last entry wins)."""
-        factor = 1.0
-        for r, f in self.speed:
-            if r == rank:
-                factor = f
-        return factor
-
-    @property
-    def rate(self) -> float:
-        """FLOP/s of a nominal device."""
-        return self.tflops * 1e12
-
-
-def _bad(text: str, why: str) -> ConfigError:
-    return ConfigError(f"--emulate-device {text!r}: {why}; expected {SPEC_HELP}")
-
-
-def _number(text: str, key: str, value: str, minimum: float, strict: bool = True) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise _bad(text, f"{key} must be a number, got {value!r}") from None
-    if not math.isfinite(x) or x < minimum or (strict and x == minimum):
-        raise _bad(text, f"{key}={value} must be {'>' if strict else '>='} {minimum:g}")
-    return x
-
-
-def _ranks(text: str, part: str) -> list[int]:
-    out = []
-    for item in part.split("+"):
-        a, dash, b = item.partition("-")
-        try:
-            lo = int(a)
-            hi = int(b) if dash else lo
-        except ValueError:
-            raise _bad(text, f"speed ranks {part!r}: use one rank (3), a list (1+5) or a range (4-7)") from None
-        if lo < 0 or hi < lo:
-            raise _bad(text, f"speed ranks {part!r}: ranks must be >= 0 and a range low-high")
-        out += range(lo, hi + 1)
-    return out
-
-
-def parse_spec(text: str) -> DeviceSpec:
-    """Parse SPEC (see the module docstring); raise ConfigError naming the bad part and the expected form."""
-    if not isinstance(text, str) or not text.strip():
-        raise _bad(str(text), "empty spec")
-    values: dict[str, Any] = {"speed": []}
-    for part in text.split(","):
-        key, eq, value = part.strip().partition("=")
-        if not eq or not value:
-            raise _bad(text, f"{part!r} is not KEY=VALUE")
-        if key in values and key != "speed":
-            raise _bad(text, f"{key} given twice")
-        if key == "tflops":
-            values[key] = _number(text, key, value, 0.0)
-        elif key == "jitter":
-            law, colon, s = value.partition(":")
-            if law == "none" and not colon:
-                values[key] = 0.0
-            elif law == "lognormal" and colon:
-                values[key] = _number(text, "jitter sigma", s, 0.0, strict=False)
-            else:
-                raise _bad(text, f"jitter={value}: use lognormal:SIGMA or none")
-        elif key == "speed":
-            ranks, colon, f = value.partition(":")
-            if not colon:
-                raise _bad(text, f"speed={value}: use RANKS:FACTOR, e.g. speed=1:0.5")
-            factor = _number(text, "speed FACTOR", f, 0.0)
-            values["speed"] += [(r, factor) for r in _ranks(text, ranks)]
-        elif key == "seed":
-            try:
-                values[key] = int(value)
-            except ValueError:
-                raise _bad(text, f"seed must be an integer, got {value!r}") from None
-        elif key == "host_share":
-            values[key] = _number(text, key, value, 0.0)
-        else:
-            raise _bad(text, f"unknown key {key!r}")
-    if "tflops" not in values:
-        raise _bad(text, "tflops=T is required")
-    return DeviceSpec(tflops=values["tflops"], sigma=values.get("jitter", 0.0), speed=tuple(values["speed"]),
-                      seed=values.get("seed", 0), host_share=values.get("host_share", 0.5), text=text)
-
-
-def check_spec(text: str, world_size: int) -> DeviceSpec:
-    """Parse SPEC and check that its speed entries name ranks of a world of `world_size`."""
-    spec = parse_spec(text)
-    bad = sorted({r for r, _ in spec.speed if r >= world_size})
-    if bad:
-        raise _bad(text, f"speed names rank {bad[0]}, which does not exist in a world of {world_size} "
-                         f"(ranks 0..{world_size - 1})")
-    return spec
-
-
-# -- FLOPs as MFU counts them --------------------------------------------------------------------------------
-def layer_flops(m: ModelConfig, seq_len: int) -> tuple[float, float, float, float]:
-    """Per token of one layer: (forward, B input-gradient, W weight-gradient, attention core forward) FLOPs.
-    Summed over layers plus the output layer they give `ModelConfig.flops_per_token`."""
-    h, f = m.hidden_size, m.ffn_hidden_size
-    kv = m.num_kv_heads * m.head_dim
-    n = h * (h + 2 * kv) + h * h + (3 if m.family == "llama" else 2) * h * f
-    core = 4.0 * m.num_heads * m.head_dim * seq_len
-    return 2.0 * n + core, 2.0 * n + 2.0 * core, 2.0 * n, core
-
-
+# -- FLOPs of each task, from the one FLOP model (flops.py) -------------------------------------------
 def virtual_flops(cfg: RunConfig) -> list[tuple[float, float, float]]:
     """(F, B, W) FLOPs of one microbatch on each virtual stage v = chunk * pp + stage, on one TP rank."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    tokens = micro_batch_size(cfg) * t.seq_len
-    fl, bl, wl, core = layer_flops(m, t.seq_len)
-    if t.recompute == "full":
-        bl += fl
-    elif t.recompute == "selective":
-        bl += core
-    head = 2.0 * m.hidden_size * m.vocab_size
-    ranges = split_layers(m.num_layers, p.pp, p.vpp)
-    out = []
-    for v, (start, end) in enumerate(ranges):
-        layers = end - start
-        f, b, w = layers * fl, layers * bl, layers * wl
-        if v == len(ranges) - 1:
-            f, b, w = f + head, b + head, w + head
-        out.append((f * tokens / p.tp, b * tokens / p.tp, w * tokens / p.tp))
-    return out
+    return virtual_stage_flops(m, t.seq_len, micro_batch_size(cfg) * t.seq_len, p.pp, p.vpp, p.tp, t.recompute)
 
 
 def chunk_flops(cfg: RunConfig, stage: int) -> list[tuple[float, float, float]]:

@@ -6,42 +6,33 @@ assumed equal stages would blame the last stage of every healthy pure-pipeline j
 `stage_work` gives the expected relative cost of each stage; the trace header carries it (`stage_work`) and
 `scan/structure.py` divides each stage's time by it before comparing stages.
 
-FLOPs per token, forward + backward (3x the forward), as `ModelConfig.flops_per_token` counts them (PaLM,
-appendix B): 6 per weight in a matmul plus 12*L*H*Q*T of attention scores, per chunk instead of per model.
+FLOPs per token, forward + backward (3x the forward), from the one FLOP model (flops.py, which
+`ModelConfig.flops_per_token` uses: PaLM, appendix B): 6 per weight in a matmul plus 12*L*H*Q*T of attention
+scores, per chunk instead of per model.
 Beyond what PaLM counts (it counts model FLOPs for MFU), two terms that take real time on the stages that hold
 them: the embedding's backward (a scatter-add of each token's gradient row) and the loss (softmax and
 cross-entropy over V logits, forward and backward).
 """
 from __future__ import annotations
 
-from typing import Any
-
-from megatronapp.pipeline.partition import split_layers
+from megatronapp.flops import ModelShape, layer_flops_per_token, output_weights
+from megatronapp.partition import split_layers
 
 _EMBED_FLOPS_PER_WIDTH = 4.0  # lookup + gradient scatter-add (and position embedding): ~4 per token and feature
 _LOSS_FLOPS_PER_LOGIT = 8.0  # max, subtract, exp, sum, divide forward; softmax minus one-hot backward
 
 
-def layer_flops_per_token(model: Any, seq_len: int) -> float:
-    """Forward + backward FLOPs of one transformer layer per token."""
-    h, f = model.hidden_size, model.ffn_hidden_size
-    kv = model.num_kv_heads * model.head_dim
-    attn = h * (h + 2 * kv) + h * h  # QKV and output projections
-    mlp = (3 if model.family == "llama" else 2) * h * f
-    return 6.0 * (attn + mlp) + 12.0 * model.num_heads * model.head_dim * seq_len
-
-
-def chunk_flops_per_token(model: Any, seq_len: int, layers: int, first: bool, last: bool) -> float:
+def chunk_flops_per_token(model: ModelShape, seq_len: int, layers: int, first: bool, last: bool) -> float:
     """Forward + backward FLOPs per token of one pipeline chunk of `layers` layers."""
     out = layers * layer_flops_per_token(model, seq_len)
     if first:
         out += _EMBED_FLOPS_PER_WIDTH * model.hidden_size
     if last:
-        out += 6.0 * model.hidden_size * model.vocab_size + _LOSS_FLOPS_PER_LOGIT * model.vocab_size
+        out += 6.0 * output_weights(model) + _LOSS_FLOPS_PER_LOGIT * model.vocab_size
     return out
 
 
-def stage_work(model: Any, pp: int, vpp: int, seq_len: int) -> list[float]:
+def stage_work(model: ModelShape, pp: int, vpp: int, seq_len: int) -> list[float]:
     """Expected cost of each pipeline stage relative to the mean stage (1.0 = average), from FLOPs."""
     ranges = split_layers(model.num_layers, pp, vpp)
     n = len(ranges)

@@ -88,7 +88,7 @@ def load_shard(hf: str | None, topo: Topology, checkpoint: str | None = None) ->
     """This rank's shard (its TP slice of its stage's layers) of an HF directory, a checkpoint or the embedded
     default model; rank 0 also gets the full final norm and output weight for the logit lens."""
     from megatronapp.data.tokenizer import ByteTokenizer, load_tokenizer
-    from megatronapp.pipeline.partition import split_layers
+    from megatronapp.partition import split_layers
 
     cfg, _ = model_config(hf, checkpoint)
     stage = topo.coord.pp

@@ -32,8 +32,8 @@ from megatronapp.parallel import topology as topology_mod
 from megatronapp.parallel.data_parallel import GradReducer
 from megatronapp.parallel.distributed_optimizer import DistributedOptimizer, optimizer_state_bytes
 from megatronapp.parallel.grad_norm import clip_grad_norm
+from megatronapp.partition import stage_chunks
 from megatronapp.pipeline.executor import PipelineExecutor
-from megatronapp.pipeline.partition import stage_chunks
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train import plugins, reshard
 from megatronapp.train.async_checkpoint import AsyncSaver

@@ -1,7 +1,10 @@
-"""Cut a model's layers into pipeline stages and virtual chunks."""
+"""Cut a model's layers into pipeline stages and virtual chunks.
+
+A pure function of config numbers, below config.py: the FLOP model (flops.py) and every layer above it
+(parallel/, train/, the modules) cut layers the same way."""
 from __future__ import annotations
 
-from megatronapp.config import ConfigError
+from megatronapp.errors import ConfigError
 
 
 def split_layers(num_layers: int, pp: int, vpp: int = 1) -> list[tuple[int, int]]:
