@@ -91,7 +91,7 @@ def _start(name: str, group: Group, t: torch.Tensor, label: str, start: Callable
         return Handle(start(), sp, keep=keep, nccl=CONTEXT.backend(group) == "nccl", op=rec, due=due)
     h = Handle(None, sp, keep=keep, driven=True, op=rec, due=due)
     h.desc = f"{rec.name} on group {group.name} (#{rec.seq})"
-    strict.submit([(CONTEXT.stream(group), None)], "collective", h.desc, lambda: [start()], h._finish)
+    strict.submit([(CONTEXT.stream(group), None)], "collective", h.desc, lambda: [start()], h.finish)
     return h
 
 
@@ -253,7 +253,7 @@ def _p2p(op: str, t: torch.Tensor, peer: int, group: Group, tag: int) -> Handle:
     h = Handle(None, sp, keep=t, driven=True, op=rec)
     h.desc = f"{op} {'to' if op == 'send' else 'from'} rank {peer} (group {group.name}, #{rec.seq})"
     if strict is None:
-        CONTEXT.wire(group, peer).put(due, lambda: [_issue(op, t, peer, group, tag)], h._finish)
+        CONTEXT.wire(group, peer).put(due, lambda: [_issue(op, t, peer, group, tag)], h.finish)
         return h
 
     def issue() -> list:
@@ -261,7 +261,7 @@ def _p2p(op: str, t: torch.Tensor, peer: int, group: Group, tag: int) -> Handle:
         return [_issue(op, t, peer, group, 0)]  # NCCL ignores tags: match by order
 
     strict.first_use(group.name, group.ranks, peer, h.desc)  # nccl-lazy: blocks the host, as NCCL does
-    strict.submit([(CONTEXT.stream(group), peer)], op, h.desc, issue, h._finish)
+    strict.submit([(CONTEXT.stream(group), peer)], op, h.desc, issue, h.finish)
     return h
 
 
@@ -302,7 +302,7 @@ def batch_isend_irecv(ops: Sequence[P2P]) -> list[Handle]:
 
     def done(err: BaseException | None) -> None:
         for h in handles:
-            h._finish(err)
+            h.finish(err)
 
     what = f"group of {len(ops)} P2P ops with ranks {sorted({o.peer for o in ops})}"
     for g in {o.group.name: o.group for o in ops}.values():  # grouped calls use the group's communicator

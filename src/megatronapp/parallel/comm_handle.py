@@ -76,9 +76,9 @@ class Handle:
         if work is None and not driven:
             self._event.set()
 
-    def _finish(self, err: BaseException | None = None) -> None:
-        """Completion seen by a driving thread: close the span now (its end is the op's end, not the moment
-        someone looks), then wake whoever waits."""
+    def finish(self, err: BaseException | None = None) -> None:
+        """Called by the thread that drives the op (strict stream, wire, watcher) when it completes: close the
+        span now (its end is the op's end, not the moment someone looks), then wake whoever waits."""
         self.error = err
         self._close_span()
         self._set_done()
@@ -108,9 +108,9 @@ class Handle:
             try:
                 work.wait()
             except BaseException as e:  # noqa: BLE001 - surfaced to the waiter
-                self._finish(e)
+                self.finish(e)
                 return
-            self._finish()
+            self.finish()
 
         _watchers.submit(job)
 
