@@ -25,7 +25,7 @@ from tests import engine_cases as ec
 
 
 def _worker(rank: int, world: int, mode: str, out: str) -> None:
-    comm.STALL_TIMEOUT_S = 3.0
+    comm.CONTEXT.stall_timeout_s = 3.0  # the strict modes name a stall after 3 s (reset() keeps it)
     case = ec.base_case("gpt2", **{"parallel.pp": world, "parallel.comm_semantics": mode, "model.num_layers": 6,
                                    "train.global_batch_size": 4})
     result: dict = {}

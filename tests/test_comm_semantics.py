@@ -7,6 +7,10 @@
 - collectives issued in different orders on two members are named, and so is a member that never arrives;
 - the DP gradient reducer issues its all-reduces in the same order on every replica even when the replicas'
   final backwards end in different chunk orders (what a dynamic pipeline policy does).
+
+Every case runs in one 2-rank launch (`results`), one after another with `comm.reset()` between them: each case
+builds its own groups and the strict mode's store keys carry the run's epoch, so cases cannot see each other's
+messages. The cases that leave stalled ops and threads behind (as NCCL would hang) run last.
 """
 from __future__ import annotations
 
@@ -26,24 +30,7 @@ from megatronapp.parallel import topology as topology_mod
 from megatronapp.parallel.data_parallel import GradReducer
 
 
-def _finish(out: str, rank: int, result: dict, world: int = 2) -> None:
-    Path(out, f"rank{rank}.json.tmp").write_text(json.dumps(result))
-    os.replace(Path(out, f"rank{rank}.json.tmp"), Path(out, f"rank{rank}.json"))
-    # Rank 0 hosts the job's store: it leaves only when every rank has its result (a file barrier: the
-    # process groups may be stuck, which is the point of some cases).
-    deadline = time.monotonic() + 60
-    while rank == 0 and time.monotonic() < deadline and not all(
-            Path(out, f"rank{r}.json").exists() for r in range(world)):
-        time.sleep(0.05)
-    # A rank whose ops are stuck cannot tear gloo down cleanly: leave at once.
-    os._exit(0)
-
-
-def _results(out: str, world: int) -> list[dict]:
-    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
-
-
-def _old_receive_pattern(rank: int, world: int, semantics: str, out: str) -> None:
+def _old_receive_pattern(rank: int, semantics: str) -> dict:
     """The pre-posted-receive executor in miniature (pp=2, 1F1B, 3 microbatches): each stage posts every
     receive of the step from its neighbour on the pp group with unique tags, then computes and sends."""
     comm.reset()
@@ -63,21 +50,16 @@ def _old_receive_pattern(rank: int, world: int, semantics: str, out: str) -> Non
                 sends.append(comm.isend(recvs[i][0] * 10, peer, pg, tag=i * 2 + 1))
         for h in handles + sends:
             h.wait()
-        got = [buf.tolist() for buf, _ in recvs]
-        _finish(out, rank, {"ok": True, "got": got})
+        return {"ok": True, "got": [buf.tolist() for buf, _ in recvs]}
     except Exception as e:  # noqa: BLE001 - the strict mode's report is the result
-        _finish(out, rank, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
 
-def test_old_pre_posted_receives_pass_on_gloo_but_deadlock_under_nccl_rules():
-    with tempfile.TemporaryDirectory() as out:
-        spawn(_old_receive_pattern, 2, "native", out)
-        native = _results(out, 2)
+def test_old_pre_posted_receives_pass_on_gloo_but_deadlock_under_nccl_rules(results):
+    native = results["old pattern native"]
     assert all(r["ok"] for r in native), native
     assert native[1]["got"] == [[float(i)] * 4 for i in range(3)]
-    with tempfile.TemporaryDirectory() as out:
-        spawn(_old_receive_pattern, 2, "nccl", out)
-        strict = _results(out, 2)
+    strict = results["old pattern nccl"]
     assert not any(r["ok"] for r in strict), strict
     # stage 0's activation send is stuck behind its own pre-posted gradient receive; stage 1 waits for it
     e0, e1 = strict[0]["error"], strict[1]["error"]
@@ -85,7 +67,7 @@ def test_old_pre_posted_receives_pass_on_gloo_but_deadlock_under_nccl_rules():
     assert "recv from rank 0" in e1 and "did not complete" in e1, e1
 
 
-def _exchange(rank: int, world: int, grouped: bool, out: str) -> None:
+def _exchange(rank: int, grouped: bool) -> dict:
     """Both ranks receive from and send to each other, receive first: NCCL needs this grouped."""
     comm.reset()
     comm.set_semantics("nccl", stall_timeout_s=3.0)
@@ -99,23 +81,21 @@ def _exchange(rank: int, world: int, grouped: bool, out: str) -> None:
             hs = [comm.irecv(inbox, peer, pg), comm.isend(payload, peer, pg)]
         for h in hs:
             h.wait()
-        _finish(out, rank, {"ok": True, "got": inbox.tolist()})
+        return {"ok": True, "got": inbox.tolist()}
     except Exception as e:  # noqa: BLE001
-        _finish(out, rank, {"ok": False, "error": str(e)})
+        return {"ok": False, "error": str(e)}
 
 
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "ungrouped"])
-def test_receive_before_send_needs_a_group(grouped):
-    with tempfile.TemporaryDirectory() as out:
-        spawn(_exchange, 2, grouped, out)
-        res = _results(out, 2)
+def test_receive_before_send_needs_a_group(results, grouped):
+    res = results[f"exchange {'grouped' if grouped else 'ungrouped'}"]
     if grouped:
         assert res[0] == {"ok": True, "got": [2.0] * 3} and res[1] == {"ok": True, "got": [1.0] * 3}
     else:
         assert not any(r["ok"] for r in res) and all("NCCL stream" in r["error"] for r in res), res
 
 
-def _tags(rank: int, world: int, semantics: str, out: str) -> None:
+def _tags(rank: int, semantics: str) -> dict:
     comm.reset()
     comm.set_semantics(semantics)
     topo = topology_mod.build(1, 2, 1, rank)
@@ -123,26 +103,24 @@ def _tags(rank: int, world: int, semantics: str, out: str) -> None:
     if rank == 0:
         for h in [comm.isend(torch.full((2,), 1.0), 1, pg, tag=1), comm.isend(torch.full((2,), 2.0), 1, pg, tag=2)]:
             h.wait()
-        _finish(out, rank, {"ok": True})
+        return {"ok": True}
     a, b = torch.empty(2), torch.empty(2)
     hs = [comm.irecv(b, 0, pg, tag=2), comm.irecv(a, 0, pg, tag=1)]  # posted in the other order
     for h in hs:
         h.wait()
-    _finish(out, rank, {"tag1": a.tolist(), "tag2": b.tolist()})
+    return {"tag1": a.tolist(), "tag2": b.tolist()}
 
 
 @pytest.mark.parametrize("semantics", ["native", "nccl"])
-def test_tags_are_ignored_under_nccl_rules(semantics):
-    with tempfile.TemporaryDirectory() as out:
-        spawn(_tags, 2, semantics, out)
-        got = _results(out, 2)[1]
+def test_tags_are_ignored_under_nccl_rules(results, semantics):
+    got = results[f"tags {semantics}"][1]
     if semantics == "native":  # gloo matches by tag
         assert got == {"tag1": [1.0, 1.0], "tag2": [2.0, 2.0]}
     else:  # NCCL matches by order: the first receive posted gets the first message sent
         assert got == {"tag1": [2.0, 2.0], "tag2": [1.0, 1.0]}
 
 
-def _collectives(rank: int, world: int, case: str, out: str) -> None:
+def _collectives(rank: int, case: str) -> dict:
     comm.reset()
     comm.set_semantics("nccl", stall_timeout_s=3.0)
     topo = topology_mod.build(1, 1, 2, rank)
@@ -156,15 +134,13 @@ def _collectives(rank: int, world: int, case: str, out: str) -> None:
                 comm.all_reduce(t, dp, label=label)
         elif case == "missing" and rank == 0:
             comm.all_reduce(x, dp, label="only rank 0")
-        _finish(out, rank, {"ok": True})
+        return {"ok": True}
     except Exception as e:  # noqa: BLE001
-        _finish(out, rank, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
 
-def test_collectives_in_different_orders_are_named():
-    with tempfile.TemporaryDirectory() as out:
-        spawn(_collectives, 2, "swapped", out)
-        res = _results(out, 2)
+def test_collectives_in_different_orders_are_named(results):
+    res = results["collectives swapped"]
     for r in res:
         assert not r["ok"]
         e = r["error"]
@@ -172,15 +148,13 @@ def test_collectives_in_different_orders_are_named():
         assert "rank 0: all_reduce[grad chunk 0]" in e and "rank 1: all_reduce[grad chunk 1]" in e, e
 
 
-def test_a_member_that_never_enters_a_collective_is_named():
-    with tempfile.TemporaryDirectory() as out:
-        spawn(_collectives, 2, "missing", out)
-        res = _results(out, 2)
+def test_a_member_that_never_enters_a_collective_is_named(results):
+    res = results["collectives missing"]
     assert res[1] == {"ok": True}
     assert not res[0]["ok"] and "rank(s) [1] did not issue it" in res[0]["error"], res[0]
 
 
-def _reducer(rank: int, world: int, out: str) -> None:
+def _reducer(rank: int) -> dict:
     comm.reset()
     comm.set_semantics("nccl", stall_timeout_s=10.0)
     topo = topology_mod.build(1, 1, 2, rank)
@@ -196,19 +170,58 @@ def _reducer(rank: int, world: int, out: str) -> None:
             chunks[c](x * (c + 1)).sum().backward()
             reducer.after_final_backward(c)
         reducer.finish()
-        grads = [[p.grad.tolist() for p in ch.parameters()] for ch in chunks]
-        _finish(out, rank, {"ok": True, "grads": grads})
+        return {"ok": True, "grads": [[p.grad.tolist() for p in ch.parameters()] for ch in chunks]}
     except Exception as e:  # noqa: BLE001
-        _finish(out, rank, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
 
-def test_dp_reduction_order_is_fixed_whatever_the_backward_order():
-    with tempfile.TemporaryDirectory() as out:
-        spawn(_reducer, 2, out)
-        res = _results(out, 2)
+def test_dp_reduction_order_is_fixed_whatever_the_backward_order(results):
+    res = results["reducer"]
     assert all(r["ok"] for r in res), res
     assert res[0]["grads"] == res[1]["grads"]
     # the average of both replicas' gradients, chunk by chunk: 2 rows of (rank + 1) * (c + 1), mean over ranks
     for c in range(2):
         w = torch.tensor(res[0]["grads"][c][0])
         assert torch.allclose(w, torch.full((4, 4), 3.0 * (c + 1)))
+
+
+# Cases in launch order: the clean ones first; the last two leave stalled ops and threads behind, as NCCL would hang.
+CASES: dict[str, tuple] = {
+    "old pattern native": (_old_receive_pattern, "native"),
+    "exchange grouped": (_exchange, True),
+    "tags native": (_tags, "native"),
+    "tags nccl": (_tags, "nccl"),
+    "reducer": (_reducer,),
+    "collectives swapped": (_collectives, "swapped"),
+    "collectives missing": (_collectives, "missing"),
+    "exchange ungrouped": (_exchange, False),
+    "old pattern nccl": (_old_receive_pattern, "nccl"),
+}
+
+
+def _every_case(rank: int, world: int, out: str) -> None:
+    result = {}
+    for name, (fn, *args) in CASES.items():
+        try:
+            result[name] = fn(rank, *args)
+        except Exception as e:  # noqa: BLE001 - a crashed case fails its own test, not the others'
+            result[name] = {"crashed": f"{type(e).__name__}: {e}"}
+    Path(out, f"rank{rank}.json.tmp").write_text(json.dumps(result))
+    os.replace(Path(out, f"rank{rank}.json.tmp"), Path(out, f"rank{rank}.json"))
+    # Rank 0 hosts the job's store: it leaves only when every rank has its result (a file barrier: the process
+    # groups of the stalled cases are stuck, which is their point).
+    deadline = time.monotonic() + 60
+    while rank == 0 and time.monotonic() < deadline and not all(
+            Path(out, f"rank{r}.json").exists() for r in range(world)):
+        time.sleep(0.05)
+    # A rank whose ops are stuck cannot tear gloo down cleanly: leave at once.
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, list[dict]]:
+    """Every case's result on each rank, from one 2-rank launch."""
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_every_case, 2, out)
+        per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    return {name: [r[name] for r in per_rank] for name in CASES}

@@ -9,7 +9,8 @@ sender and one receiver. That is what makes the pipeline correct in both NCCL re
 with eager init (device_id) a group's ops share one stream, so a rank must never receive and send on one group;
 with lazy init the first op of each (group, pair) creates a communicator and blocks until the peer's first op
 there, so the links are created and warmed up at start-up in one global order on every rank, before any
-schedule decides an order of first uses. Each link keeps its channel's name (`pp.act.up`, ...: the direction
+schedule decides an order of first uses (group building sits above `comm`, which it warms links up through;
+the `Group` type lives below it, in `group.py`). Each link keeps its channel's name (`pp.act.up`, ...: the direction
 in rank order), so traces and sequence numbers read as before.
 """
 from __future__ import annotations
@@ -20,6 +21,9 @@ from functools import cached_property
 from typing import Any
 
 import torch.distributed as dist
+
+from megatronapp.parallel import comm
+from megatronapp.parallel.group import Group
 
 CHANNELS = ("pp.act.up", "pp.act.down", "pp.grad.up", "pp.grad.down")
 # "pairs": a 2-rank group per pipeline link (the design); "column": the four CHANNELS groups over the whole
@@ -52,22 +56,6 @@ def coord_of(rank: int, tp: int, pp: int, dp: int) -> Coord:
     if not 0 <= rank < tp * pp * dp:
         raise ValueError(f"rank {rank} outside a world of {tp * pp * dp}")
     return Coord(dp=(rank // tp) % dp, pp=rank // (tp * dp), tp=rank % tp)
-
-
-@dataclass
-class Group:
-    """A process group with a readable name and its global ranks (sorted)."""
-
-    name: str
-    ranks: tuple[int, ...]
-    pg: Any = None  # torch ProcessGroup; None for a single-member group (no communication needed)
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    def rank_in(self, global_rank: int) -> int:
-        return self.ranks.index(global_rank)
 
 
 @dataclass
@@ -212,8 +200,6 @@ def make_links(topo: Topology, new_group: Callable[[tuple[int, ...]], Any], warm
     group after its ranks and the number of groups its maker made before, so in a round where this rank is on
     no edge it makes two one-member groups, as its peers make their edge's two. `every_rank`: `new_group` is a
     collective of the whole world (MegaFBD makes every group on every rank)."""
-    from megatronapp.parallel import comm  # comm imports this module
-
     mine = []
     for links in topo.link_rounds():
         made = 0
