@@ -86,10 +86,7 @@ def emulated_rows(cpu_rows: list[tuple[str, str, dict]]) -> list[tuple[str, str,
 def _fenced_step(trainer) -> float:
     import torch.distributed as dist
 
-    from megatronapp.parallel import device_emulation
-
-    device_emulation.activate(trainer.emulated)  # the optimizer step is costed on this trainer's device
-    dist.barrier()
+    dist.barrier()  # train_step puts its own device in charge (tasks and optimizer step): parallel/emulation.py
     t0 = time.perf_counter()
     trainer.train_step()
     dist.barrier()
@@ -98,7 +95,7 @@ def _fenced_step(trainer) -> float:
 
 def _host_share(trainer) -> tuple[float, float]:
     """(host s, device s) of this rank's tasks in the steps after its first."""
-    rows = trainer.emulated.record()
+    rows = trainer.emulation.record()
     return sum(r[1] for r in rows), sum(r[3] for r in rows)
 
 

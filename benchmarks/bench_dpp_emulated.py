@@ -158,7 +158,7 @@ def worker(rank: int, world: int, size: dict[str, int], scenarios: list[str], re
             injector.remove()
         out[scenario] = {"stage": first.topo.coord.pp, "recs": recs,
                          "params": {s: sum(q.numel() for q in tr.params) for s, tr in trainers.items()},
-                         "emulation": {s: tr.emulated.record() for s, tr in trainers.items()}}
+                         "emulation": {s: tr.emulation.record() for s, tr in trainers.items()}}
         for tr in trainers.values():
             tr.close()
     (Path(outdir) / f"rank{rank}.json").write_text(json.dumps(out))

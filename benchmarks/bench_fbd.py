@@ -120,7 +120,7 @@ def worker(rank: int, world: int, cfg_dict: dict[str, Any], outdir: str) -> None
         times.append(time.perf_counter() - t0)
     r.close()
     stage = r.topo.coord.pp if role != "forward" else None
-    emulated = r.emulated.record() if getattr(r, "emulated", None) is not None else None
+    emulated = r.emulation.record()
     params = sum(q.numel() for q in getattr(r, "params", []))
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(
         {"rank": rank, "role": role, "stage": stage, "peak_saved_bytes": saved.peak, "step_times": times,

@@ -102,7 +102,7 @@ def worker(rank: int, world: int, cases: list[dict], outdir: str) -> None:
             recs = [tr.train_step() for _ in range(case["train"]["steps"])]
             out = {"losses": [r["loss"] for r in recs], "times": [r["step_time"] for r in recs],
                    "params": sum(q.numel() for q in tr.params),
-                   "record": tr.emulated.record() if tr.emulated is not None else None}
+                   "record": tr.emulation.record()}
         finally:
             tr.detach_plugins()
             tr.close()

@@ -1,6 +1,6 @@
 """MegaFBD runs as the user starts them (`fbd.run.train`, real gloo processes under NCCL's rules: the traced run
-under `--comm-semantics nccl-eager`, the checkpoint runs under `nccl-lazy`):
-plug-ins on both roles, faults on either role, checkpoints and `--resume`.
+under `--comm-semantics nccl-eager`, the checkpoint and validation runs under `nccl-lazy`):
+plug-ins on both roles, faults on either role, checkpoints and `--resume`, validation, MFU and the progress line.
 
 Layout: backward pp=2 (ranks 0, 1) and forward instances of tp_f = pp_f = 1 (ranks 2, 3, ...), a tiny GPT-2.
 In traces a forward rank sits at (dp=instance, pp=pp+stage, tp): forward instances are each other's peers, never
@@ -10,6 +10,7 @@ busy 2-core machine, as tests/test_scan_real.py does).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from megatronapp.scan.detect import analyse
 from megatronapp.scan.format import read_dir
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.metrics import read_metrics
+from megatronapp.train.trainer import train as train_coupled
 
 
 def _cfg(out: Path, steps: int, n_f: int = 1, semantics: str = "nccl-lazy", **train_over) -> RunConfig:
@@ -104,3 +106,33 @@ def test_resumed_fbd_run_continues_bit_identically(tmp_path):
     train(other)
     moved = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "c" / "metrics.jsonl")}
     assert sorted(moved) == [3, 4] and all(abs(moved[s] - want[s]) < 1e-4 for s in moved), (moved, want)
+
+
+@pytest.mark.slow
+def test_fbd_run_validates_like_the_coupled_run_counts_mfu_and_logs_every_log_interval(tmp_path, capfd):
+    # The engine's run loop around both: evaluated every 2 steps and at the last (steps 2 and 3), the progress
+    # line every 2 steps and at the last, MFU against a vendor peak of 1 TFLOP/s per rank.
+    over = {"eval_interval": 2, "eval_iters": 2, "log_interval": 2, "peak_tflops": 1.0}
+    cfg = _cfg(tmp_path / "fbd", steps=3, **over)
+    cfg.train.progress = True
+    summary = train(cfg)
+    err = capfd.readouterr().err
+    assert re.findall(r"^step (\d+)/3 ", err, re.M) == ["2", "3"], err  # rank 0 only, log_interval honoured
+    coupled = _cfg(tmp_path / "coupled", steps=3, **over)
+    coupled.parallel.fbd = False
+    train_coupled(coupled)
+    got = read_metrics(tmp_path / "fbd" / "metrics.jsonl")
+    want = read_metrics(tmp_path / "coupled" / "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3]
+    # validation: the same forward-only pass of the same layout, on weights equal to fp32 rounding
+    assert [r["step"] for r in got if "val_loss" in r] == [r["step"] for r in want if "val_loss" in r] == [2, 3]
+    for g, w in zip(got, want):
+        assert abs(g["loss"] - w["loss"]) < 1e-5, (g, w)
+        if "val_loss" in w:
+            assert abs(g["val_loss"] - w["val_loss"]) < 1e-5, (g, w)
+    assert summary["val_loss"] == got[-1]["val_loss"] and summary["role"] == "backward"
+    # MFU: model FLOPs per token x tokens/s over the peak of every rank of the job (2 backward + 1 forward)
+    flops = cfg.model.flops_per_token(cfg.train.seq_len)
+    for r in got:
+        assert r["mfu"] > 0 and r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / (1e12 * 3), rel=1e-9)
+    assert summary["mfu"] > 0 and summary["world_size"] == 3

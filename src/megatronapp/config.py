@@ -421,9 +421,6 @@ def _validate_eval(cfg: RunConfig) -> None:
     if t.eval_interval < 0 or t.eval_iters < 1:
         raise ConfigError(f"train.eval_interval={t.eval_interval} must be >= 0 (0: no validation) and "
                           f"train.eval_iters={t.eval_iters} >= 1")
-    if t.eval_interval and cfg.parallel.fbd:
-        raise ConfigError("train.eval_interval (--eval-interval) is not supported with parallel.fbd yet: MegaFBD "
-                          "runs its own loop; drop --eval-interval or --fbd")
     if t.eval_interval and t.data is not None and t.valid_data is None:
         raise ConfigError(f"train.eval_interval={t.eval_interval} with train.data={t.data!r} needs a held-out "
                           f"file: pass --valid-data PATH (text training never reads)")

@@ -33,7 +33,7 @@ from typing import Any
 
 from megatronapp import tracing
 from megatronapp.config import ConfigError
-from megatronapp.parallel import comm, device_emulation
+from megatronapp.parallel import comm, emulation
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.checkpoint import SAVE_STAGES
 
@@ -135,7 +135,7 @@ class Injector:
         self.rank = rank
         self.faults = faults
         self._slow = [f.factor for f in faults if f.kind == "slow-compute" and f.ranks[0] == rank]
-        emulated = device_emulation.active()
+        emulated = emulation.active()
         if emulated is not None and self._slow:  # a slow emulated device: its device time grows, not host time
             for factor in self._slow:
                 emulated.slow_down(factor)

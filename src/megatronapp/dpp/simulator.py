@@ -169,11 +169,7 @@ class _PolicyStage:
         if task not in ready:
             raise RuntimeError(f"policy {self.policy.name} on stage {self.view.stage} chose {task}, "
                                f"which is not ready (ready: {[str(t) for t in ready]})")
-        if waited > 0:  # moving averages of idle time, by the kind of task that ended the wait (as the executor)
-            if task.kind == "F":
-                self.view.wait_f = 0.7 * self.view.wait_f + 0.3 * waited
-            else:
-                self.view.wait_b = 0.7 * self.view.wait_b + 0.3 * waited
+        self.view.note_wait(task.kind, waited)  # as the executor does
         return task
 
     def done(self, task: Task) -> None:

@@ -12,39 +12,43 @@ Checkpoints are the engine's (`Trainer.save` / `Trainer.load`, called on this ra
 read): backward rank r writes exactly what engine rank r of the same tp x pp x dp layout writes, in the same
 directory format (atomic rename, `weights_only` load), and a resume checks the layout as the engine does. The
 forward ranks hold no state of their own: their weights arrive from the backward side at every step's start.
+
+Validation (`--eval-interval`) is the engine's too: the backward ranks are a tp x pp x dp layout with the
+engine's chunks and pipeline links (`pp.act.*`, which FBD's training leaves unused), so they run the engine's
+forward-only pass (`pipeline/evaluation.py`) and average it as the trainer does (`trainer.held_out_loss`): the
+val_loss of the coupled run of this layout. Forward instances take no part (they wait for the next weights).
 """
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from megatronapp import tracing
 from megatronapp.config import RunConfig, micro_batch_size
-from megatronapp.data.dataset import build_batch_source, split_microbatches
+from megatronapp.data.dataset import build_batch_source, build_valid_source, split_microbatches
 from megatronapp.fbd.groups import FbdGroups
 from megatronapp.fbd.layout import FbdLayout
 from megatronapp.fbd.messages import Inbox
 from megatronapp.fbd.reader import StepReader
 from megatronapp.fbd.weights import WeightLink, param_specs
-from megatronapp.parallel import device_emulation
+from megatronapp.parallel import emulation
 from megatronapp.parallel.data_parallel import GradReducer
-from megatronapp.parallel.device_emulation import EmulatedDevice
+from megatronapp.pipeline.evaluation import forward_only
 from megatronapp.pipeline.p2p import StageLinks
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train import plugins
 from megatronapp.train.async_checkpoint import AsyncSaver
 from megatronapp.train.optim import build_optimizer
-from megatronapp.train.trainer import Trainer, build_chunks, finish_step
+from megatronapp.train.trainer import Trainer, build_chunks, finish_step, held_out_loss
 
 
 class BackwardRank:
     """State of one backward rank (an ordinary engine rank of the tp x pp x dp layout, minus the pipeline)."""
 
     role = "backward"
+    reports_loss = True
     # the engine's checkpoint code itself (same files and checks), not a copy: it reads step, out, cfg, rank,
     # topo, chunks, optimizer, saver, save_stalls and hooks, which this class has with the same meaning
     save = Trainer.save
@@ -61,7 +65,9 @@ class BackwardRank:
         self.params = [q for c in self.chunks for q in c.parameters()]
         self.optimizer = build_optimizer(self.params, t, tp_group=topo.tp_group)
         self.reducer = GradReducer(self.chunks, topo.dp_group, p.grad_bucket_mb)
-        self.data, _ = build_batch_source(cfg, self.coord.dp)
+        self.data, tokenizer = build_batch_source(cfg, self.coord.dp)
+        # the held-out split (`--eval-interval`), read only by evaluate()
+        self.valid = build_valid_source(cfg, self.coord.dp, tokenizer) if t.eval_interval else None
         self.reader = StepReader(self.data.get, t.data_prefetch, device)
         self.mbs = micro_batch_size(cfg)
         seq = t.seq_len // p.tp if p.sequence_parallel and p.tp > 1 else t.seq_len
@@ -82,7 +88,9 @@ class BackwardRank:
                                 keep=t.keep_checkpoints) if t.async_save else None
         self.save_stalls: list[float] = []
         self.attempt: str | None = None  # save attempt id, agreed by the backward ranks at their first save
-        self.emulated: EmulatedDevice | None = None  # --emulate-device (set by fbd/run.py)
+        # --emulate-device: this rank's modelled accelerator (does nothing when off)
+        self.emulation = emulation.Emulation(cfg, self.rank, self.coord.dp, self.coord.pp,
+                                             sum(q.numel() for q in self.params))
         if t.resume:
             self.load(ckpt.resolve(t.resume))
 
@@ -96,9 +104,7 @@ class BackwardRank:
         to the coupled engine's."""
         cfg, L, topo = self.cfg, self.layout, self.topo
         t0 = time.perf_counter()
-        if self.emulated is not None:
-            device_emulation.activate(self.emulated)  # finish_step's optimizer step finds it there
-            self.emulated.begin_step(self.step)
+        self.emulation.begin_step(self.step)  # this step's segments and optimizer step run on this rank's device
         # The forward side of this step waits for exactly these weights (the previous step's result).
         with tracing.span("fbd.weights", "comm"):
             self.weights.send()
@@ -124,7 +130,7 @@ class BackwardRank:
                 x = mbs[m][0] if v == 0 else self.inbox.take((self.coord.dp, m, v)).requires_grad_(True)
                 wait += time.perf_counter() - w0
                 with tracing.span("recompute", "compute", chunk=c, microbatch=m), self.autocast, \
-                        self._device("R", v, m):
+                        emulation.segment("R", v, m):
                     out = self.chunks[c](x, labels=mbs[m][1] if v == V - 1 else None)
                 grad = None
                 if v != V - 1:  # waiting for the next stage is not compute: outside the span (MegaScan's phases)
@@ -132,7 +138,7 @@ class BackwardRank:
                     self.links.wait_for(("B", c, m), 600.0, lambda c=c, m=m: self._stuck(c, m))
                     wait += time.perf_counter() - w0
                     grad = self.links.take(("B", c, m)).to(out.dtype)
-                with tracing.span("backward", "compute", chunk=c, microbatch=m), self._device("BW", v, m):
+                with tracing.span("backward", "compute", chunk=c, microbatch=m), emulation.segment("BW", v, m):
                     if grad is None:
                         losses.append(out.detach() if out.is_cuda else float(out.detach()))  # GPU: no sync
                         torch.autograd.backward(out * scale)
@@ -154,9 +160,26 @@ class BackwardRank:
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time": time.perf_counter() - t0,
                 "wait_s": wait}
 
-    def _device(self, kind: str, v: int, m: int) -> Any:
-        """The emulated device's context for one recompute ("R") or backward ("BW"), else a no-op."""
-        return self.emulated.segment(kind, v, m) if self.emulated is not None else nullcontext()
+    def evaluate(self, iters: int | None = None) -> float:
+        """Mean loss of the first `iters` (default train.eval_iters) held-out batches, as the coupled engine
+        computes it for this layout (module docstring); every backward rank returns it."""
+        if self.valid is None:
+            raise RuntimeError("evaluate() needs a held-out split: set train.eval_interval (--eval-interval)")
+        iters = self.cfg.train.eval_iters if iters is None else iters
+
+        def forward(mbs: list) -> list[float]:
+            return forward_only(self.chunks, self.links, self.coord.pp, self.layout.pp, mbs, self.step)
+
+        return held_out_loss(iters, self._valid_batch, forward, self.topo, self.device, self.autocast)
+
+    def _valid_batch(self, i: int) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Held-out batch `i`'s microbatches on this rank: only the stages holding the first and the last virtual
+        stage read ids and labels (as the trainer's `_batch`)."""
+        m = self.layout.microbatches
+        if 0 < self.coord.pp < self.layout.pp - 1:
+            return [(None, None)] * m
+        ids, labels = self.valid.get(i)
+        return [(a.to(self.device), b.to(self.device)) for a, b in split_microbatches(ids, labels, m)]
 
     def _stuck(self, chunk: int, m: int) -> str:
         return (f"FBD backward rank {self.rank} ({self.coord.label()}) waits for the output gradient of chunk "

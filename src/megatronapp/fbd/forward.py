@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from contextlib import nullcontext
 
 import torch
 
@@ -29,7 +28,7 @@ from megatronapp.fbd.layout import FbdLayout
 from megatronapp.fbd.messages import Inbox, Outbox
 from megatronapp.fbd.reader import StepReader
 from megatronapp.fbd.weights import WeightLink, param_specs, segment
-from megatronapp.parallel.device_emulation import EmulatedDevice
+from megatronapp.parallel import emulation
 from megatronapp.parallel.tensor_parallel import SEQ_DIM
 from megatronapp.train import checkpoint as ckpt
 
@@ -38,6 +37,7 @@ class ForwardRank:
     """State of one rank of one forward instance."""
 
     role = "forward"
+    reports_loss = False  # it computes no loss: the run loop neither logs nor evaluates here
 
     def __init__(self, cfg: RunConfig, layout: FbdLayout, groups: FbdGroups, rank: int, device: torch.device):
         self.cfg, self.layout, self.groups, self.device, self.rank = cfg, layout, groups, device, rank
@@ -79,7 +79,9 @@ class ForwardRank:
         self.weights = WeightLink(layout, param_specs(cfg.model, layout), rank, named, groups.weights)
         self.step = ckpt.load_meta(ckpt.resolve(t.resume))["step"] if t.resume else 0
         self.weight_changes: list[float] = []  # largest change per hand-off (the first must be 0: equal init)
-        self.emulated: EmulatedDevice | None = None  # --emulate-device (set by fbd/run.py)
+        # --emulate-device: this rank's modelled accelerator (does nothing when off)
+        self.emulation = emulation.Emulation(cfg, rank, self.instance, self.stage,
+                                             sum(q.numel() for seg in self.segments.values() for q in seg.parameters()))
 
     def _read(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         got = [self.sources[d].get(step) for d in sorted(self.sources)]
@@ -103,8 +105,7 @@ class ForwardRank:
         """Receive fresh weights, then run and ship the forward of every job of this instance."""
         L = self.layout
         t0 = time.perf_counter()
-        if self.emulated is not None:
-            self.emulated.begin_step(self.step)
+        self.emulation.begin_step(self.step)
         self.receive_weights()
         if not self.segments:  # a forward stage that would only hold the last virtual stage has nothing to do
             self.step += 1
@@ -127,7 +128,7 @@ class ForwardRank:
                     x = self.from_prev.take((d, m, min(self.segments)))
                 for v, seg in self.segments.items():
                     with tracing.span("forward", "compute", virtual_stage=v, microbatch=m), \
-                            self.emulated.segment("F", v, m) if self.emulated is not None else nullcontext():
+                            emulation.segment("F", v, m):
                         x = seg(x)
                     while sends and sends[0][1] == (d, m, v + 1):  # the plan's order (layout.forward_sends)
                         dst, key = sends.popleft()

@@ -1,8 +1,11 @@
-"""What a plug-in sees of one MegaFBD rank, forward or backward: the trainer's face (`train/plugins.py`).
+"""What plug-ins and the run loop see of one MegaFBD rank, forward or backward: the trainer's face.
 
 Plug-ins (`--trace`, `--inject`, `--attach`) are written against the engine's `Trainer`: they read `cfg`, `rank`,
 `out`, `step`, `chunks`, `topo` and register lifecycle hooks on `hooks`. `RankHost` offers the same names for
-both roles, so the engine's plug-ins attach to an FBD run unchanged, fired by the same `plugins.Hooks`.
+both roles, so the engine's plug-ins attach to an FBD run unchanged, fired by the same `plugins.Hooks`. It is
+also the role the engine's run loop drives (`train/loop.RankRole`: train_step, evaluate, save, ...), delegating
+to the `BackwardRank` or `ForwardRank` doing the work; so logging, validation, MFU, checkpoint timing and the
+summary of an FBD run are the engine's own.
 
 `topo` is the job's trace grid, not the backward layout: its `world_size` counts every rank of the job and its
 "world" group holds all of them (the tracer's clock handshake and the fault drills' rank checks need the whole
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatronapp.config import plugin_entries
 from megatronapp.fbd.layout import FbdLayout
 from megatronapp.parallel.topology import Coord, Group, coord_of
 from megatronapp.train import plugins
@@ -67,13 +71,18 @@ def role_label(layout: FbdLayout, rank: int) -> str:
 
 
 class RankHost:
-    """The trainer-shaped object plug-ins of an FBD rank are called with (`plugin(host)`)."""
+    """The trainer-shaped object plug-ins of an FBD rank are called with (`plugin(host)`), and the run loop's role."""
 
     def __init__(self, cfg: Any, layout: FbdLayout, rank: int, role_rank: Any, world_group: Group):
         self.cfg, self.layout, self.rank, self.role = cfg, layout, rank, role_rank.role
         self.worker = role_rank  # the BackwardRank or ForwardRank doing the work
         self.out = Path(cfg.train.out)
         self.hooks: plugins.Hooks = getattr(role_rank, "hooks", None) or plugins.Hooks()
+        backward = self.role == "backward"
+        self.reports_loss = role_rank.reports_loss  # a forward rank computes no loss: the loop logs nothing there
+        self.device, self.emulation = role_rank.device, role_rank.emulation
+        self.optimizer = role_rank.optimizer if backward else None  # forward ranks hold no state
+        self.save_stalls: list[float] = role_rank.save_stalls if backward else []
         p = cfg.parallel
         self.topo = JobGrid(rank, layout.total, grid_coord(layout, rank), tp=max(p.tp, layout.tp_f),
                             pp=layout.pp + layout.pp_f, dp=max(layout.dp, layout.n_f), groups={"world": world_group})
@@ -94,9 +103,28 @@ class RankHost:
         w = self.worker
         return list(w.chunks) if hasattr(w, "chunks") else list(w.segments.values())
 
-    def attach_plugins(self, entries: list[str]) -> None:
-        """Resolve and call every plug-in in order, then fire `rank_start` (as `Trainer.attach_plugins`)."""
-        plugins.attach(self, entries)
+    def attach_plugins(self) -> None:
+        """Resolve and call every plug-in of the config in order, then fire `rank_start` (as the Trainer's)."""
+        plugins.attach(self, plugin_entries(self.cfg))
 
     def detach_plugins(self, raise_errors: bool = True) -> None:
         plugins.detach(self.hooks, raise_errors)
+
+    # -- the run loop's role: the worker's step; checkpoints and validation on backward ranks only ----------
+    def train_step(self) -> dict[str, float]:
+        return self.worker.train_step()
+
+    def evaluate(self) -> float:
+        """The validation loss (backward ranks: the loop never asks a rank that reports no loss)."""
+        return self.worker.evaluate()
+
+    def save(self) -> Path | None:
+        """A checkpoint of the backward layout (the engine's format); forward ranks save nothing."""
+        return self.worker.save() if self.role == "backward" else None
+
+    def finish_saves(self) -> None:
+        if self.role == "backward":
+            self.worker.finish_saves()
+
+    def close(self) -> None:
+        self.worker.close()

@@ -225,50 +225,6 @@ class EmulatedDevice:
         return [list(stats.rows[k]) for k in KINDS]
 
 
-_active: EmulatedDevice | None = None
-
-
-def install(cfg: RunConfig, rank: int, dp: int, stage: int, local_params: int) -> EmulatedDevice:
-    """Build this rank's emulated device from cfg.emulate_device and make it the active one."""
-    global _active
-    _active = EmulatedDevice(parse_spec(cfg.emulate_device or ""), cfg, rank, dp, stage, local_params)
-    return _active
-
-
-def activate(device: EmulatedDevice | None) -> None:
-    """Make `device` the active one (several trainers in one process switch it at each step)."""
-    global _active
-    _active = device
-
-
-def active() -> EmulatedDevice | None:
-    """This process's emulated device, or None when emulation is off."""
-    return _active
-
-
-def deactivate() -> None:
-    global _active
-    _active = None
-
-
-class _NullTask:
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NULL = _NullTask()
-
-
-def optimizer_task() -> Any:
-    """The optimizer step on the active emulated device, or a no-op."""
-    return _active.optimizer() if _active is not None else _NULL
-
-
 def summarize(spec_text: str, per_rank: Sequence[Sequence[Sequence[float]]]) -> dict[str, Any]:
     """summary.json's `emulation` entry from every rank's `record()`: per rank and kind the host, CPU and
     device seconds, the host share (host over device time) and whether the run stayed in the accelerator

@@ -19,15 +19,15 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from megatronapp import tracing
-from megatronapp.parallel import comm, weight_grad
-from megatronapp.parallel.device_emulation import EmulatedDevice
+from megatronapp.parallel import comm, emulation, weight_grad
 from megatronapp.parallel.topology import Topology
+from megatronapp.pipeline.evaluation import forward_only
 from megatronapp.pipeline.p2p import StageLinks
 from megatronapp.pipeline.schedules import StaticPolicy
 from megatronapp.pipeline.tasks import Policy, StageView, Task
@@ -64,14 +64,34 @@ def _peak_inflight(order: Sequence[Task]) -> int:
     return peak
 
 
+@dataclass
+class _StepState:
+    """One step in progress on this stage: what the policy has seen, what is ready, and what is held."""
+
+    microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    loss_scale: float
+    view: StageView
+    static: bool  # a fixed order: wait for exactly its next task's input
+    split: bool  # the backward is split into B and W tasks
+    backward_count: list[int]  # per chunk: B (or, split, W) done; its last completes the chunk's gradients
+    # The ready set is kept incrementally (arrivals are folded in as they are taken), so choosing a task costs
+    # O(ready) rather than a scan of every task of the step.
+    ready: set[Task]
+    grad_here: set[tuple[int, int]] = field(default_factory=set)  # output gradients here before their F ran
+    stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
+    wstash: dict[tuple[int, int], weight_grad.WeightWork] = field(default_factory=dict)  # B done, W not yet
+    losses: dict[int, float] = field(default_factory=dict)  # per microbatch, on the last virtual stage
+    order: list[Task] = field(default_factory=list)
+    wait_s: float = 0.0  # waiting for inputs
+
+
 class PipelineExecutor:
     """Runs the F/B tasks of this rank's chunks for one step, with asynchronous P2P between stages."""
 
     def __init__(self, chunks: Sequence[nn.Module], topo: Topology, policy: Policy, *, microbatches: int,
                  act_shape: tuple[int, ...], act_dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_inflight: int | None = None,
-                 grad_sync: GradSync | None = None, timeout_s: float = 600.0, pp_overlap: bool = True,
-                 emulated: EmulatedDevice | None = None):
+                 grad_sync: GradSync | None = None, timeout_s: float = 600.0, pp_overlap: bool = True):
         self.chunks, self.topo, self.policy = list(chunks), topo, policy
         self.m, self.act_shape, self.act_dtype = microbatches, act_shape, act_dtype
         self.device, self.max_inflight, self.grad_sync = torch.device(device), max_inflight, grad_sync
@@ -81,13 +101,6 @@ class PipelineExecutor:
         self.timeout_s = timeout_s
         self.links = StageLinks(topo, act_shape, act_dtype, self.device, overlap=pp_overlap) if topo.pp > 1 else None
         self.steps = 0
-        self.emulated = emulated  # --emulate-device: each task sleeps out its modelled device time
-
-    def _device(self, kind: str, t: Task) -> Any:
-        """Context of task `t`'s compute on an emulated device (a no-op on a real one)."""
-        if self.emulated is None:
-            return contextlib.nullcontext()
-        return self.emulated.task(kind, t.chunk, t.microbatch)
 
     # -- geometry ---------------------------------------------------------------------------------------
     def _v(self, chunk: int) -> int:
@@ -123,183 +136,175 @@ class PipelineExecutor:
     # -- one step ---------------------------------------------------------------------------------------
     def step(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_scale: float) -> StepResult:
         """Run every F and B task of this stage; `microbatches` holds (input_ids, labels) per microbatch."""
+        st = self._begin(microbatches, loss_scale)
+        while not st.view.finished():
+            task = self._next_task(st)
+            self._run(st, task)
+            self._done(st, task)
+        return self._end(st)
+
+    def _begin(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_scale: float) -> _StepState:
+        """Reset the policy, post the step's first receives, and seed the ready set."""
         if len(microbatches) != self.m:
             raise ValueError(f"expected {self.m} microbatches, got {len(microbatches)}")
-        static = isinstance(self.policy, StaticPolicy)
         split = bool(getattr(self.policy, "split_backward", False))
         weight_grad.set_split(split)
         view = StageView(stage=self.stage, pp=self.pp, vpp=self.vpp, microbatches=self.m,
                          max_inflight=self.max_inflight, memory_headroom=self._headroom(), split=split)
         self.policy.reset(view)
-        links = self.links
-        if links is not None:
+        if self.links is not None:
             expected = {"F": sum(self.m for c in range(self.vpp) if not self._first(c)),
                         "B": sum(self.m for c in range(self.vpp) if not self._last(c))}
-            links.peak_buffers = 0
-            links.start(self.steps, expected, self._window())
+            self.links.peak_buffers = 0
+            self.links.start(self.steps, expected, self._window())
         self.steps += 1
-        stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        wstash: dict[tuple[int, int], weight_grad.WeightWork] = {}  # B done, W not yet
-        losses: dict[int, float] = {}
-        backward_count = [0] * self.vpp  # the chunk's last B (or, split, last W) completes its gradients
-        order: list[Task] = []
-        wait_total = 0.0
+        return _StepState(microbatches, loss_scale, view, static=isinstance(self.policy, StaticPolicy),
+                          split=split, backward_count=[0] * self.vpp,
+                          ready={Task("F", c, mb) for c in range(self.vpp) if self._first(c) for mb in range(self.m)})
 
-        # The ready set is kept incrementally (arrivals are folded in as they are taken), so choosing a task
-        # costs O(ready) rather than a scan of every task of the step.
-        ready: set[Task] = {Task("F", c, mb) for c in range(self.vpp) if self._first(c) for mb in range(self.m)}
-        grad_here: set[tuple[int, int]] = set()
+    def _fold_arrivals(self, st: _StepState) -> None:
+        """File the messages that arrived since the last look: an activation readies its F; a gradient readies
+        its B once that microbatch's F is done (else it waits in `grad_here`)."""
+        if self.links is None:
+            return
+        for kind, c, mb in self.links.drain_new():
+            if kind == "F":
+                st.ready.add(Task("F", c, mb))
+            elif Task("F", c, mb) in st.view.done:
+                st.ready.add(Task("B", c, mb))
+            else:
+                st.grad_here.add((c, mb))
 
-        def fold_arrivals() -> None:
-            if links is None:
-                return
-            for kind, c, mb in links.drain_new():
-                if kind == "F":
-                    ready.add(Task("F", c, mb))
-                elif Task("F", c, mb) in view.done:
-                    ready.add(Task("B", c, mb))
-                else:
-                    grad_here.add((c, mb))
+    def _wait_input(self, st: _StepState, t: Task) -> None:
+        """Wait for exactly the message task `t` needs (if any), then file arrivals."""
+        key = self._input_key(t)
+        if key is not None and key not in self.links.arrived:
+            self.links.wait_for(key, self.timeout_s, lambda: self._stuck(st.view, f"input of {t}"))
+        self._fold_arrivals(st)
 
-        def wait_input(t: Task) -> None:
-            key = self._input_key(t)
-            if key is not None and key not in links.arrived:
-                links.wait_for(key, self.timeout_s, lambda: self._stuck(view, f"input of {t}"))
-            fold_arrivals()
+    def _next_task(self, st: _StepState) -> Task:
+        """The task this stage runs next: the policy's choice, or with TP peers and a dynamic policy TP rank 0's
+        choice, broadcast (each peer then waits for that task's input itself)."""
+        task = None
+        if not self.decide_on_tp0 or self.topo.coord.tp == 0:
+            task = self._choose(st)
+        if self.decide_on_tp0:
+            task = comm.broadcast_object(task, self.topo.tp_group.ranks[0], self.topo.tp_group)
+            t0 = time.perf_counter()
+            self._wait_input(st, task)
+            st.wait_s += time.perf_counter() - t0
+        return task
 
-        while not view.finished():
-            task = None
-            if not self.decide_on_tp0 or self.topo.coord.tp == 0:
-                t0 = time.perf_counter()
-                if static:  # wait on exactly the input the fixed order needs next
-                    wait_input(self.policy.upcoming())
-                while True:
-                    if not static and links is not None:
-                        links.poll()
-                    fold_arrivals()
-                    task = self.policy.next_task(sorted(ready), view)
-                    if task is not None:
-                        break
-                    links.wait_any(self.timeout_s, lambda: self._stuck(view, "any input"))
-                waited = time.perf_counter() - t0
-                wait_total += waited
-                if waited > 0:  # moving averages of idle time, by the kind of task that ended the wait
-                    if task.kind == "F":
-                        view.wait_f = 0.7 * view.wait_f + 0.3 * waited
-                    else:
-                        view.wait_b = 0.7 * view.wait_b + 0.3 * waited
-            if self.decide_on_tp0:
-                src = self.topo.tp_group.ranks[0]
-                task = comm.broadcast_object(task, src, self.topo.tp_group)
-                t0 = time.perf_counter()
-                wait_input(task)
-                wait_total += time.perf_counter() - t0
-            if task.kind == "F":
-                self._forward(task, microbatches, stash, losses, loss_scale)
-                view.inflight += 1
-                view.peak_inflight = max(view.peak_inflight, view.inflight)
-            elif task.kind == "B" and split:
-                work = self._backward(task, stash, split=True)
-                wstash[(task.chunk, task.microbatch)] = work
-                view.pending_w += 1
-                view.pending_w_bytes += work.nbytes
-                view.peak_pending_w_bytes = max(view.peak_pending_w_bytes, view.pending_w_bytes)
-            else:  # B (unsplit) or W: completes this microbatch's share of the chunk's weight gradients
-                final = backward_count[task.chunk] == self.m - 1
-                if final and self.grad_sync is not None:
-                    self.grad_sync.before_final_backward(task.chunk)
-                if task.kind == "W":
-                    work = wstash.pop((task.chunk, task.microbatch))
-                    view.pending_w -= 1
-                    view.pending_w_bytes -= work.nbytes
-                    with tracing.span("weight_grad", "compute", chunk=task.chunk, microbatch=task.microbatch), \
-                            self._device("W", task):
-                        weight_grad.run(work)
-                else:
-                    self._backward(task, stash)
-                backward_count[task.chunk] += 1
-                if final and self.grad_sync is not None:
-                    self.grad_sync.after_final_backward(task.chunk)
-                view.inflight -= 1
-            view.done.add(task)
-            ready.discard(task)
-            if task.kind == "F" and (self._last(task.chunk) or (task.chunk, task.microbatch) in grad_here):
-                ready.add(Task("B", task.chunk, task.microbatch))
-            elif task.kind == "B" and split:
-                ready.add(Task("W", task.chunk, task.microbatch))
-            order.append(task)
-            self.policy.on_done(task, view)
+    def _choose(self, st: _StepState) -> Task:
+        """Ask the policy until it picks a ready task, waiting for arrivals in between; the wait is timed."""
+        t0 = time.perf_counter()
+        if st.static:  # wait on exactly the input the fixed order needs next
+            self._wait_input(st, self.policy.upcoming())
+        while True:
+            if not st.static and self.links is not None:
+                self.links.poll()
+            self._fold_arrivals(st)
+            task = self.policy.next_task(sorted(st.ready), st.view)
+            if task is not None:
+                break
+            self.links.wait_any(self.timeout_s, lambda: self._stuck(st.view, "any input"))
+        waited = time.perf_counter() - t0
+        st.wait_s += waited
+        st.view.note_wait(task.kind, waited)
+        return task
 
+    def _run(self, st: _StepState, task: Task) -> None:
+        """Compute `task` and update the stage's counters the policy reads."""
+        view = st.view
+        if task.kind == "F":
+            self._forward(st, task)
+            view.inflight += 1
+            view.peak_inflight = max(view.peak_inflight, view.inflight)
+        elif task.kind == "B" and st.split:
+            work = self._backward(st, task, split=True)
+            st.wstash[(task.chunk, task.microbatch)] = work
+            view.pending_w += 1
+            view.pending_w_bytes += work.nbytes
+            view.peak_pending_w_bytes = max(view.peak_pending_w_bytes, view.pending_w_bytes)
+        else:
+            self._weight_gradients(st, task)
+            view.inflight -= 1
+
+    def _weight_gradients(self, st: _StepState, task: Task) -> None:
+        """B (unsplit) or W: completes this microbatch's share of the chunk's weight gradients; the chunk's last
+        one is announced to the gradient reducer so DP reduction overlaps with it."""
+        final = st.backward_count[task.chunk] == self.m - 1
+        if final and self.grad_sync is not None:
+            self.grad_sync.before_final_backward(task.chunk)
+        if task.kind == "W":
+            work = st.wstash.pop((task.chunk, task.microbatch))
+            st.view.pending_w -= 1
+            st.view.pending_w_bytes -= work.nbytes
+            with tracing.span("weight_grad", "compute", chunk=task.chunk, microbatch=task.microbatch), \
+                    emulation.task("W", task.chunk, task.microbatch):
+                weight_grad.run(work)
+        else:
+            self._backward(st, task)
+        st.backward_count[task.chunk] += 1
+        if final and self.grad_sync is not None:
+            self.grad_sync.after_final_backward(task.chunk)
+
+    def _done(self, st: _StepState, task: Task) -> None:
+        """Mark `task` done, ready what it unblocks, and tell the policy."""
+        st.view.done.add(task)
+        st.ready.discard(task)
+        key = (task.chunk, task.microbatch)
+        if task.kind == "F" and (self._last(task.chunk) or key in st.grad_here):
+            st.ready.add(Task("B", *key))
+        elif task.kind == "B" and st.split:
+            st.ready.add(Task("W", *key))
+        st.order.append(task)
+        self.policy.on_done(task, st.view)
+
+    def _end(self, st: _StepState) -> StepResult:
         peak_buffers = 0
-        if links is not None:
-            links.finish()
-            peak_buffers = links.peak_buffers
+        if self.links is not None:
+            self.links.finish()
+            peak_buffers = self.links.peak_buffers
         weight_grad.set_split(False)
-        return StepResult([losses[i] for i in sorted(losses)], order, view.peak_inflight, wait_total, view,
+        view = st.view
+        return StepResult([st.losses[i] for i in sorted(st.losses)], st.order, view.peak_inflight, st.wait_s, view,
                           peak_buffers, view.peak_pending_w_bytes)
 
     def forward_only(self, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
-        """Evaluation: forward every microbatch through every chunk, no graph, no backward; returns the
-        per-microbatch losses on the stage holding the last virtual stage (else an empty list).
-
-        Whatever the training schedule, every stage runs its forwards in (microbatch, chunk) order: a task's
-        input comes from the previous virtual stage, which runs the same microbatch's earlier chunk, so by
-        induction every wait is answered (no policy, no TP broadcast of choices: TP peers run the same fixed
-        order). Messages use the training channels and headers with a step number of their own."""
+        """Evaluation (`pipeline/evaluation.py`): every microbatch forward through every chunk, no graph;
+        returns the per-microbatch losses on the stage holding the last virtual stage (else an empty list)."""
         if len(microbatches) != self.m:
             raise ValueError(f"expected {self.m} microbatches, got {len(microbatches)}")
-        links = self.links
-        if links is not None:
-            expected = sum(self.m for c in range(self.vpp) if not self._first(c))
-            links.start(self.steps, {"F": expected, "B": 0}, self.vpp)
         self.steps += 1
-        losses: list[float] = []
-        with torch.no_grad():
-            for mb, (ids, labels) in enumerate(microbatches):
-                for c in range(self.vpp):
-                    if self._first(c):
-                        x = ids
-                    else:
-                        key = ("F", c, mb)
-                        links.wait_for(key, self.timeout_s, lambda k=key: f"evaluation: stage {self.stage} "
-                                       f"waits for the activation of chunk {k[1]}, microbatch {k[2]}")
-                        links.drain_new()
-                        x = links.take(key)
-                    last = self._last(c)
-                    with tracing.span("eval_forward", "compute", chunk=c, microbatch=mb):
-                        out = self.chunks[c](x, labels=labels if last else None)
-                    if last:
-                        losses.append(float(out))
-                    else:
-                        links.send("F", self._next_chunk(c), mb, out)
-        if links is not None:
-            links.finish()
-        return losses
+        return forward_only(self.chunks, self.links, self.stage, self.pp, microbatches, self.steps - 1,
+                            self.timeout_s)
 
-    def _forward(self, t: Task, microbatches, stash, losses, loss_scale) -> None:
-        ids, labels = microbatches[t.microbatch]
+    def _forward(self, st: _StepState, t: Task) -> None:
+        ids, labels = st.microbatches[t.microbatch]
         if self._first(t.chunk):
             x = ids
         else:
             x = self.links.take(("F", t.chunk, t.microbatch)).requires_grad_(True)
         last = self._last(t.chunk)
-        with tracing.span("forward", "compute", chunk=t.chunk, microbatch=t.microbatch), self._device("F", t):
+        with tracing.span("forward", "compute", chunk=t.chunk, microbatch=t.microbatch), \
+                emulation.task("F", t.chunk, t.microbatch):
             out = self.chunks[t.chunk](x, labels=labels if last else None)
         if last:
             # on a GPU the loss stays on the device: one sync per step (trainer.global_loss), not per microbatch
-            losses[t.microbatch] = out.detach() if out.is_cuda else float(out.detach())
-            out = out * loss_scale
+            st.losses[t.microbatch] = out.detach() if out.is_cuda else float(out.detach())
+            out = out * st.loss_scale
         else:
             self.links.send("F", self._next_chunk(t.chunk), t.microbatch, out)
-        stash[(t.chunk, t.microbatch)] = (None if self._first(t.chunk) else x, out)
+        st.stash[(t.chunk, t.microbatch)] = (None if self._first(t.chunk) else x, out)
 
-    def _backward(self, t: Task, stash, split: bool = False) -> weight_grad.WeightWork | None:
+    def _backward(self, st: _StepState, t: Task, split: bool = False) -> weight_grad.WeightWork | None:
         """B: input gradients, sent to the previous stage; with `split`, the weight-gradient work is returned
         for a later W task instead of being done now."""
-        x, out = stash.pop((t.chunk, t.microbatch))
+        x, out = st.stash.pop((t.chunk, t.microbatch))
         work = None
         with tracing.span("backward", "compute", chunk=t.chunk, microbatch=t.microbatch), \
-                self._device("B" if split else "BW", t):
+                emulation.task("B" if split else "BW", t.chunk, t.microbatch):
             with weight_grad.defer() if split else contextlib.nullcontext() as work:
                 if self._last(t.chunk):
                     torch.autograd.backward(out)

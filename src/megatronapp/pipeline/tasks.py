@@ -55,6 +55,15 @@ class StageView:
     def virtual_stage(self, chunk: int) -> int:
         return chunk * self.pp + self.stage
 
+    def note_wait(self, kind: str, waited: float) -> None:
+        """Fold `waited` idle seconds into the moving average of the kind of task that ended the wait."""
+        if waited <= 0:
+            return
+        if kind == "F":
+            self.wait_f = 0.7 * self.wait_f + 0.3 * waited
+        else:
+            self.wait_b = 0.7 * self.wait_b + 0.3 * waited
+
     @property
     def num_virtual(self) -> int:
         return self.pp * self.vpp

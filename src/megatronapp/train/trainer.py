@@ -1,21 +1,22 @@
-"""The training loop of one rank: build the stage, run pipeline steps, reduce, clip, step, log, checkpoint.
+"""The engine's training rank: build the stage, run pipeline steps, reduce, clip, step, checkpoint.
 
 `train(cfg)` launches `world_size` local ranks (or, under torchrun, runs as the current rank) and returns the
-run summary. This file imports no optional module: each rank attaches the plug-ins the config names by import
-path (`config.plugin_entries`: the MegaScan tracer for `--trace`, fault drills for `--inject`, MegaScope for
-`--scope-port`, then every `--attach`) and fires their lifecycle hooks (`train/plugins.py`). Module-provided
-schedules (`--schedule dpp`) come through the same resolver. With no plug-in, no module code runs.
+run summary. Each rank builds a `Trainer` and hands it to the run loop (`train/loop.py`: logging, evaluation,
+MFU, checkpoint timing, hooks, summary), which MegaFBD drives too. This file imports no optional module: each
+rank attaches the plug-ins the config names by import path (`config.plugin_entries`: the MegaScan tracer for
+`--trace`, fault drills for `--inject`, MegaScope for `--scope-port`, then every `--attach`) and the loop fires
+their lifecycle hooks (`train/plugins.py`). Module-provided schedules (`--schedule dpp`) come through the same
+resolver. With no plug-in, no module code runs.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import secrets
-import sys
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +28,17 @@ from megatronapp.config import FBD_TRAIN, RunConfig, micro_batch_size, plugin_en
 from megatronapp.data.dataset import build_batch_source, build_valid_source, split_microbatches
 from megatronapp.data.prefetch import Prefetcher
 from megatronapp.model.transformer import TransformerChunk, sync_sequence_parallel_grads
-from megatronapp.parallel import comm, device_emulation
+from megatronapp.parallel import comm, emulation
 from megatronapp.parallel import topology as topology_mod
 from megatronapp.parallel.data_parallel import GradReducer
-from megatronapp.parallel.distributed_optimizer import DistributedOptimizer, optimizer_state_bytes
+from megatronapp.parallel.distributed_optimizer import DistributedOptimizer
 from megatronapp.parallel.grad_norm import clip_grad_norm
 from megatronapp.partition import stage_chunks
 from megatronapp.pipeline.executor import PipelineExecutor
 from megatronapp.train import checkpoint as ckpt
-from megatronapp.train import plugins, reshard
+from megatronapp.train import loop, plugins, reshard
 from megatronapp.train.async_checkpoint import AsyncSaver
 from megatronapp.train.checkpoint_read import read_state
-from megatronapp.train.metrics import MetricsLog, Progress, mfu, mfu_denominator, peak_memory_bytes, read_metrics
 from megatronapp.train.optim import build_optimizer, lr_at, set_lr
 
 
@@ -95,6 +95,20 @@ def global_loss(losses: list[float] | list[torch.Tensor], topo: topology_mod.Top
     return float(t) / topo.dp
 
 
+def held_out_loss(iters: int, batch: Callable[[int], Any], forward: Callable[[Any], list[float]],
+                  topo: topology_mod.Topology, device: torch.device, autocast: AbstractContextManager) -> float:
+    """Mean loss of the held-out batches 0..iters-1 (`batch(i)`: this rank's microbatches), each through
+    `forward` (a forward-only pass of the whole pipeline) and averaged like a training loss (`global_loss`):
+    the same fixed batches at every call, so successive values are comparable. Every rank returns it."""
+    losses: list[float] = []
+    for i in range(iters):
+        with tracing.span("data", "data"):
+            mbs = batch(i)
+        with autocast, tracing.span("evaluate", "compute"):
+            losses.append(global_loss(forward(mbs), topo, device))
+    return sum(losses) / len(losses)
+
+
 def finish_step(chunks: list[torch.nn.Module], topo: topology_mod.Topology, optimizer: Any, reducer: GradReducer,
                 cfg: RunConfig, step: int, losses: list[float], device: torch.device,
                 before_update: Any = None) -> tuple[float, float, float]:
@@ -112,13 +126,16 @@ def finish_step(chunks: list[torch.nn.Module], topo: topology_mod.Topology, opti
     set_lr(optimizer, lr)
     if before_update is not None:
         before_update()
-    with tracing.span("optimizer", "optimizer"), device_emulation.optimizer_task():
+    with tracing.span("optimizer", "optimizer"), emulation.optimizer_task():
         optimizer.step()
     return global_loss(losses, topo, device), grad_norm, lr
 
 
 class Trainer:
-    """State of one rank's training run."""
+    """State of one rank's training run; the run loop's role (`train/loop.RankRole`) for the engine."""
+
+    role = "coupled"  # summary.json's `role` (MegaFBD's ranks are "backward" or "forward")
+    reports_loss = True  # every rank learns the step's loss (global_loss)
 
     def __init__(self, cfg: RunConfig, rank: int = 0):
         self.cfg = cfg
@@ -146,18 +163,15 @@ class Trainer:
         if not p.zero:
             self.reducer = GradReducer(self.chunks, self.topo.dp_group, p.grad_bucket_mb, overlap=p.dp_overlap)
         self.policy = make_policy(cfg)
-        self.emulated = None  # --emulate-device: this rank's modelled accelerator
-        if cfg.emulate_device:
-            c = self.topo.coord
-            self.emulated = device_emulation.install(cfg, self.rank, c.dp, c.pp, sum(q.numel() for q in self.params))
-        else:
-            device_emulation.deactivate()  # a previous run in this process must not leak into this one
+        # --emulate-device: this rank's modelled accelerator (does nothing when off)
+        self.emulation = emulation.Emulation(cfg, self.rank, self.topo.coord.dp, self.topo.coord.pp,
+                                             sum(q.numel() for q in self.params))
         self.executor = PipelineExecutor(self.chunks, self.topo, self.policy, microbatches=p.microbatches,
                                          act_shape=(self.mbs, seq, cfg.model.hidden_size), device=self.device,
                                          # bf16 runs send bf16 activations and gradients, as Megatron does
                                          act_dtype=torch.bfloat16 if t.dtype == "bf16" else torch.float32,
                                          max_inflight=p.dpp_max_inflight, grad_sync=self.reducer,
-                                         pp_overlap=p.pp_overlap, emulated=self.emulated)
+                                         pp_overlap=p.pp_overlap)
         self.step = 0
         self.hooks = plugins.Hooks()
         # overlap_copy: the snapshot is copied during the next step; train_step holds the barrier before the update
@@ -192,9 +206,7 @@ class Trainer:
             mbs = self._batch()
         data_s = time.perf_counter() - t0
         self.reducer.zero_grad()
-        if self.emulated is not None:
-            device_emulation.activate(self.emulated)  # the optimizer step finds it there
-            self.emulated.begin_step(self.step)
+        self.emulation.begin_step(self.step)  # this step's tasks and optimizer step run on this rank's device
         with self.autocast:
             result = self.executor.step(mbs, loss_scale=1.0 / cfg.parallel.microbatches)
         loss, grad_norm, lr = finish_step(self.chunks, topo, self.optimizer, self.reducer, cfg, self.step,
@@ -211,13 +223,8 @@ class Trainer:
         if self.valid is None:
             raise RuntimeError("evaluate() needs a held-out split: set train.eval_interval (--eval-interval)")
         iters = self.cfg.train.eval_iters if iters is None else iters
-        losses: list[float] = []
-        for i in range(iters):
-            with tracing.span("data", "data"):
-                mbs = self._batch(self.valid, i)
-            with self.autocast, tracing.span("evaluate", "compute"):
-                losses.append(global_loss(self.executor.forward_only(mbs), self.topo, self.device))
-        return sum(losses) / len(losses)
+        return held_out_loss(iters, lambda i: self._batch(self.valid, i), self.executor.forward_only, self.topo,
+                             self.device, self.autocast)
 
     # -- data -----------------------------------------------------------------------------------------------
     def _read(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,8 +276,7 @@ class Trainer:
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.prefetcher = None
-        if self.emulated is not None:
-            device_emulation.deactivate()
+        self.emulation.close()
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def save(self) -> Path:
@@ -342,127 +348,12 @@ def agree_attempt(topo: topology_mod.Topology, device: torch.device) -> str:
 
 
 def run_rank(rank: int, world: int, cfg_dict: dict[str, Any], result_path: str | None = None) -> dict[str, Any]:
-    """Entry point of one rank (spawned locally or started by torchrun)."""
+    """Entry point of one rank (spawned locally or started by torchrun): the run loop around a `Trainer`."""
     cfg = RunConfig.from_dict(cfg_dict)
     validate(cfg, world)
     comm.reset()
     startup.phase("model build")
-    tr = Trainer(cfg, rank)
-    t = cfg.train
-    lead = rank == 0
-    log = MetricsLog(tr.out / "metrics.jsonl") if lead else None
-    # Steps this run directory already logged (a run resumed after a failure repeats the steps since its
-    # checkpoint): their records are marked `replayed`, so a reader keeps one loss per step.
-    logged = _logged_steps(tr.out / "metrics.jsonl") if lead and tr.step < t.steps else 0
-    peak, peak_what, vendor_peak = mfu_denominator(t.peak_tflops, tr.device, t.dtype)
-    progress = Progress(t.steps, enabled=lead and t.progress, mfu_measured=not vendor_peak)
-    if lead and t.tensorboard:
-        from megatronapp.train.tensorboard import TensorBoardLog  # imported only with the flag: start-up time
-
-        tb = TensorBoardLog(t.tensorboard, resumed_at=tr.step)
-    else:
-        tb = None
-    flops_tok = cfg.model.flops_per_token(t.seq_len)
-    tokens_per_step = t.global_batch_size * t.seq_len
-    history: list[dict[str, float]] = []
-    start_step = tr.step
-    t_start = time.perf_counter()
-    failed = False
-    try:
-        tr.attach_plugins()  # inside the try: a plug-in that fails to attach still gets the others shut down
-        while tr.step < t.steps:
-            tr.hooks.fire("step_start", tr.step)
-            with tracing.step(tr.step):
-                rec = tr.train_step()
-            tps = tokens_per_step / rec["step_time"]
-            rec.update(step=tr.step, tokens_per_s=tps, mfu=mfu(tps, flops_tok, peak, world),
-                       mem_bytes=peak_memory_bytes(tr.device))
-            if t.eval_interval and (tr.step % t.eval_interval == 0 or tr.step == t.steps):
-                rec["val_loss"] = tr.evaluate()  # every rank: a forward-only pass of the whole pipeline
-            if tr.step <= logged:
-                rec["replayed"] = True
-            history.append(rec)
-            if lead:
-                log.log(rec)
-                if tb is not None:
-                    tb.log(rec)
-                if tr.step % t.log_interval == 0 or tr.step == t.steps:
-                    progress.update(tr.step, rec["loss"], tps, rec["mfu"], rec["mem_bytes"], rec["lr"])
-            tr.hooks.fire("step_end", tr.step, rec)
-            if t.save_interval and tr.step % t.save_interval == 0 and tr.step < t.steps:
-                tr.save()
-        ckpt_dir = tr.save()
-        tr.finish_saves()
-    except BaseException as e:
-        failed = True
-        tr.hooks.teardown("failure", e, raise_errors=False)  # the run's own error is what propagates
-        raise
-    finally:
-        tr.close()  # the data worker stops on a normal end and on a failure alike
-        tr.detach_plugins(raise_errors=not failed)
-        if log is not None:
-            log.close()
-        if tb is not None:
-            tb.close()
-    wall = time.perf_counter() - t_start
-    # the largest optimizer state of any rank (ZeRO-1 divides it by dp)
-    state_bytes = torch.tensor([float(optimizer_state_bytes(tr.optimizer))], dtype=torch.float64, device=tr.device)
-    comm.all_reduce(state_bytes, tr.topo.groups["world"], op="max")
-    steps_run = max(1, tr.step - start_step)
-    timed = history[1:] or history  # the first step includes warm-up
-    summary = {
-        "steps": tr.step, "first_loss": history[0]["loss"] if history else math.nan,
-        "final_loss": history[-1]["loss"] if history else math.nan,
-        "mean_step_time_s": sum(h["step_time"] for h in timed) / max(1, len(timed)),
-        "tokens_per_s": tokens_per_step * steps_run / wall,
-        "mfu": sum(h["mfu"] for h in timed) / max(1, len(timed)),
-        "peak_mem_bytes": max((h["mem_bytes"] for h in history), default=0),
-        "optimizer_state_bytes": int(state_bytes),
-        "checkpoint": str(ckpt_dir), "out": str(tr.out), "world_size": world,
-        "losses": [h["loss"] for h in history], "save_stall_s": tr.save_stalls, "mfu_denominator": peak_what,
-        "emulated": bool(cfg.emulate_device),
-    }
-    evals = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
-    if evals:
-        summary.update(val_loss=evals[-1][1], best_val_loss=min(v for _, v in evals),
-                       best_val_step=min(evals, key=lambda e: e[1])[0], val_losses=evals)
-    if cfg.emulate_device:  # every rank's host-vs-device record, summed into one table (a world collective)
-        summary["emulation"] = _emulation_record(tr, cfg.emulate_device, world, lead)
-    if lead:
-        hidden = ("losses", "save_stall_s", "mfu_denominator", "val_losses", "emulation")
-        shown = {k: v for k, v in summary.items() if k not in hidden}
-        if "emulation" in summary:
-            shown["host_share"] = summary["emulation"]["host_share"]
-        progress.close(shown)
-        (tr.out / "summary.json").write_text(json.dumps(summary, indent=2))
-        if evals:  # both curves, beside metrics.jsonl
-            from megatronapp.train.plot import loss_curve
-
-            summary["loss_plot"] = str(loss_curve(tr.out / "metrics.jsonl", tr.out / "loss.png"))
-        if result_path:
-            Path(result_path).write_text(json.dumps(summary))
-    return summary
-
-
-def _emulation_record(tr: Trainer, spec: str, world: int, lead: bool) -> dict[str, Any]:
-    """summary.json's `emulation` entry: each rank's host, CPU and device time per task kind; warns (lead rank)
-    when a rank left the accelerator regime."""
-    rows = torch.zeros((world, len(device_emulation.KINDS), len(device_emulation.FIELDS)), dtype=torch.float64,
-                       device=tr.device)
-    rows[tr.rank] = torch.tensor(tr.emulated.record() if tr.emulated is not None else 0.0, dtype=torch.float64)
-    comm.all_reduce(rows, tr.topo.groups["world"])
-    record = device_emulation.summarize(spec, rows.tolist())
-    warn = device_emulation.warning(record)
-    if lead and warn:
-        print(f"megatronapp: warning: {warn}", file=sys.stderr)
-    return record
-
-
-def _logged_steps(path: Path) -> int:
-    """The highest step number in an existing metrics file (0 if none)."""
-    if not path.is_file():
-        return 0
-    return max((int(r.get("step", 0)) for r in read_metrics(path)), default=0)
+    return loop.run(Trainer(cfg, rank), world, result_path)
 
 
 def train(cfg: RunConfig, threads: int | None = None) -> dict[str, Any]:
