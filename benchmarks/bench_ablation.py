@@ -164,7 +164,7 @@ def emulated_main(args: argparse.Namespace) -> None:
         harness.write_section(harness.DOCS, emu.SECTION, emu.docs_body(harness.read_result(emu.RESULTS)))
         print(f"re-rendered {harness.shown(harness.DOCS)} from {harness.shown(emu.RESULTS)}")
         return
-    if args.overlap:  # the quick rows (pp2 x dp2: none, DP, DP + PP overlap) with many repetitions, kept
+    if args.overlap and not args.quick:  # the quick rows (pp2 x dp2: none, DP, DP + PP) with many repetitions, kept
         result = emu.run(spec, quick=True, reps=args.reps or emu.OVERLAP_REPS)
         print(emu.table(result))
         print(json.dumps(emu.quick_line(result)))

@@ -34,13 +34,9 @@ Run: python -m benchmarks.bench_dpp_real           (writes benchmarks/results/dp
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import gc
-import json
-import os
-import platform
 import random
 import statistics
 import tempfile
@@ -51,17 +47,14 @@ from typing import Any
 
 import torch
 
-from benchmarks import stats
+from benchmarks import harness, stats
 from megatronapp.config import RunConfig
 from megatronapp.dpp.calibrate import StepTimings, TaskTiming, calibrate
 from megatronapp.dpp.policies import default_target
 from megatronapp.dpp.simulator import SimConfig, simulate
-from megatronapp.launch import spawn
 from megatronapp.pipeline.tasks import StageView
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "dpp_real.json"
-DOCS = ROOT / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("dpp_real")
 BLOCK = "intervals:bench_dpp_real"
 TARGET_SIM_ERROR = 0.15  # the issue's bar: simulator within 15% of the measured step
 
@@ -206,8 +199,6 @@ class LinkSpikes:
 
 def worker(rank: int, world: int, size: dict[str, Any], cases: dict[str, tuple], outdir: str) -> None:
     """Spawned entry: every schedule's Trainer, every case taking turns; each rank saves its records."""
-    import torch.distributed as dist
-
     from megatronapp import faults, tracing
     from megatronapp.parallel import comm
     from megatronapp.train.trainer import Trainer
@@ -233,7 +224,6 @@ def worker(rank: int, world: int, size: dict[str, Any], cases: dict[str, tuple],
     tracing.install(recorder)
     topo = trainers["interleaved-1f1b"].topo
     out: dict[str, Any] = {"stage": topo.coord.pp, "cases": {}}
-    n = len(SCHEDULES)
     try:
         for case, (specs, spike_links, p, ms) in cases.items():
             injector = faults.install(specs, topo) if specs else None
@@ -246,14 +236,10 @@ def worker(rank: int, world: int, size: dict[str, Any], cases: dict[str, tuple],
             for rep in range(warmup + size["steps"]):
                 if spikes is not None:
                     spikes.rep = rep
-                for sched in SCHEDULES[rep % n:] + SCHEDULES[:rep % n]:  # each goes first as often as the others
-                    dist.barrier()
+                for sched in harness.rotation(list(SCHEDULES), rep):  # each goes first as often as the others
                     recorder.take()
                     windows.clear()
-                    t0 = time.perf_counter()
-                    rec = trainers[sched].train_step()
-                    dist.barrier()
-                    wall = time.perf_counter() - t0
+                    wall, rec = harness.fenced(trainers[sched].train_step)
                     if rep >= warmup:
                         recs[sched].append({"wall": wall, "step_time": rec["step_time"], "wait_s": rec["wait_s"],
                                             "executor_s": windows[0], "peak_inflight": rec["peak_inflight"],
@@ -266,7 +252,7 @@ def worker(rank: int, world: int, size: dict[str, Any], cases: dict[str, tuple],
             gc.collect()
     finally:
         tracing.uninstall(recorder)
-    (Path(outdir) / f"rank{rank}.json").write_text(json.dumps(out))
+    harness.report(outdir, rank, out)
 
 
 def step_timings(per_rank: list[dict], case: str, sched: str, i: int, size: dict[str, Any]) -> StepTimings:
@@ -390,12 +376,10 @@ def run(quick: bool = False, steps: int | None = None, blocks: int = 1) -> dict[
     size, cases = (dict(QUICK), QUICK_CASES) if quick else (dict(FULL), FULL_CASES)
     if steps is not None:
         size["steps"] = steps
-    t0 = time.perf_counter()
+    clock = harness.Clock()
     runs = []
     for _ in range(blocks):
-        with tempfile.TemporaryDirectory() as tmp:
-            spawn(worker, size["pp"], size, cases, tmp)
-            per_rank = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(size["pp"])]
+        per_rank = harness.launch(worker, size["pp"], size, cases)
         runs.append([summarise(per_rank, c, size, cases[c][0]) for c in cases])
     rows = runs[0] if blocks == 1 else _pool_blocks(runs)
     for row in rows:
@@ -404,10 +388,8 @@ def run(quick: bool = False, steps: int | None = None, blocks: int = 1) -> dict[
     return {
         "benchmark": "MegaDPP on real ranks: dpp-zb and dpp-adaptive vs interleaved 1F1B and ZB-H1, simulator "
                      "calibrated and checked",
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": round(time.perf_counter() - t0, 1),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg(),
-                    "python": platform.python_version(), "torch": torch.__version__, "threads_per_rank": 1,
-                    "backend": "gloo"},
+        "timestamp": clock.timestamp, "wall_s": clock.wall_s(),
+        "machine": harness.machine(clock, threads_per_rank=1, backend="gloo"),
         "config": {"size": size, "dpp_max_inflight": dpp_cap(size), "params": cfg.model.num_params(),
                    "message_bytes": act_bytes(size), "wire_gbps": wire_gbps(size),
                    "cases": {c: {"inject": v[0], "spike_links": v[1], "spike_p": v[2], "spike_ms": v[3]}
@@ -444,31 +426,21 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model on 2 ranks, 1 measured step; writes nothing")
+    ap = harness.parser(__doc__, "tiny model on 2 ranks, 1 measured step; writes nothing", from_json=True, blocks=1)
     ap.add_argument("--steps", type=int, default=None, help="measured steps per schedule (after warm-up)")
-    ap.add_argument("--blocks", type=int, default=1, help="independent launches of fresh rank processes, pooled")
-    ap.add_argument("--from-json", action="store_true", help="re-render the docs intervals from the stored result")
     args = ap.parse_args(argv)
     if args.from_json:
-        stored = json.loads(RESULTS.read_text())
+        stored = harness.read_result(RESULTS)
         for row in stored["cases"]:
             row["intervals"] = intervals(row)
-        RESULTS.write_text(json.dumps(stored, indent=1) + "\n")
-        stats.write_block(DOCS, BLOCK, docs_block(stored))
+        harness.save(stored, RESULTS, docs_block(stored), block=BLOCK)
         print(docs_block(stored))
         return
-    if args.blocks < 1:
-        raise SystemExit("--blocks must be >= 1")
     result = run(quick=args.quick, steps=args.steps, blocks=args.blocks)
     print(table(result))
     print(f"wall {result['wall_s']} s, load average at end {result['machine']['load_avg_at_end']}")
-    if args.quick:
-        return
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    stats.write_block(DOCS, BLOCK, docs_block(result))
-    print(f"wrote {RESULTS.relative_to(ROOT)} and the interval block of {DOCS.relative_to(ROOT)}")
+    if not args.quick:
+        harness.save(result, RESULTS, docs_block(result), block=BLOCK)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,22 @@ def fenced(step: Callable[[], T]) -> tuple[float, T]:
     return time.perf_counter() - t0, out
 
 
+def fenced_cpu(step: Callable[[], T]) -> tuple[float, float, T]:
+    """`fenced`, plus the CPU seconds (every thread) all ranks spent in `step`, summed over ranks after the fence.
+    CPU time is the work done; unlike wall time it hardly grows when other jobs take the cores."""
+    import torch
+    import torch.distributed as dist
+
+    def timed() -> tuple[T, torch.Tensor]:
+        c0 = time.process_time()
+        out = step()
+        return out, torch.tensor([time.process_time() - c0], dtype=torch.float64)
+
+    wall, (out, cpu) = fenced(timed)
+    dist.all_reduce(cpu)  # outside the timed span
+    return wall, float(cpu), out
+
+
 def rotation(items: list[T], rep: int) -> list[T]:
     """`items` rotated by `rep`: sides that take turns, each first as often as the others, so machine noise and
     a neighbour's after-effects fall on all alike."""
@@ -93,8 +109,9 @@ def machine(since: Clock | None = None, *, emulated: bool = False, host_share: f
             **extra: Any) -> dict[str, Any]:
     """Where and under what load a benchmark ran, one key set for all: platform, processor, cpus, python, torch,
     the load average (1, 5, 15 min) at the start (with `since`) and now, whether the devices were emulated and the
-    worst host share (host time over device time: above 0.5 the host, not the device, set the pace); `extra`
-    adds what a benchmark's setting needs (ranks, threads per rank, backend)."""
+    run's host share (host time over device time, as the benchmark states it: its worst rank, or its median step;
+    above 0.5 the host, not the device, set the pace); `extra` adds what a benchmark's setting needs (ranks,
+    threads per rank, backend)."""
     import torch
 
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
