@@ -161,8 +161,7 @@ def emulated_main(args: argparse.Namespace) -> None:
     """--emulated / --emulate-device: the rows on emulated devices; --quick prints one JSON line last."""
     spec = args.emulate_device or emu.SPEC
     if args.from_json:
-        harness.write_section(harness.DOCS, emu.SECTION, emu.docs_body(harness.read_result(emu.RESULTS)))
-        print(f"re-rendered {harness.shown(harness.DOCS)} from {harness.shown(emu.RESULTS)}")
+        harness.rerender(emu.RESULTS, emu.docs_body, section=emu.SECTION)
         return
     if args.overlap and not args.quick:  # the quick rows (pp2 x dp2: none, DP, DP + PP) with many repetitions, kept
         result = emu.run(spec, quick=True, reps=args.reps or emu.OVERLAP_REPS)
@@ -206,8 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         emulated_main(args)
         return
     if args.from_json:
-        harness.write_section(harness.DOCS, SECTION, docs_body(harness.read_result(RESULTS)))
-        print(f"re-rendered {harness.shown(harness.DOCS)} from {harness.shown(RESULTS)}")
+        harness.rerender(RESULTS, docs_body, section=SECTION)
         return
     result = run(quick=args.quick, reps=args.reps)
     print(table(result))

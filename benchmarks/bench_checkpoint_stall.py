@@ -388,7 +388,7 @@ def emulated_main(args: argparse.Namespace) -> None:
     from benchmarks.checkpoint_stall_emulated import table as emu_table
 
     if args.from_json:
-        harness.write_block(harness.DOCS, EMU_BLOCK, emu_docs(harness.read_result(EMU_RESULTS)))
+        harness.rerender(EMU_RESULTS, emu_docs, block=EMU_BLOCK)
         return
     torch.set_num_threads(os.cpu_count() or 1)
     size = QUICK if args.quick else _size(args, EMU_FULL)
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
         emulated_main(args)
         return
     if args.from_json:
-        harness.write_block(harness.DOCS, BLOCK, docs_body(harness.read_result(RESULTS)))
+        harness.rerender(RESULTS, docs_body, block=BLOCK)
         return
     torch.set_num_threads(os.cpu_count() or 1)
     size = QUICK if args.quick else _size(args, FULL)

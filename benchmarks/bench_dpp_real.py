@@ -344,6 +344,11 @@ def intervals(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _with_intervals(result: dict[str, Any]) -> None:
+    for row in result["cases"]:
+        row["intervals"] = intervals(row)
+
+
 def docs_block(result: dict[str, Any]) -> str:
     """The interval table of docs/benchmarks.md: every case x the four paired ratios."""
     order = (PAIRS[1], PAIRS[2], PAIRS[3], PAIRS[0])
@@ -430,10 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=None, help="measured steps per schedule (after warm-up)")
     args = ap.parse_args(argv)
     if args.from_json:
-        stored = harness.read_result(RESULTS)
-        for row in stored["cases"]:
-            row["intervals"] = intervals(row)
-        harness.save(stored, RESULTS, docs_block(stored), block=BLOCK)
+        stored = harness.rerender(RESULTS, docs_block, block=BLOCK, refresh=_with_intervals)
         print(docs_block(stored))
         return
     result = run(quick=args.quick, steps=args.steps, blocks=args.blocks)

@@ -159,9 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     if args.from_json:
-        result = harness.read_result(args.out)
-        result["intervals"] = intervals(result)
-        harness.save(result, args.out, docs_block(result), block=BLOCK)
+        result = harness.rerender(args.out, docs_block, block=BLOCK,
+                                  refresh=lambda r: r.update(intervals=intervals(r)))
         print(stats.interval_table(result["intervals"]))
         return 0
     if args.quick:

@@ -182,6 +182,11 @@ def ratio_intervals(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _with_intervals(result: dict[str, Any]) -> None:
+    for r in result["cases"]:
+        r["intervals"] = ratio_intervals(r)
+
+
 def _pool(recs: list[dict[str, Any]]) -> dict[str, Any]:
     """One record of several launches: times and CPU concatenated, losses and buffers of the first launch."""
     if len(recs) == 1:
@@ -248,11 +253,10 @@ def _buffers(b: dict[str, int] | None) -> str:
     return "-" if not b or not b["before"] else f"{b['before']} -> {b['after']}"
 
 
-def docs_section(result: dict[str, Any]) -> str:
-    """The Markdown section of docs/benchmarks.md for this benchmark."""
+def docs_body(result: dict[str, Any]) -> str:
+    """This benchmark's section of docs/benchmarks.md, below its title."""
     s, m = result["config"]["size"], result["machine"]
     return "\n".join([
-        SECTION, "",
         ("`python -m benchmarks.bench_engine` trains the same untied GPT-2 "
         f"(hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads, seq {s['seq']}, global batch "
         f"{s['global_batch']}, {s['microbatches']} microbatches per replica, AdamW, global-norm clipping 1.0) with "
@@ -272,13 +276,12 @@ def docs_section(result: dict[str, Any]) -> str:
          "ranks, which oversubscribes 2 cores; `--quick` is the smoke run."), "",
         (f"Recorded {result['timestamp']} on {m['cpus']} CPUs ({m['processor']}), torch {m['torch']}; load average "
         f"at the end {tuple(round(x, 2) for x in m['load_avg_at_end'])}. Raw times: `benchmarks/results/engine.json`."),
-        "",
     ])
 
 
 def write_docs(result: dict[str, Any], path: Path = harness.DOCS) -> None:
     """Replace (or append) this benchmark's section of docs/benchmarks.md, leaving other sections alone."""
-    harness.replace_section(path, docs_section(result))
+    harness.write_section(path, SECTION, docs_body(result))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -288,11 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=None, help="measured steps per side (after warm-up)")
     args = ap.parse_args(argv)
     if args.from_json:
-        stored = harness.read_result(RESULTS)
-        for r in stored["cases"]:
-            r["intervals"] = ratio_intervals(r)
-        harness.write_result(stored, RESULTS)
-        write_docs(stored)
+        stored = harness.rerender(RESULTS, docs_body, section=SECTION, refresh=_with_intervals)
         print(table(stored))
         return
     result = run(quick=args.quick, pp4=args.pp4, profile=args.profile, steps=args.steps, blocks=args.blocks)
@@ -307,9 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if any(not math.isfinite(r["ratio"]) for r in result["cases"]):
         raise SystemExit("a case produced no valid timing; nothing written")
-    harness.write_result(result, RESULTS)
-    write_docs(result)
-    print(f"wrote {harness.shown(RESULTS)} and {harness.shown(harness.DOCS)}")
+    harness.save(result, RESULTS, docs_body(result), section=SECTION)
 
 
 if __name__ == "__main__":

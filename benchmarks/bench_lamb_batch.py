@@ -203,9 +203,9 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def docs_section(result: dict[str, Any], verdict: str) -> str:
+def docs_body(result: dict[str, Any], verdict: str) -> str:
+    """This benchmark's section of docs/benchmarks.md, below its title."""
     return "\n".join([
-        SECTION, "",
         "`python -m benchmarks.bench_lamb_batch`; raw: `benchmarks/results/lamb_batch.json`. The embedded default "
         f"model (gpt2-tiny) trained in one process by the engine's Trainer for {result['tokens']:,} tokens (40% of a "
         f"pass over the embedded corpus, sequences of {result['seq_len']}): AdamW at batch {result['batch']['adamw']}, "
@@ -221,7 +221,7 @@ def docs_section(result: dict[str, Any], verdict: str) -> str:
         "two runs at a time on 2 cores shared with other jobs.", "",
         table(result), "",
         "![AdamW at B vs LAMB at 4B](img/lamb_batch.png)", "",
-        verdict + edges(result), ""])
+        verdict + edges(result)])
 
 
 def edges(result: dict[str, Any]) -> str:
@@ -238,7 +238,7 @@ def edges(result: dict[str, Any]) -> str:
 
 def write_docs(result: dict[str, Any], verdict: str, path: Path = harness.DOCS) -> None:
     """Replace (or append) this benchmark's section of docs/benchmarks.md, leaving other sections alone."""
-    harness.replace_section(path, docs_section(result, verdict))
+    harness.write_section(path, SECTION, docs_body(result, verdict))
 
 
 def verdict_of(result: dict[str, Any]) -> str:
@@ -290,10 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     print(verdict)
     if args.quick:
         return
-    harness.write_result(result, RESULTS)
-    plot(result)
-    write_docs(result, verdict)
-    print(f"wrote {harness.shown(RESULTS)}, {harness.shown(PNG)} and {harness.shown(harness.DOCS)}")
+    print(f"wrote {harness.shown(plot(result))}")
+    harness.save(result, RESULTS, docs_body(result, verdict), section=SECTION)
 
 
 if __name__ == "__main__":

@@ -153,9 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.family == "large":
         return scan_large_family.run(matches, quick=args.quick)
     if args.from_json:
-        res = harness.read_result(RESULTS)
-        res["intervals"] = intervals(res)
-        harness.save(res, RESULTS, docs_block(res), block=BLOCK)
+        res = harness.rerender(RESULTS, docs_block, block=BLOCK, refresh=lambda r: r.update(intervals=intervals(r)))
         print(stats.interval_table(res["intervals"]))
         return res
     rows, tp, fp, fn, healthy_alarms, ref_tp, ref_fp, ref_fn = [], 0, 0, 0, 0, 0, 0, 0

@@ -114,9 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=12, help="measured steps per mode")
     args = ap.parse_args(argv)
     if args.from_json:
-        stored = harness.read_result(RESULTS)
-        stored["intervals"] = intervals(stored)
-        harness.save(stored, RESULTS, docs_block(stored), block=BLOCK)
+        stored = harness.rerender(RESULTS, docs_block, block=BLOCK, refresh=lambda r: r.update(intervals=intervals(r)))
         print(stats.interval_table(stored["intervals"]))
         return
     clock = harness.Clock()

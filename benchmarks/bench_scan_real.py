@@ -300,11 +300,8 @@ def main(argv: list[str] | None = None) -> dict:
         print("RESULT " + json.dumps(one_run(args.one, args.steps, Path(args.out))))
         return {}
     if args.from_json:
-        res = harness.read_result(RESULTS)
-        res["summary"] = summarise(res["rows"])
-        res["pooled"] = pooled(res["rows"])
-        harness.save(res, RESULTS, docs_body(res), section=TITLE)
-        return res
+        return harness.rerender(RESULTS, docs_body, section=TITLE,
+                                refresh=lambda r: r.update(summary=summarise(r["rows"]), pooled=pooled(r["rows"])))
     names = [n for n in SCENARIOS if not args.only or n in args.only.split(",")]
     if args.quick:
         names, args.repeats, args.steps = list(QUICK), 1, 4

@@ -367,9 +367,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(one(args.child, args.dir, args.healthy, args.merge)))
         return
     if args.from_json:
-        stored = harness.read_result(RESULTS)
-        stored["intervals"] = intervals(stored)
-        harness.save(stored, RESULTS, docs_block(stored), block=BLOCK)
+        stored = harness.rerender(RESULTS, docs_block, block=BLOCK, refresh=lambda r: r.update(intervals=intervals(r)))
         print(stats.interval_table(stored["intervals"], digits=1))
         return
     if args.quick:

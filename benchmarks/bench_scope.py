@@ -97,9 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     if args.from_json:
-        stored = harness.read_result(args.out)
-        harness.write_block(harness.DOCS, BLOCK, docs_block(stored))
-        print(docs_block(stored))
+        print(docs_block(harness.rerender(args.out, docs_block, block=BLOCK)))
         return 0
     if args.quick:
         args.tokens, args.repeats = 8, 1

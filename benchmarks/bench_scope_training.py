@@ -89,9 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=default_every, help="MegaScope's sampling interval (steps)")
     args = ap.parse_args(argv)
     if args.from_json:
-        stored = harness.read_result(RESULTS)
-        stored["intervals"] = intervals(stored)
-        harness.save(stored, RESULTS, docs_block(stored), block=BLOCK)
+        stored = harness.rerender(RESULTS, docs_block, block=BLOCK, refresh=lambda r: r.update(intervals=intervals(r)))
         print(stats.interval_table(stored["intervals"]))
         return 0
     torch.set_num_threads(1)

@@ -285,10 +285,10 @@ def projection_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def docs_section(result: dict[str, Any]) -> str:
+def docs_body(result: dict[str, Any]) -> str:
+    """This benchmark's section of docs/benchmarks.md, below its title."""
     st, m = result["store"], harness.machine_of(result)
     return "\n".join([
-        SECTION, "",
         "`python -m benchmarks.bench_startup`; model: `megatronapp.parallel.startup_model`; raw: "
         "`benchmarks/results/startup_sim.json`. Every rank hands `init_process_group` a counting proxy around the "
         "job's TCPStore; the engine's `topology.build` (ordered: local synchronisation, members only) and the naive "
@@ -312,7 +312,7 @@ def docs_section(result: dict[str, Any]) -> str:
         "Modelled at scale with the measured latency and service time (tp 8, pp 8, the rest data parallel; the "
         "engine's groups: tp, pp, dp, tied embedding, four pipeline channels):", "",
         projection_table(result), "",
-        summary(result), ""])
+        summary(result)])
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -340,7 +340,7 @@ def _load(result: dict[str, Any]) -> float:
 
 def write_docs(result: dict[str, Any], path: Path = harness.DOCS) -> None:
     """Replace (or append) this benchmark's section of docs/benchmarks.md, leaving other sections alone."""
-    harness.replace_section(path, docs_section(result))
+    harness.write_section(path, SECTION, docs_body(result))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -354,9 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("measured store-op counts differ from the model; nothing written")
     if args.quick:
         return
-    harness.write_result(result, RESULTS)
-    write_docs(result)
-    print(f"wrote {harness.shown(RESULTS)} and {harness.shown(harness.DOCS)}")
+    harness.save(result, RESULTS, docs_body(result), section=SECTION)
 
 
 if __name__ == "__main__":

@@ -128,11 +128,10 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def docs_section(result: dict[str, Any]) -> str:
-    """The Markdown section of docs/benchmarks.md for this benchmark."""
+def docs_body(result: dict[str, Any]) -> str:
+    """This benchmark's section of docs/benchmarks.md, below its title."""
     s, m = result["shape"], result["machine"]
     return "\n".join([
-        SECTION, "",
         ("`python -m benchmarks.bench_startup_memory` builds one rank's whole-model chunk of a Llama-3.2-1B shape "
          f"(hidden {s['hidden_size']}, {s['num_layers']} layers, {s['num_heads']} heads / {s['num_kv_heads']} kv "
          f"heads, SwiGLU {s['ffn_hidden_size']}, vocabulary {s['vocab_size']}, tied; "
@@ -153,13 +152,12 @@ def docs_section(result: dict[str, Any]) -> str:
         (f"Recorded {result['timestamp']} on {m['cpus']} CPUs ({m['processor']}), torch {m['torch']}. "
          "Raw: `benchmarks/results/startup_memory.json`. `tests/test_init_sharded.py` asserts the behaviour (no "
          "tensor larger than a block, peak within the shard plus a few blocks) on a smaller model."),
-        "",
     ])
 
 
 def write_docs(result: dict[str, Any], path: Path = harness.DOCS) -> None:
     """Replace (or append) this benchmark's section of docs/benchmarks.md, leaving other sections alone."""
-    harness.replace_section(path, docs_section(result))
+    harness.write_section(path, SECTION, docs_body(result))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -175,9 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("the sharded initialisation changed the weights; nothing written")
     if args.quick:
         return
-    harness.write_result(result, RESULTS)
-    write_docs(result)
-    print(f"wrote {harness.shown(RESULTS)} and {harness.shown(harness.DOCS)}")
+    harness.save(result, RESULTS, docs_body(result), section=SECTION)
 
 
 if __name__ == "__main__":

@@ -168,6 +168,23 @@ def shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+def rerender(path: Path, body: Callable[[dict[str, Any]], str], *,
+             refresh: Callable[[dict[str, Any]], Any] | None = None, section: str | None = None,
+             block: str | None = None, docs: Path = DOCS) -> dict[str, Any]:
+    """`--from-json`: the stored result at `path` with its docs part rendered again by `body`, measuring nothing;
+    `refresh` first recomputes its derived fields (intervals) in place, and the result is written back."""
+    result = read_result(path)
+    if refresh is not None:
+        refresh(result)
+        write_result(result, path)
+    if section is not None:
+        write_section(docs, section, body(result))
+    if block is not None:
+        write_block(docs, block, body(result))
+    print(f"re-rendered {shown(docs)} from {shown(path)}")
+    return result
+
+
 def write_block(path: Path, tag: str, body: str) -> None:
     """Replace the text between `<!-- tag -->` and `<!-- /tag -->` in a Markdown file (the markers stay).
 
