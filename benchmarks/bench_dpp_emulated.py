@@ -31,16 +31,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, stats
-from benchmarks.bench_dpp_real import link_model
+from benchmarks.dpp_runs import dpp_cap, link_model, time_executor, wire_gbps
 from megatronapp.config import RunConfig
-from megatronapp.dpp.policies import default_target
 from megatronapp.parallel import device_emulation as emu
-from megatronapp.pipeline.tasks import StageView
 
 RESULTS = harness.results_path("dpp_emulated")
 BLOCK = "intervals:bench_dpp_emulated"
@@ -67,11 +64,6 @@ SIZES = {"pp4": {"pp": 4, "vpp": 2, "layers": 8, "microbatches": 16},
 QUICK = {"pp2": {"pp": 2, "vpp": 2, "layers": 4, "microbatches": 4}}
 MODEL = {"family": "gpt2", "vocab_size": 256, "hidden_size": 128, "num_heads": 4, "max_seq_len": 128}  # gpt2-tiny
 SEQ = 64
-
-
-def dpp_cap(size: dict[str, int]) -> int:
-    """Interleaved 1F1B's peak activations (stage 0): the dynamic policies get the same memory."""
-    return default_target(StageView(stage=0, pp=size["pp"], vpp=size["vpp"], microbatches=size["microbatches"]))
 
 
 def base_config(schedule: str, size: dict[str, int]) -> dict[str, Any]:
@@ -106,8 +98,10 @@ def run_config(schedule: str, size: dict[str, int], scenario: str) -> dict[str, 
 
 
 def wire_size(size: dict[str, int]) -> dict[str, Any]:
-    """bench_dpp_real's link model inputs: a modelled activation takes WIRE_FRACTION of a chunk's forward."""
-    return {"pp": size["pp"], "wire_ms": WIRE_FRACTION * forward_s(size) * 1e3}
+    """The link model's inputs (dpp_runs): a modelled activation (one sample of SEQ tokens) takes WIRE_FRACTION of
+    a chunk's forward."""
+    return {"pp": size["pp"], "wire_ms": WIRE_FRACTION * forward_s(size) * 1e3, "seq": SEQ,
+            "hidden": MODEL["hidden_size"]}
 
 
 def worker(rank: int, world: int, size: dict[str, int], scenarios: list[str], reps: int, warmup: int,
@@ -117,23 +111,15 @@ def worker(rank: int, world: int, size: dict[str, int], scenarios: list[str], re
     from megatronapp.parallel import comm
     from megatronapp.train.trainer import Trainer
 
-    act_bytes = SEQ * MODEL["hidden_size"] * 4 + 16
-    faults.WIRE_GBPS = act_bytes / (wire_size(size)["wire_ms"] / 1e3) / 1e9
+    faults.WIRE_GBPS = wire_gbps(wire_size(size))
     out: dict[str, Any] = {}
     for scenario in scenarios:
         comm.reset()
         trainers = {s: Trainer(RunConfig.from_dict(copy.deepcopy(run_config(s, size, scenario))), rank)
                     for s in SCHEDULES}
         first = trainers[SCHEDULES[0]]
-        windows: list[float] = []
-        for tr in trainers.values():  # the executor's own window: the pipeline part of the step
-            def timed(*a: Any, _inner: Any = tr.executor.step, _out: list = windows, **k: Any) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return _inner(*a, **k)
-                finally:
-                    _out.append(time.perf_counter() - t0)
-            tr.executor.step = timed
+        windows: list[float] = []  # the executor's own window: the pipeline part of the step
+        time_executor(trainers.values(), windows)
         injector = faults.install(SCENARIOS[scenario][1], first.topo) if SCENARIOS[scenario][1] else None
         recs: dict[str, list] = {s: [] for s in SCHEDULES}
         for rep in range(warmup + reps):

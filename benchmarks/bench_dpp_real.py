@@ -48,11 +48,10 @@ from typing import Any
 import torch
 
 from benchmarks import harness, stats
+from benchmarks.dpp_runs import act_bytes, dpp_cap, link_model, time_executor, wire_gbps
 from megatronapp.config import RunConfig
 from megatronapp.dpp.calibrate import StepTimings, TaskTiming, calibrate
-from megatronapp.dpp.policies import default_target
 from megatronapp.dpp.simulator import SimConfig, simulate
-from megatronapp.pipeline.tasks import StageView
 
 RESULTS = harness.results_path("dpp_real")
 BLOCK = "intervals:bench_dpp_real"
@@ -88,21 +87,6 @@ def pair_name(a: str, b: str) -> str:
     return f"{a}/{b}"
 
 
-def dpp_cap(size: dict[str, int]) -> int:
-    """Interleaved 1F1B's peak activations (stage 0): the dynamic policies get the same memory."""
-    return default_target(StageView(stage=0, pp=size["pp"], vpp=size["vpp"], microbatches=size["microbatches"]))
-
-
-def act_bytes(size: dict[str, Any]) -> int:
-    """Bytes of one pipeline message: a microbatch of one sample's activation (fp32) and the 16-byte header."""
-    return size["seq"] * size["hidden"] * 4 + 16
-
-
-def wire_gbps(size: dict[str, Any]) -> float:
-    """The modelled wire speed at which one activation takes `wire_ms`."""
-    return act_bytes(size) / (size["wire_ms"] / 1e3) / 1e9
-
-
 def run_config(schedule: str, size: dict[str, int]) -> dict[str, Any]:
     """The run config of one schedule: a small untied GPT-2, one sample per microbatch (ZB-H1: one chunk a stage)."""
     parallel = {"tp": 1, "pp": size["pp"], "dp": 1, "vpp": 1 if schedule == "zb-h1" else size["vpp"],
@@ -117,28 +101,6 @@ def run_config(schedule: str, size: dict[str, int]) -> dict[str, Any]:
                   "warmup_steps": 0, "grad_clip": 1.0, "seed": 5, "progress": False, "peak_tflops": 1.0,
                   "out": str(Path(tempfile.gettempdir()) / "megatronapp-bench-dpp-real")},
     }
-
-
-def link_model(specs: list[str], size: dict[str, Any]) -> dict[str, Any]:
-    """The injected wire faults as SimConfig fields: per-link late delivery (entry s: stages s and s+1) and link
-    jitter; {} when the case has none. Ranks are stages here (tp = dp = 1)."""
-    from megatronapp import faults
-
-    pp, nominal = size["pp"], size["wire_ms"] / 1e3
-    extra, sigma = [0.0] * pp, None
-    for f in map(faults.parse, specs):
-        if f.kind not in ("slow-wire", "jitter"):
-            continue
-        a, b = f.ranks
-        link = a if b == (a + 1) % pp else b
-        if f.kind == "slow-wire":
-            extra[link] += (f.factor - 1.0) * nominal
-        else:
-            extra[link] += nominal
-            sigma = f.sigma  # the simulator has one link-jitter law: these cases jitter every link alike
-    if not any(extra):
-        return {}
-    return {"link_latency": extra, "latency": 0.0, "link_jitter": f"lognormal:{sigma}" if sigma else "none"}
 
 
 KIND = {"forward": "F", "backward": "B", "weight_grad": "W"}  # the executor's compute spans
@@ -209,17 +171,8 @@ def worker(rank: int, world: int, size: dict[str, Any], cases: dict[str, tuple],
     for sched in SCHEDULES:
         torch.manual_seed(5)
         trainers[sched] = Trainer(RunConfig.from_dict(copy.deepcopy(run_config(sched, size))), rank)
-    windows: list[float] = []
-    for tr in trainers.values():  # the executor's own window, for the per-task overhead
-        inner = tr.executor.step
-
-        def timed_step(*a: Any, _inner: Any = inner, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return _inner(*a, **k)
-            finally:
-                windows.append(time.perf_counter() - t0)
-        tr.executor.step = timed_step
+    windows: list[float] = []  # the executor's own window, for the per-task overhead
+    time_executor(trainers.values(), windows)
     recorder = TaskRecorder()
     tracing.install(recorder)
     topo = trainers["interleaved-1f1b"].topo
