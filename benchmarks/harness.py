@@ -152,14 +152,19 @@ def write_result(result: dict[str, Any], path: Path) -> None:
 
 def save(result: dict[str, Any], path: Path, body: str, *, section: str | None = None, block: str | None = None,
          docs: Path = DOCS) -> None:
-    """Write a result and its part of the docs: the section titled `section` ('## ...'), or the generated
-    block `<!-- block -->` inside a hand-written section."""
+    """Write a result and its part of the docs (see `write_docs`)."""
     write_result(result, path)
+    write_docs(body, section=section, block=block, docs=docs)
+    print(f"wrote {shown(path)} and {shown(docs)}")
+
+
+def write_docs(body: str, *, section: str | None = None, block: str | None = None, docs: Path = DOCS) -> None:
+    """`body` as the docs' section titled `section` ('## ...'), or as the generated block `<!-- block -->` inside
+    a hand-written section."""
     if section is not None:
         write_section(docs, section, body)
     if block is not None:
         write_block(docs, block, body)
-    print(f"wrote {shown(path)} and {shown(docs)}")
 
 
 def shown(path: Path) -> str:
@@ -177,10 +182,7 @@ def rerender(path: Path, body: Callable[[dict[str, Any]], str], *,
     if refresh is not None:
         refresh(result)
         write_result(result, path)
-    if section is not None:
-        write_section(docs, section, body(result))
-    if block is not None:
-        write_block(docs, block, body(result))
+    write_docs(body(result), section=section, block=block, docs=docs)
     print(f"re-rendered {shown(docs)} from {shown(path)}")
     return result
 
