@@ -42,17 +42,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     clock = harness.Clock()
     plain = _run(args.hang_timeout, ["--no-diagnose-on-restart"])
-    runs = [("restart at once", plain)]
-    if not args.quick:
-        diagnosed = _run(args.hang_timeout, [])
-        runs.append(("diagnose first", diagnosed))
-    for what, r in runs:
+    diagnosed = None if args.quick else _run(args.hang_timeout, [])
+    for what, r in (("restart at once", plain), ("diagnose first", diagnosed)):
+        if r is None:
+            continue
         print(f"{what}: hang detected {r['detected_after_s']:.1f} s after it began (timeout {args.hang_timeout:g} s), "
               f"rank {r['named_rank']} named; training again {r['recovery_s']:.1f} s after detection (diagnostics "
               f"{r['diagnose_s']:.1f} s); job {r['job_wall_s']:.0f} s")
     machine = harness.machine(clock)
     print(f"load {machine['load_avg_at_end'][0]:.1f}")
-    if args.quick:
+    if diagnosed is None:
         return
     result = {"hang_timeout_s": args.hang_timeout, **plain,
               # what diagnosing costs is its own run time; the difference of the two recoveries is also kept, but
