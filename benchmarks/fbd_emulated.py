@@ -12,7 +12,8 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.bench_fbd import EMU_FORWARD_S, config, measure
+from benchmarks import harness
+from benchmarks.fbd_runs import EMU_FORWARD_S, config, measure, step_time
 from megatronapp.config import RunConfig
 from megatronapp.dpp import emulated as dpp_emulated
 from megatronapp.fbd import simulate as fbd_sim
@@ -55,19 +56,13 @@ def run_dict(kind: str, steps: int, tflops: float, k: float = 1.0, n: int = 1) -
     return d
 
 
-def _step_time(ranks: list[dict]) -> float:
-    per_step = list(zip(*[r["step_times"] for r in ranks]))
-    return statistics.median(max(s) for s in per_step[1:] or per_step)
-
-
 def _host_share(ranks: list[dict]) -> float:
     return emu.summarize("tflops=1", [r["emulation"] for r in ranks if r["emulation"]])["host_share"]
 
 
 def emulated_runs(steps: int = 5) -> dict[str, Any]:
     """Coupled, coupled --recompute full, and MegaFBD for k in FACTORS with 1 and the balanced instances."""
-    t0 = time.perf_counter()
-    load_at_start = os.getloadavg()
+    clock = harness.Clock()
     tflops = _tflops()
     t_fwd, t_bwd = costs(tflops)
     out: dict[str, Any] = {"layout": LAYOUT, "tflops": tflops, "forward_s": EMU_FORWARD_S, "steps": steps,
@@ -77,28 +72,28 @@ def emulated_runs(steps: int = 5) -> dict[str, Any]:
     coupled_cfg = RunConfig.from_dict(run_dict("coupled", steps, tflops))
     params = [next(r["params"] for r in coupled if r["stage"] == s) for s in range(4)]
     opt = dpp_emulated.optimizer_seconds(coupled_cfg, params)
-    t_c = _step_time(coupled)
+    t_c = step_time(coupled)
     sim_c = statistics.median(dpp_emulated.predict(coupled_cfg, s).step_time for s in range(1, steps)) + opt
     out["coupled"] = {"step_s": t_c, "simulated_s": sim_c, "sim_error": sim_c / t_c - 1,
                       "host_share": _host_share(coupled),
                       "stage_bytes": {r["stage"]: r["peak_saved_bytes"] for r in coupled}}
-    out["coupled_recompute_full"] = {"step_s": _step_time(recompute), "host_share": _host_share(recompute),
+    out["coupled_recompute_full"] = {"step_s": step_time(recompute), "host_share": _host_share(recompute),
                                      "stage_bytes": {r["stage"]: r["peak_saved_bytes"] for r in recompute}}
     for k in FACTORS:
         n_bal = balanced(t_fwd, t_bwd, k)
         for n in sorted({1, n_bal}):
             ranks = measure(LAYOUT, True, steps, run_dict("fbd", steps, tflops, k, n))
             back = [r for r in ranks if r["role"] == "backward"]
-            t = _step_time(ranks)
+            t = step_time(ranks)
             sim = fbd_sim.fbd_step(4, 8, n, t_fwd, t_bwd, k) + opt
             out["runs"].append({"k": k, "instances": n, "balanced": n == n_bal, "step_s": t,
                                 "vs_coupled": t / t_c, "simulated_s": sim, "sim_error": sim / t - 1,
                                 "host_share": _host_share(ranks),
                                 "stage_bytes": {r["stage"]: r["peak_saved_bytes"] for r in back}})
             print(f"k={k} n={n}: {t:.3f} s ({t / t_c:.3f} of coupled), sim {sim:.3f} s", flush=True)
-    out["wall_s"] = round(time.perf_counter() - t0, 1)
-    out["load_avg_at_start"] = load_at_start
-    out["load_avg_at_end"] = os.getloadavg()
+    out["wall_s"] = clock.wall_s()
+    worst = max(r["host_share"] for r in [out["coupled"], out["coupled_recompute_full"], *out["runs"]])
+    out["machine"] = harness.machine(clock, emulated=True, host_share=worst)
     return out
 
 
@@ -110,7 +105,7 @@ def remeasure(result: dict[str, Any], which: list[tuple[int, int]], steps: int =
         if (row["k"], row["instances"]) not in which:
             continue
         ranks = measure(LAYOUT, True, steps, run_dict("fbd", steps, result["tflops"], row["k"], row["instances"]))
-        t = _step_time(ranks)
+        t = step_time(ranks)
         row.update(step_s=t, vs_coupled=t / t_c, sim_error=row["simulated_s"] / t - 1, host_share=_host_share(ranks),
                    remeasured=time.strftime("%Y-%m-%dT%H:%M:%S%z"), load_avg_after=os.getloadavg())
         print(f"k={row['k']} n={row['instances']}: {t:.3f} s, host share {row['host_share']:.2f}", flush=True)
@@ -119,7 +114,7 @@ def remeasure(result: dict[str, Any], which: list[tuple[int, int]], steps: int =
 
 def emulated_table(result: dict[str, Any]) -> str:
     """Markdown: step times vs coupled and the simulator; activation bytes per stage for the three designs."""
-    c = result["coupled"]
+    c, m = result["coupled"], harness.machine_of(result)
     fwd = f", a middle virtual stage's forward {1e3 * result['forward_s']:.0f} ms" if "forward_s" in result else ""
     lines = [f"Coupled 1F1B (pp 4, emulated{fwd}): {c['step_s']:.3f} s/step, simulated {c['simulated_s']:.3f} s "
              f"({c['sim_error']:+.1%}), host share {c['host_share']:.2f}.", "",
@@ -140,9 +135,9 @@ def emulated_table(result: dict[str, Any]) -> str:
                      f"| {fbd['stage_bytes'][s] / 1024:.0f} KiB |")
     lines.append(f"\n`--recompute full` coupled step: {rc['step_s']:.3f} s ({rc['step_s'] / c['step_s']:.3f} of "
                  f"plain coupled), host share {rc['host_share']:.2f}; load average "
-                 + (f"at the start {tuple(round(x, 1) for x in result['load_avg_at_start'])}, "
-                    if result.get("load_avg_at_start") else "")
-                 + f"at the end {tuple(round(x, 1) for x in result['load_avg_at_end'])} (2 cores shared with other "
+                 + (f"at the start {tuple(round(x, 1) for x in m['load_avg_at_start'])}, "
+                    if m.get("load_avg_at_start") else "")
+                 + f"at the end {tuple(round(x, 1) for x in m['load_avg_at_end'])} (2 cores shared with other "
                  f"jobs). "
                  f"Activations: bytes autograd keeps for backward, per backward stage (saved-tensor hooks). "
                  f"Raw: `benchmarks/results/fbd_emulated.json`.")
