@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import scan_large_family, scan_real_family, stats
-from megatronapp.scan.detect import analyse
-from megatronapp.scan.format import read_dir
-from megatronapp.scan.simulate import Fault, simulate
+from megatronapp.scan.detect.analysis import analyse
+from megatronapp.scan.read.format import read_dir
+from megatronapp.scan.synth.simulate import Fault, simulate
 
 TP, PP, RANKS = 2, 4, 64  # dp = 8
 KIND = {"slow-compute": "slow-compute", "slow-link": "slow-link", "pause": "transient-pause",

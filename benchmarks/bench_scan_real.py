@@ -132,8 +132,8 @@ def _plain_run(name: str, steps: int, out: Path) -> None:
 
 
 def analysed(trace_dir: Path) -> dict:
-    from megatronapp.scan.detect import analyse
-    from megatronapp.scan.format import read_dir
+    from megatronapp.scan.detect.analysis import analyse
+    from megatronapp.scan.read.format import read_dir
 
     traces, problems = read_dir(trace_dir)
     report = analyse(traces).report

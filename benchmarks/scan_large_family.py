@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from megatronapp.scan.detect import analyse
-from megatronapp.scan.format import read_dir
-from megatronapp.scan.simulate import Fault, simulate
+from megatronapp.scan.detect.analysis import analyse
+from megatronapp.scan.read.format import read_dir
+from megatronapp.scan.synth.simulate import Fault, simulate
 
 RESULTS = Path(__file__).parent / "results" / "scan_detect_large.json"
 TITLE = "## MegaScan detection at 4,096 and 8,192 simulated ranks (several faults at once)"

@@ -12,10 +12,10 @@ import shutil
 import time
 from pathlib import Path
 
-from megatronapp.scan.detect import analyse
-from megatronapp.scan.format import read_dir
-from megatronapp.scan.perturb import Perturbation as P
-from megatronapp.scan.perturb import declare_stage_work, eager_sends, perturb, shift_clocks
+from megatronapp.scan.detect.analysis import analyse
+from megatronapp.scan.read.format import read_dir
+from megatronapp.scan.synth.perturb import Perturbation as P
+from megatronapp.scan.synth.perturb import declare_stage_work, eager_sends, perturb, shift_clocks
 
 DATA = Path(__file__).parent / "data" / "scan_real"
 RESULTS = Path(__file__).parent / "results" / "scan_detect_real.json"

@@ -62,7 +62,7 @@ def test_the_walk_sees_every_import_form(tmp_path):
     pkg = tmp_path / "megatronapp" / "train"
     pkg.mkdir(parents=True)
     src = pkg / "probe.py"
-    src.write_text("import megatronapp.scan.tracer\n"
+    src.write_text("import megatronapp.scan.record.tracer\n"
                    "from megatronapp import faults\n"
                    "from .. import dpp\n"
                    "def f():\n"
@@ -71,7 +71,7 @@ def test_the_walk_sees_every_import_form(tmp_path):
                    "    importlib.import_module('megatronapp.fbd')\n"
                    "    __import__('megatronapp.resilience.heartbeat')\n"
                    "from megatronapp.parallel import comm\n"
-                   "HOOK = 'megatronapp.scan.tracer:plugin'  # a string is data, not an import\n")
+                   "HOOK = 'megatronapp.scan.record.tracer:plugin'  # a string is data, not an import\n")
     global PKG
     saved, PKG = PKG, tmp_path / "megatronapp"
     try:

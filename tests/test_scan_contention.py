@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from megatronapp.scan.contention import STARVED, cpu_wait_share, starved_note
-from megatronapp.scan.detect import detect
-from megatronapp.scan.format import read_dir
-from megatronapp.scan.table import join
+from megatronapp.scan.detect.analysis import detect
+from megatronapp.scan.detect.contention import STARVED, cpu_wait_share, starved_note
+from megatronapp.scan.detect.table import join
+from megatronapp.scan.read.format import read_dir
 
 DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
 

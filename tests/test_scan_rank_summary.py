@@ -15,9 +15,10 @@ import zlib
 import numpy as np
 import pytest
 
-from megatronapp.scan import rank_summary, triage
-from megatronapp.scan.format import RECORD, RankWriter, read_rank, write_rank_file
-from megatronapp.scan.simulate import simulate
+from megatronapp.scan.detect import triage
+from megatronapp.scan.read import rank_summary
+from megatronapp.scan.read.format import RECORD, RankWriter, read_rank, write_rank_file
+from megatronapp.scan.synth.simulate import simulate
 from tests.test_scan_tracer import traced_job
 
 TP, PP, DP = 4, 4, 16  # 256 ranks

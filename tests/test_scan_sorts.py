@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatronapp.scan import stats
+from megatronapp.scan.detect import stats
 
 
 def _reference_median(keys, vals):

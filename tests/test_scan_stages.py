@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from megatronapp.config import ModelConfig, ParallelConfig, RunConfig, TraceConfig, TrainConfig
-from megatronapp.scan.costmodel import chunk_flops_per_token, stage_work
-from megatronapp.scan.detect import analyse, detect
-from megatronapp.scan.format import read_dir
+from megatronapp.scan.detect.analysis import analyse, detect
+from megatronapp.scan.read.format import read_dir
+from megatronapp.scan.record.costmodel import chunk_flops_per_token, stage_work
 from megatronapp.train.trainer import train
 
 STEPS = 8

@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from megatronapp.scan import triage
-from megatronapp.scan.detect import detect
-from megatronapp.scan.format import RECORD, RankWriter, read_dir, write_rank_file
-from megatronapp.scan.simulate import _time_order, simulate
+from megatronapp.scan.detect import triage
+from megatronapp.scan.detect.analysis import detect
+from megatronapp.scan.read.format import RECORD, RankWriter, read_dir, write_rank_file
+from megatronapp.scan.synth.simulate import _time_order, simulate
 
 TP, PP, DP = 4, 4, 32  # 512 ranks
 
@@ -135,8 +135,8 @@ def test_aggregate_only_flagged_two_level_writes_the_flagged_ranks(jobs, tmp_pat
 def test_two_level_names_the_rank_a_hung_job_waits_for(jobs, tmp_path, victim):
     """A hang injected into the healthy job's traces (scan/perturb.py, the tracer's open records re-written): the
     triage reads a few of the stuck ranks, and ranks it did not read are never blamed."""
-    from megatronapp.scan.format import COLUMNS, RankWriter, rank_file
-    from megatronapp.scan.perturb import Perturbation, perturb
+    from megatronapp.scan.read.format import COLUMNS, RankWriter, rank_file
+    from megatronapp.scan.synth.perturb import Perturbation, perturb
 
     hung = perturb(read_dir(jobs["healthy"])[0], [Perturbation("hang", (victim,), at_iteration=3)])
     for t in hung:

@@ -163,7 +163,7 @@ def diagnose_rank(rank: int, world: int, shape: tuple[int, int, int], inject: li
 def _outliers(values: dict[Any, float], higher_is_better: bool, rel: float = 0.3, zmin: float = 3.0
               ) -> list[dict[str, Any]]:
     """Members worse than their peers' (leave-one-out) median by > rel and > zmin robust sigmas."""
-    from megatronapp.scan.stats import robust_excess
+    from megatronapp.scan.detect.stats import robust_excess
 
     keys = list(values)
     if len(keys) < 2:

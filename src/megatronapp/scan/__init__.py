@@ -14,7 +14,7 @@ def __getattr__(name: str) -> Any:
     if name in __all__:
         import importlib
 
-        mod = importlib.import_module("megatronapp.scan.instrument")
+        mod = importlib.import_module("megatronapp.scan.record.instrument")
         # The submodule shares the function's name: bind the functions over the module attribute.
         globals().update({n: getattr(mod, n) for n in __all__})
         return globals()[name]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatronapp.scan.detect import Analysis
+from megatronapp.scan.detect.analysis import Analysis
 
 METRICS = {
     "self vs stage": "self time (compute + data + untraced) / stage median",

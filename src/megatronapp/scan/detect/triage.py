@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from megatronapp.scan import rank_summary
-from megatronapp.scan.evidence import group_quantile
-from megatronapp.scan.format import CAT_INDEX, FILE_PATTERN, TraceFormatError, dropped_problem, read_rank
+from megatronapp.scan.detect.evidence import group_quantile
+from megatronapp.scan.read import rank_summary
+from megatronapp.scan.read.format import CAT_INDEX, FILE_PATTERN, TraceFormatError, dropped_problem, read_rank
 
 COMPUTE, COMM, DATA, OPT, STEP = (CAT_INDEX[c] for c in ("compute", "comm", "data", "optimizer", "step"))
 KINDS = ("tp", "pp", "dp")  # group name prefixes of the engine's (and the simulator's) collectives
@@ -670,7 +670,7 @@ def analyse_two_level(trace_dir: str | Path, thresholds=None, workers: int = 2, 
     report's notes say what was read. `align`: clock offsets estimated on the selected ranks (as `scan detect
     --align` on all of them). `use_summaries`: False works every rank's numbers out from its spans, whatever
     summary blocks the files end in."""
-    from megatronapp.scan.detect import analyse
+    from megatronapp.scan.detect.analysis import analyse
 
     if not os.path.isdir(trace_dir):
         raise FileNotFoundError(f"trace directory {trace_dir} does not exist")
@@ -680,7 +680,7 @@ def analyse_two_level(trace_dir: str | Path, thresholds=None, workers: int = 2, 
     traces = [read_rank(f.paths[r], shared) for r in sel.ranks]
     offsets = clock = None
     if align:
-        from megatronapp.scan.align import estimate_offsets
+        from megatronapp.scan.detect.align import estimate_offsets
 
         offsets, _, clock = estimate_offsets(traces)
     an = analyse(traces, offsets, thresholds=thresholds, clock=clock, release_traces=True,

@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from megatronapp import tracing
 from megatronapp.parallel.topology import Group
-from megatronapp.scan.format import rank_file
-from megatronapp.scan.tracer import Tracer, base_header, handshake
+from megatronapp.scan.read.format import rank_file
+from megatronapp.scan.record.tracer import Tracer, base_header, handshake
 
 # Every c10d collective of the `torch.distributed` namespace that moves tensors (FSDP2 calls the `*_single` names).
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
@@ -436,7 +436,7 @@ def uninstrument() -> None:
 
 
 class _CallableModule(types.ModuleType):
-    """`megatronapp.scan.instrument` names both this module and its function: calling either works."""
+    """`megatronapp.scan.record.instrument` names both this module and its function: calling either works."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tracer:
         return instrument(*args, **kwargs)

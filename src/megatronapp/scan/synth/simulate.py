@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megatronapp.scan.format import CAT_INDEX, RankTrace, pack_columns, rank_file, write_rank_file
-from megatronapp.scan.triage import summary_blocks
+from megatronapp.scan.detect.triage import summary_blocks
+from megatronapp.scan.read.format import CAT_INDEX, RankTrace, pack_columns, rank_file, write_rank_file
 
 FAULT_KINDS = ("slow-compute", "slow-link", "pause", "late-arrival")
 MS = 1_000_000  # ns
