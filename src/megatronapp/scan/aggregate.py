@@ -148,7 +148,7 @@ def aggregate(trace_dir: str | Path, out_path: str | Path, offsets: dict[int, in
     nothing is found, no rank at all (the report says so). Flow arrows are kept between written ranks.
     `two_level` (with only_flagged): detect by triage (triage.py) and read only the written ranks in full; their
     clocks are then aligned among themselves (a job too large to hold: 100,096 ranks); `use_summaries` as
-    triage.features'."""
+    features.features'."""
     if two_level and only_flagged and ranks is None:
         traces, labels, note, problems, present = flagged_two_level(trace_dir, use_summaries=use_summaries)
         report: dict[str, Any] = {"out": str(out_path), "ranks": present, "problems": problems, "findings": labels,

@@ -335,7 +335,7 @@ class Tracer:
         """Leave the rank's summary block at the end of its file (rank_summary.py): the triage of a large job then
         reads a page per rank, not its spans. Best effort: without it the file is read in full, so a failure here
         is a warning, never the job's end."""
-        from megatronapp.scan.detect.triage import write_summary  # (the detector's code: loaded only at the end)
+        from megatronapp.scan.detect.features import write_summary  # (the triage's code: loaded only at the end)
 
         try:
             write_summary(self._writer.path)
