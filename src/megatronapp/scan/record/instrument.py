@@ -16,9 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-import sys
 import threading
-import types
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -434,12 +432,3 @@ def uninstrument() -> None:
         h.remove()
     st.tracer.close()
 
-
-class _CallableModule(types.ModuleType):
-    """`megatronapp.scan.record.instrument` names both this module and its function: calling either works."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Tracer:
-        return instrument(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
