@@ -71,7 +71,7 @@ SPINNERS = 4
 SCENARIOS["oversubscribed healthy 4"] = (4, (), None)
 SCENARIOS["oversubscribed slow compute 2.0x"] = (4, ("slow-compute=3:2.0",), ("slow-compute", (3,)))
 OVERSUB = {name for name in SCENARIOS if name.startswith("oversubscribed")}
-# Scenarios of another shape: a pure pipeline (one rank per stage) traced per layer (scan/layercost.py), and the
+# Scenarios of another shape: a pure pipeline (one rank per stage) traced per layer (scan/detect/layercost.py), and the
 # schedules above: (tp, pp, dp), granularity, ParallelConfig overrides, layers.
 SHAPE: dict[str, tuple[tuple[int, int, int], str, dict, int]] = {
     name: ((1, 4, 1), "full", {}, 4) for name in SCENARIOS if name.startswith("pure pp4")}

@@ -1,4 +1,4 @@
-"""Host CPU contention in the report: ranks that waited for a CPU most of their work time (scan/contention.py).
+"""Host CPU contention in the report: ranks that waited for a CPU most of their work time (scan/detect/contention.py).
 
 On stored real recordings (benchmarks/data): "loaded" was recorded beside 10 CPU-spinning processes, "quiet" with
 nothing else running (4-8 ranks on 2 cores), "busy" in trace format 1 (no CPU waits recorded).

@@ -216,7 +216,7 @@ def test_heterogeneous_stages_compare_work_beyond_the_cost_model(tmp_path):
 
 # ----------------------------------------------------------------------------- faults in REAL recorded traces
 # Healthy traced engine runs stored by benchmarks/scan_real_family.py (gloo ranks, tiny GPT-2, 10 steps), re-timed
-# by scan/perturb.py as if a fault had happened. pp4: tp1 pp4 dp1 (every stage alone); dp4: tp1 pp1 dp4.
+# by scan/synth/perturb.py as if a fault had happened. pp4: tp1 pp4 dp1 (every stage alone); dp4: tp1 pp1 dp4.
 REAL = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "scan_real"
 
 

@@ -1,5 +1,5 @@
-"""Findings of the wrong kind (scan/fold_kinds.py): a slow rank's pauses are its slowness; a short window beside a
-hang names no bystander. Cheap: synthetic findings and the stored real recordings, no process launch."""
+"""Findings of the wrong kind (scan/detect/fold_kinds.py): a slow rank's pauses are its slowness; a short window
+beside a hang names no bystander. Cheap: synthetic findings and the stored real recordings, no process launch."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,7 +1,7 @@
 """Stage work measured from per-layer spans, and lone stages judged on the layer every stage runs.
 
 On the stored full-granularity recordings (benchmarks/data/scan_real_full: real gloo ranks of the engine, tiny
-GPT-2, pp=4 with one rank per stage), re-timed by `scan/perturb.py` with known faults.
+GPT-2, pp=4 with one rank per stage), re-timed by `scan/synth/perturb.py` with known faults.
 """
 from __future__ import annotations
 

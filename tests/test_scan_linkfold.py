@@ -1,6 +1,6 @@
-"""Slow links and the findings they explain (scan/linkfold.py), and the direction of a wrap-around transfer
+"""Slow links and the findings they explain (scan/detect/linkfold.py), and the direction of a wrap-around transfer
 (links._activation_links): each rule on stored real recordings (benchmarks/data), re-timed where a fault is needed
-(scan/perturb.py), or on a hand-made table. No process launch: each test takes about a second."""
+(scan/synth/perturb.py), or on a hand-made table. No process launch: each test takes about a second."""
 from __future__ import annotations
 
 from pathlib import Path
