@@ -11,7 +11,7 @@ runs; each gets a 95% Wilson interval (the simulation is deterministic per scena
 scenarios were drawn, not timing). Faults of one scenario are not fully independent trials: read the intervals as
 slightly narrow.
 Second family (`--family real`, results apart in benchmarks/results/scan_detect_real.json): faults injected into
-REAL traces by causal re-timing (`scan/perturb.py`): four healthy traced engine runs stored in
+REAL traces by causal re-timing (`scan/synth/perturb.py`): four healthy traced engine runs stored in
 benchmarks/data/scan_real/ (pp4: tp1 pp4 dp1, 8 microbatches; tp2pp2dp2; dp4; pp2dp2; 10 traced steps each,
 a tiny GPT-2 on gloo ranks of the shared 2-core machine; regenerate with `--record`), each perturbed with known
 ground truth (scenarios_real()). The detector was not built from these traces.
@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import harness, scan_large_family, scan_real_family, stats
-from megatronapp.scan.detect import analyse
-from megatronapp.scan.format import read_dir
-from megatronapp.scan.simulate import Fault, simulate
+from megatronapp.scan.detect.analysis import analyse
+from megatronapp.scan.read.format import read_dir
+from megatronapp.scan.synth.simulate import Fault, simulate
 
 TP, PP, RANKS = 2, 4, 64  # dp = 8
 KIND = {"slow-compute": "slow-compute", "slow-link": "slow-link", "pause": "transient-pause",

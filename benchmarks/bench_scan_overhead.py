@@ -35,7 +35,7 @@ def _rank(rank: int, world: int, cfg_dict: dict, steps_per_mode: int, warmup: in
     from megatronapp import tracing
     from megatronapp.config import validate
     from megatronapp.parallel import comm
-    from megatronapp.scan.tracer import attach
+    from megatronapp.scan.record.tracer import attach
     from megatronapp.train.trainer import Trainer
 
     cfg = RunConfig.from_dict(cfg_dict)

@@ -72,7 +72,7 @@ SCENARIOS["oversubscribed healthy 4"] = (4, (), None)
 SCENARIOS["oversubscribed slow compute 2.0x"] = (4, ("slow-compute=3:2.0",), ("slow-compute", (3,)))
 OVERSUB = {name for name in SCENARIOS if name.startswith("oversubscribed")}
 QUICK = ("healthy 4", "slow compute 2.0x, 1 peer/stage")  # --quick: one repeat of these
-# Scenarios of another shape: a pure pipeline (one rank per stage) traced per layer (scan/layercost.py), and the
+# Scenarios of another shape: a pure pipeline (one rank per stage) traced per layer (scan/detect/layercost.py), and the
 # schedules above: (tp, pp, dp), granularity, ParallelConfig overrides, layers.
 SHAPE: dict[str, tuple[tuple[int, int, int], str, dict, int]] = {
     name: ((1, 4, 1), "full", {}, 4) for name in SCENARIOS if name.startswith("pure pp4")}
@@ -133,8 +133,8 @@ def _plain_run(name: str, steps: int, out: Path) -> None:
 
 
 def analysed(trace_dir: Path) -> dict:
-    from megatronapp.scan.detect import analyse
-    from megatronapp.scan.format import read_dir
+    from megatronapp.scan.detect.analysis import analyse
+    from megatronapp.scan.read.format import read_dir
 
     traces, problems = read_dir(trace_dir)
     report = analyse(traces).report

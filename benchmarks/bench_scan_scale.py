@@ -40,9 +40,9 @@ def one(ranks: int, out_dir: str, healthy: bool = False, merge: bool = False) ->
     """Simulate, read and detect one size in this process; return wall and CPU times (process time: what the
     run itself used, less inflated than wall time on a shared machine), the load average and peak RSS; with
     `merge`, also `scan aggregate` of the whole job (gzip) and of the flagged ranks only."""
-    from megatronapp.scan.detect import detect
-    from megatronapp.scan.format import read_dir
-    from megatronapp.scan.simulate import simulate
+    from megatronapp.scan.detect.analysis import detect
+    from megatronapp.scan.read.format import read_dir
+    from megatronapp.scan.synth.simulate import simulate
 
     dp = ranks // (TP * PP)
     slow = TP * (dp // 2) + 3  # stage 0, a middle replica

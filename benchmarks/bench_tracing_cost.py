@@ -71,8 +71,8 @@ def _block(tracer, mode: str, n: int, it: int) -> float:
 
 def span_costs(spans: int, blocks: int, trace_dir: str) -> dict[str, list[float]]:
     """Per-block CPU cost per span (seconds) of inactive, compute and comm spans, net of the no-sink loop."""
-    from megatronapp.scan.format import rank_file
-    from megatronapp.scan.tracer import Tracer, base_header
+    from megatronapp.scan.read.format import rank_file
+    from megatronapp.scan.record.tracer import Tracer, base_header
 
     # interval 1: every iteration is in the window when the block opens one; flush_s long, so the writer
     # runs when the block flushes (and on its own timer between blocks, outside the timed parts)

@@ -120,7 +120,7 @@ def check_train(out: Path, kind: str) -> str:
 
 # -- 2. MegaScan's CUDA-event path ------------------------------------------------------------------------------
 def check_scan(out: Path, kind: str) -> str:
-    from megatronapp.scan.format import read_dir
+    from megatronapp.scan.read.format import read_dir
 
     trace = out / "train" / "trace"
     expect(trace.is_dir(), f"{trace} missing (the training check must run first)")

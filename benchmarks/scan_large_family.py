@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import harness, stats
-from megatronapp.scan.detect import analyse
-from megatronapp.scan.format import read_dir
-from megatronapp.scan.simulate import Fault, simulate
+from megatronapp.scan.detect.analysis import analyse
+from megatronapp.scan.read.format import read_dir
+from megatronapp.scan.synth.simulate import Fault, simulate
 
 RESULTS = harness.results_path("scan_detect_large")
 TITLE = "## MegaScan detection at 4,096 and 8,192 simulated ranks (several faults at once)"

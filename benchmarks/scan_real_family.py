@@ -1,4 +1,4 @@
-"""MegaScan's second scenario family: faults injected into REAL recorded traces (`scan/perturb.py`).
+"""MegaScan's second scenario family: faults injected into REAL recorded traces (`scan/synth/perturb.py`).
 
 Used by `python -m benchmarks.bench_scan_detect --family real` (and `--record` to re-record the traces).
 Layouts recorded once (benchmarks/data/scan_real/<layout>/rank*.mst, ~0.9 MB in all): healthy runs of the engine
@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 from benchmarks import harness, stats
-from megatronapp.scan.detect import analyse
-from megatronapp.scan.format import read_dir
-from megatronapp.scan.perturb import Perturbation as P
-from megatronapp.scan.perturb import declare_stage_work, eager_sends, perturb, shift_clocks
+from megatronapp.scan.detect.analysis import analyse
+from megatronapp.scan.read.format import read_dir
+from megatronapp.scan.synth.perturb import Perturbation as P
+from megatronapp.scan.synth.perturb import declare_stage_work, eager_sends, perturb, shift_clocks
 
 DATA = Path(__file__).parent / "data" / "scan_real"
 RESULTS = harness.results_path("scan_detect_real")
@@ -26,7 +26,7 @@ TITLE = "## MegaScan detection on perturbed real traces (second scenario family)
 # (2026-12-02, nothing else running: the load is the recording's own ranks; recording.json). Same scenarios, same
 # detector; a user's ranks own their device, so neither is the cluster, and both are reported.
 # A third, "full" (2026-12-02, quiet, trace granularity full): the same layouts with per-layer spans, by which the
-# detector judges lone stages (scan/layercost.py). A fourth, "loaded" (2026-12-02, format 2, coarse): recorded
+# detector judges lone stages (scan/detect/layercost.py). A fourth, "loaded" (2026-12-02, format 2, coarse): recorded
 # beside 10 processes spinning on the CPU (recording.json), the CPU-contention case with CPU waits recorded.
 RECORDINGS = {"busy": (DATA, RESULTS, TITLE),
               "quiet": (DATA.parent / "scan_real_quiet", RESULTS.with_name("scan_detect_real_quiet.json"),
@@ -274,7 +274,7 @@ def docs_body(res: dict) -> str:
              f"{res['healthy_runs']} healthy scenarios ({res['injected_faults']} injected faults) made by causal "
              "re-timing of four healthy REAL traced engine runs (pp4, tp2pp2dp2, dp4, pp2dp2; "
              f"{where}/, 10 steps each; {which}: {_load_line(res)}; plus, the same for every recording, an "
-             "interleaved pp4 vpp2 run in benchmarks/data/scan_real_interleaved/; `scan/perturb.py`): slow "
+             "interleaved pp4 vpp2 run in benchmarks/data/scan_real_interleaved/; `scan/synth/perturb.py`): slow "
              "compute 1.3-2x, "
              "slow P2P links, slow links "
              "inside collectives (DP peers), pauses, late arrivals, hangs (also hangs that leave 2-6 finished "

@@ -259,7 +259,7 @@ dist.init_process_group("gloo", rank=0, world_size=1)
 
 def run_python(source: str, cwd: Path) -> None:
     """A README Python block in a one-process gloo world; its trace files must be readable afterwards."""
-    from megatronapp.scan.format import read_rank
+    from megatronapp.scan.read.format import read_rank
 
     cwd.mkdir(exist_ok=True)  # its own directory: the snippet's runs/t must not replace the training trace
     script = PYTHON_PRELUDE.format(port=free_port()) + textwrap.dedent(source) + "\ndist.destroy_process_group()\n"

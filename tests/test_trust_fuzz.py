@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from megatronapp.config import ConfigError, load_yaml
 from megatronapp.resilience import watch
-from megatronapp.scan import format as fmt
+from megatronapp.scan.read import format as fmt
 from megatronapp.scope import protocol
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -391,7 +391,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
 
 # The modules' entry points, switched on by their own flags. Strings, not imports: the engine never imports a
 # module; each rank resolves these by import path (megatronapp.train.plugins).
-TRACE_PLUGIN = "megatronapp.scan.tracer:plugin"
+TRACE_PLUGIN = "megatronapp.scan.record.tracer:plugin"
 INJECT_PLUGIN = "megatronapp.faults:plugin"
 SCOPE_PLUGIN = "megatronapp.scope.training:plugin"
 FBD_TRAIN = "megatronapp.fbd.run:train"  # `train()` of a parallel.fbd job (forward/backward decoupling)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatronapp.scan.format import CAT_INDEX
-from megatronapp.scan.table import Table
+from megatronapp.scan.detect.table import Table
+from megatronapp.scan.read.format import CAT_INDEX
 
 STARVED = 0.5  # share of work time spent waiting for a CPU above which transfer timings are the scheduler's
 _WORK = (CAT_INDEX["compute"], CAT_INDEX["data"], CAT_INDEX["optimizer"])

@@ -43,8 +43,8 @@ Three families, each a consequence mistaken for a cause:
 """
 from __future__ import annotations
 
-from megatronapp.scan.findings import Finding
-from megatronapp.scan.fold import fold_into
+from megatronapp.scan.detect.findings import Finding
+from megatronapp.scan.detect.fold import fold_into
 
 NEARLY_EVERY = 0.8  # a slow-compute finding in this share of the judged iterations is "slow throughout"
 MIN_JUDGED = 8  # finished iterations beside a hang below which other findings are too weakly supported

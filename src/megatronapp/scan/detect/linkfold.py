@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatronapp.scan.contention import STARVED, cpu_wait_share
-from megatronapp.scan.evidence import group_quantile
-from megatronapp.scan.findings import Finding, link_label
-from megatronapp.scan.fold import fold_into
-from megatronapp.scan.format import CAT_INDEX
-from megatronapp.scan.table import Table
+from megatronapp.scan.detect.contention import STARVED, cpu_wait_share
+from megatronapp.scan.detect.evidence import group_quantile
+from megatronapp.scan.detect.findings import Finding, link_label
+from megatronapp.scan.detect.fold import fold_into
+from megatronapp.scan.detect.table import Table
+from megatronapp.scan.read.format import CAT_INDEX
 
 MS = 1e6
 _COMM = CAT_INDEX["comm"]

@@ -25,7 +25,7 @@ import numpy as np
 
 from megatronapp import tracing
 from megatronapp.config import ConfigError
-from megatronapp.scan.format import CAT_INDEX, OPENED, RECORD, RankWriter, rank_file
+from megatronapp.scan.read.format import CAT_INDEX, OPENED, RECORD, RankWriter, rank_file
 
 _FINISH = object()  # `close()` without a token ends the tracer (SpanSink.close(token) ends one span)
 _SKIP_ON_COARSE = frozenset({"layer"})
@@ -335,7 +335,7 @@ class Tracer:
         """Leave the rank's summary block at the end of its file (rank_summary.py): the triage of a large job then
         reads a page per rank, not its spans. Best effort: without it the file is read in full, so a failure here
         is a warning, never the job's end."""
-        from megatronapp.scan.triage import write_summary  # (the detector's code: loaded only at the end)
+        from megatronapp.scan.detect.features import write_summary  # (the triage's code: loaded only at the end)
 
         try:
             write_summary(self._writer.path)
@@ -406,7 +406,7 @@ def attach(cfg: Any, topo: Any, trace_dir: str | Path, *, clock: Callable[[], in
 def plugin(trainer: Any) -> None:
     """Plug-in entry for `--trace`: attach this rank's tracer to the run and close it at shutdown."""
     cfg = trainer.cfg
-    from megatronapp.scan.costmodel import stage_work
+    from megatronapp.scan.record.costmodel import stage_work
 
     # What each pipeline stage should cost (FLOPs of its chunks): a stage without peers is judged against it.
     cost = {"stage_work": stage_work(cfg.model, cfg.parallel.pp, cfg.parallel.vpp, cfg.train.seq_len)} \

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from megatronapp.scan.format import CAT_INDEX, RankTrace
-from megatronapp.scan.stats import group_median
+from megatronapp.scan.detect.stats import group_median
+from megatronapp.scan.read.format import CAT_INDEX, RankTrace
 
 # Collectives whose members all block until every member arrived (broadcast's root may leave early).
 ANCHOR_OPS = frozenset({"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",

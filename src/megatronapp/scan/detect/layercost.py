@@ -28,10 +28,10 @@ import re
 
 import numpy as np
 
-from megatronapp.scan.evidence import op_floors
-from megatronapp.scan.findings import Finding, Thresholds
-from megatronapp.scan.format import CAT_INDEX
-from megatronapp.scan.table import Phases, Table, coord
+from megatronapp.scan.detect.evidence import op_floors
+from megatronapp.scan.detect.findings import Finding, Thresholds
+from megatronapp.scan.detect.table import Phases, Table, coord
+from megatronapp.scan.read.format import CAT_INDEX
 
 _LAYER = CAT_INDEX["layer"]
 _INDEX = re.compile(r"\.\d+$")

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatronapp.scan.evidence import excursion_noise, group_quantile
-from megatronapp.scan.findings import Finding, Thresholds
-from megatronapp.scan.format import CAT_INDEX
-from megatronapp.scan.table import Phases, Table, Waits, coord
+from megatronapp.scan.detect.evidence import excursion_noise, group_quantile
+from megatronapp.scan.detect.findings import Finding, Thresholds
+from megatronapp.scan.detect.table import Phases, Table, Waits, coord
+from megatronapp.scan.read.format import CAT_INDEX
 
 MS = 1e6
 _COMM = CAT_INDEX["comm"]

@@ -9,8 +9,8 @@ from functools import cached_property
 
 import numpy as np
 
-from megatronapp.scan.align import clock_domains
-from megatronapp.scan.format import CAT_INDEX, RankTrace
+from megatronapp.scan.detect.align import clock_domains
+from megatronapp.scan.read.format import CAT_INDEX, RankTrace
 
 MS = 1e6
 _NEST_SLACK_NS = 2_000  # a child may end a hair after its parent (clock reads in a different order)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatronapp.scan.format import CAT_INDEX, RankTrace
+from megatronapp.scan.read.format import CAT_INDEX, RankTrace
 
 MAX_BYTES = 2 << 30  # a profiler window of one rank is tens to hundreds of MB; past this it is not read
 SUFFIXES = (".json", ".json.gz")

@@ -5,11 +5,11 @@ import math
 
 import numpy as np
 
-from megatronapp.scan.evidence import excursion_noise
-from megatronapp.scan.findings import Finding, Thresholds
-from megatronapp.scan.fold import combine
-from megatronapp.scan.stats import confidence, robust_excess
-from megatronapp.scan.table import COMPUTE, DATA, OPT, Phases, Table, coord
+from megatronapp.scan.detect.evidence import excursion_noise
+from megatronapp.scan.detect.findings import Finding, Thresholds
+from megatronapp.scan.detect.fold import combine
+from megatronapp.scan.detect.stats import confidence, robust_excess
+from megatronapp.scan.detect.table import COMPUTE, DATA, OPT, Phases, Table, coord
 
 
 def rank_findings(tb: Table, ph: Phases, th: Thresholds, warm_up: int = 0) -> list[Finding]:

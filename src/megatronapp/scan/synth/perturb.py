@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatronapp.scan.format import CAT_INDEX, COLUMNS, RankTrace
-from megatronapp.scan.table import join, match_p2p
+from megatronapp.scan.detect.table import join, match_p2p
+from megatronapp.scan.read.format import CAT_INDEX, COLUMNS, RankTrace
 
 _COMPUTE, _COMM, _STEP = CAT_INDEX["compute"], CAT_INDEX["comm"], CAT_INDEX["step"]
 _LAYER = CAT_INDEX["layer"]

@@ -16,9 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-import sys
 import threading
-import types
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,8 +27,8 @@ import torch.distributed as dist
 
 from megatronapp import tracing
 from megatronapp.parallel.topology import Group
-from megatronapp.scan.format import rank_file
-from megatronapp.scan.tracer import Tracer, base_header, handshake
+from megatronapp.scan.read.format import rank_file
+from megatronapp.scan.record.tracer import Tracer, base_header, handshake
 
 # Every c10d collective of the `torch.distributed` namespace that moves tensors (FSDP2 calls the `*_single` names).
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
@@ -434,12 +432,3 @@ def uninstrument() -> None:
         h.remove()
     st.tracer.close()
 
-
-class _CallableModule(types.ModuleType):
-    """`megatronapp.scan.instrument` names both this module and its function: calling either works."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Tracer:
-        return instrument(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megatronapp.scan.format import CAT_INDEX, RankTrace, pack_columns, rank_file, write_rank_file
-from megatronapp.scan.triage import summary_blocks
+from megatronapp.scan.detect.features import summary_blocks
+from megatronapp.scan.read.format import CAT_INDEX, RankTrace, pack_columns, rank_file, write_rank_file
 
 FAULT_KINDS = ("slow-compute", "slow-link", "pause", "late-arrival")
 MS = 1_000_000  # ns
@@ -468,7 +468,7 @@ def _write_stage(out: Path, spans: _Slots, s: int, ranks: np.ndarray, topo: tupl
             rows.append(RankTrace(r, world, (d_, s, t), (tp, pp, dp), head, NAMES, groups[-1], cpu_wait=no_wait,
                                   **{c: v[0] if len(v) == 1 else v[k] for c, v in cols.items()}))
         # Each rank's summary block (rank_summary.py), from the very columns its file holds, as a tracer leaves one.
-        # One slot order for the stage (_time_order sorted every row by it): the batch is what triage._uniform
+        # One slot order for the stage (_time_order sorted every row by it): the batch is what features._uniform
         # checks for, by construction.
         same = all(len(cols[k]) == 1 for k in ("name", "cat", "it", "gid"))
         sums = summary_blocks(rows, (cols["ts"], cols["dur"], cols["peer"]) if same else None)

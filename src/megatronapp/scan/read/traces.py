@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatronapp.scan.format import FILE_PATTERN, RankTrace, read_dir
-from megatronapp.scan.kineto import kineto_files, read_kineto_dir
+from megatronapp.scan.read.format import FILE_PATTERN, RankTrace, read_dir
+from megatronapp.scan.read.kineto import kineto_files, read_kineto_dir
 
 
 def read_traces(path: str | Path) -> tuple[list[RankTrace], list[str]]:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from megatronapp.parallel.flight_recorder import stream_key
-from megatronapp.scan.findings import Finding
-from megatronapp.scan.format import CAT_INDEX, RankTrace
+from megatronapp.scan.detect.findings import Finding
+from megatronapp.scan.read.format import CAT_INDEX, RankTrace
 
 _COMM = CAT_INDEX["comm"]
 

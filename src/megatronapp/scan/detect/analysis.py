@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatronapp.scan.contention import cpu_wait_share, starved_note
-from megatronapp.scan.evidence import floor_findings, posting_stall, stall_link_findings
-from megatronapp.scan.findings import KINDS, Finding, Report, Thresholds
-from megatronapp.scan.fold import (
+from megatronapp.scan.detect.contention import cpu_wait_share, starved_note
+from megatronapp.scan.detect.evidence import floor_findings, posting_stall, stall_link_findings
+from megatronapp.scan.detect.findings import KINDS, Finding, Report, Thresholds
+from megatronapp.scan.detect.fold import (
     combine,
     explained_by_links,
     fold_into_hangs,
@@ -42,15 +42,19 @@ from megatronapp.scan.fold import (
     merge_directions,
     pauses_of_slow_ranks,
 )
-from megatronapp.scan.fold_kinds import beside_a_short_hang, echoes, pauses_of_ranks_slow_throughout
-from megatronapp.scan.format import COLUMNS, RankTrace
-from megatronapp.scan.hang import hang_findings
-from megatronapp.scan.layercost import layer_findings, measured_stage_work
-from megatronapp.scan.linkfold import ends_explained_by_link_cost, links_behind_slow_groups, links_within_cpu_waits
-from megatronapp.scan.links import links_and_waits
-from megatronapp.scan.ranks import rank_findings
-from megatronapp.scan.structure import collective_stall_findings, lone_stage_findings, lone_stage_pauses
-from megatronapp.scan.table import LAYER, STEP, Phases, Table, Waits, exclusive_time, join, phases
+from megatronapp.scan.detect.fold_kinds import beside_a_short_hang, echoes, pauses_of_ranks_slow_throughout
+from megatronapp.scan.detect.hang import hang_findings
+from megatronapp.scan.detect.layercost import layer_findings, measured_stage_work
+from megatronapp.scan.detect.linkfold import (
+    ends_explained_by_link_cost,
+    links_behind_slow_groups,
+    links_within_cpu_waits,
+)
+from megatronapp.scan.detect.links import links_and_waits
+from megatronapp.scan.detect.ranks import rank_findings
+from megatronapp.scan.detect.structure import collective_stall_findings, lone_stage_findings, lone_stage_pauses
+from megatronapp.scan.detect.table import LAYER, STEP, Phases, Table, Waits, exclusive_time, join, phases
+from megatronapp.scan.read.format import COLUMNS, RankTrace
 
 __all__ = ["KINDS", "Analysis", "Finding", "Report", "Thresholds", "analyse", "detect"]
 

@@ -5,12 +5,12 @@ import math
 
 import numpy as np
 
-from megatronapp.scan import ring
-from megatronapp.scan.align import row_offsets
-from megatronapp.scan.evidence import sign_p
-from megatronapp.scan.findings import Finding, Thresholds, link_label
-from megatronapp.scan.stats import confidence, group_median, lookup, robust_excess
-from megatronapp.scan.table import COMM, MS, Phases, Table, Waits, coord, group_name_ids, match_p2p, rank_chunks
+from megatronapp.scan.detect import ring
+from megatronapp.scan.detect.align import row_offsets
+from megatronapp.scan.detect.evidence import sign_p
+from megatronapp.scan.detect.findings import Finding, Thresholds, link_label
+from megatronapp.scan.detect.stats import confidence, group_median, lookup, robust_excess
+from megatronapp.scan.detect.table import COMM, MS, Phases, Table, Waits, coord, group_name_ids, match_p2p, rank_chunks
 
 _FLOOR_NOISE = 2.0  # a link's floor must stand twice its own low-end spread above its peers' (_cross_stage_links)
 

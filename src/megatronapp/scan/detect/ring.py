@@ -25,9 +25,9 @@ import functools
 
 import numpy as np
 
-from megatronapp.scan.findings import Finding, Thresholds
-from megatronapp.scan.stats import group_median
-from megatronapp.scan.table import Table, coord
+from megatronapp.scan.detect.findings import Finding, Thresholds
+from megatronapp.scan.detect.stats import group_median
+from megatronapp.scan.detect.table import Table, coord
 
 MS = 1e6
 _CG_STEPS = 300  # conjugate-gradient steps for the bridge's least squares (converges in far fewer)

@@ -29,7 +29,7 @@ import zlib
 
 import numpy as np
 
-from megatronapp.scan.format import _BLOCK, MAGIC, MAX_WORLD
+from megatronapp.scan.read.format import _BLOCK, MAGIC, MAX_WORLD
 
 TAG = b"SUMS"
 _HEAD = struct.Struct("<4sI")

@@ -23,10 +23,10 @@ import warnings
 
 import numpy as np
 
-from megatronapp.scan.findings import Finding, Thresholds
-from megatronapp.scan.format import CAT_INDEX
-from megatronapp.scan.stats import by_key_then_value
-from megatronapp.scan.table import Table, coord
+from megatronapp.scan.detect.findings import Finding, Thresholds
+from megatronapp.scan.detect.stats import by_key_then_value
+from megatronapp.scan.detect.table import Table, coord
+from megatronapp.scan.read.format import CAT_INDEX
 
 MS = 1e6
 _COMPUTE, _COMM, _OPT, _DATA = (CAT_INDEX[c] for c in ("compute", "comm", "optimizer", "data"))

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megatronapp.scan.findings import Finding
-from megatronapp.scan.table import Phases, Table
+from megatronapp.scan.detect.findings import Finding
+from megatronapp.scan.detect.table import Phases, Table
 
 
 def merge_directions(found: list[Finding]) -> list[Finding]:
