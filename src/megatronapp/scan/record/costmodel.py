@@ -4,7 +4,7 @@ The first stage holds the embedding, the last the output layer (the h x V logits
 of the model) and the loss: with one rank per stage there is no peer doing the same work, and a detector that
 assumed equal stages would blame the last stage of every healthy pure-pipeline job with a large vocabulary.
 `stage_work` gives the expected relative cost of each stage; the trace header carries it (`stage_work`) and
-`scan/structure.py` divides each stage's time by it before comparing stages.
+`scan/detect/structure.py` divides each stage's time by it before comparing stages.
 
 FLOPs per token, forward + backward (3x the forward), from the one FLOP model (flops.py, which
 `ModelConfig.flops_per_token` uses: PaLM, appendix B): 6 per weight in a matmul plus 12*L*H*Q*T of attention
