@@ -345,7 +345,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from megatronapp.train.export import export_hf
 
     try:
-        out = export_hf(args.checkpoint, args.hf)
+        out = export_hf(args.checkpoint, args.hf, args.tokenizer)
     except (CheckpointError, FileNotFoundError) as e:
         print(f"megatronapp export: {e}", file=sys.stderr)
         return 2
@@ -378,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", metavar="CKPT", help="a step directory, .../checkpoints/latest, a run directory "
                    "or a Hugging Face directory")
     p.add_argument("--hf", required=True, metavar="OUT", help="the directory to write")
+    p.add_argument("--tokenizer", metavar="PATH", help="the tokenizer.json to export (a checkpoint trained with one "
+                   "needs it named: a path saved in the checkpoint is not opened); default: an HF source's own, "
+                   "else the byte tokenizer")
     p.set_defaults(func=cmd_export)
     for module in ("scan", "dpp", "scope", "resilience"):
         try:

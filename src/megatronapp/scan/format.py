@@ -87,6 +87,18 @@ class TraceFormatError(ValueError):
 # not make a reader build a tuple of 1e11 ranks or a missing-file list of 1e10 names.
 MAX_WORLD = 1 << 20
 MAX_DIMS = 8  # entries of coord/topo
+# Rank x iteration cells an analysis holds: the detectors' per-(rank, iteration) arrays and the triage's are sized by
+# the world a file claims times its iterations (1 GiB for two float64 arrays at this bound). A 12 KB file claiming
+# 2^20 ranks over 2,000 iterations would size them at 15.6 GiB each: it is refused instead (`cells_problem`).
+MAX_CELLS = 1 << 26
+
+
+def cells_problem(world: int, iterations: int) -> str | None:
+    """Why a world of `world` ranks over `iterations` iterations is more than an analysis holds, or None."""
+    if world * max(iterations, 1) <= MAX_CELLS:
+        return None
+    return (f"a world of {world} ranks over {iterations} iterations: more rank x iteration cells than an analysis "
+            f"holds ({MAX_CELLS})")
 
 
 def rank_file(trace_dir: str | Path, rank: int) -> Path:
