@@ -212,7 +212,7 @@ def to_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankT
                 pgs[str(pg.get("pg_name"))[:120]] = members
     events = [(p, e) for p, doc in docs for e in doc["traceEvents"]
               if isinstance(e, dict) and e.get("ph") == "X" and isinstance(e.get("ts"), (int, float))
-              and isinstance(e.get("dur"), (int, float)) and isinstance(e.get("name"), str)]
+              and isinstance(e.get("dur"), (int, float)) and e["dur"] >= 0 and isinstance(e.get("name"), str)]
     if not events:
         raise KinetoError(f"rank {rank} ({', '.join(p.name for p, _ in docs)}): no complete events; skipped")
     device = any(e.get("cat") in _DEVICE_CATS for _, e in events)
@@ -230,7 +230,7 @@ def to_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankT
         name, cat, args = e["name"], e.get("cat"), e.get("args") if isinstance(e.get("args"), dict) else {}
         if not -_MAX_US < e["ts"] < _MAX_US:  # NaN, Infinity and 1e17 fail here
             raise bad(path, e, f"'ts' = {short(e['ts'], 30)}: not a time in µs")
-        if not 0 <= e["dur"] < _MAX_US:
+        if not e["dur"] < _MAX_US:
             raise bad(path, e, f"'dur' = {short(e['dur'], 30)}: not a duration in µs")
         ts, dur = int(round(e["ts"] * 1000)), int(round(e["dur"] * 1000))
         thread = f"{e.get('pid')}/{e.get('tid')}"[:200]
@@ -265,8 +265,8 @@ def to_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankT
             gid = groups.setdefault(g, len(groups)) if g else -1
             try:
                 nbytes = _nbytes(args)
-            except KinetoError as bad:
-                raise bad(path, e, str(bad)) from None
+            except KinetoError as why:
+                raise bad(path, e, str(why)) from None
             seq = args.get("Seq")
             if is_int(seq) and not 0 <= seq < _MAX_COUNT:
                 raise bad(path, e, f"args 'Seq' = {short(seq, 30)}: not a sequence number")
