@@ -105,3 +105,27 @@ def test_an_altered_meta_json_fails_its_checksum(tmp_path):
     assert "meta.json" in (ckpt.verify(step) or "")
     with pytest.raises(ConfigError, match="meta.json"):
         config_from_args(_args("--resume", str(step), "--steps", "3"))
+
+
+def _resume(run: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatronapp", "train", "--resume", str(run), "--steps", "3",
+                           "--no-progress", *extra], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": SRC})
+
+
+def test_a_torn_shard_or_a_false_zero_claim_is_an_error_naming_the_file_not_a_traceback(tmp_path):
+    from tests.forge import edit_meta
+
+    step = _saved_run(tmp_path / "run")
+    zero = tmp_path / "zero"
+    shutil.copytree(tmp_path / "run", zero)
+    (zero / ".lock").unlink(missing_ok=True)
+    f = step / "rank00000.pt"
+    f.write_bytes(f.read_bytes()[:1000])
+    r = _resume(tmp_path / "run")
+    assert r.returncode == 2 and "rank00000.pt has 1000 bytes" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # meta.json claims ZeRO-1 (sealed again): a resume on plain DP reshards, and the rank file has no ZeRO layout
+    edit_meta(zero / "checkpoints" / step.name, config__parallel__zero=1)
+    r = _resume(zero, "--zero", "0")
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "rank00000.pt: its optimizer state does not fit meta.json's parallel.zero=1" in r.stderr, r.stderr
