@@ -625,6 +625,9 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
     if not 0 < world <= MAX_WORLD or not 0 <= rank < world:
         raise TraceFormatError(f"{name}: header claims rank {str(header['rank'])[:20]} of world "
                                f"{str(header['world'])[:20]}; a world holds 1 to {MAX_WORLD} ranks")
+    if len(coord) != 3 or len(topo) != 3 or min(coord) < 0 or min(topo) < 1:  # the analyses index (dp, pp, tp)
+        raise TraceFormatError(f"{name}: header coord {list(coord)[:3]} / topo {list(topo)[:3]} is not a (dp, pp, "
+                               f"tp) position and (tp, pp, dp) sizes")
     # min/max per group (C loops), not a Python test per member: 1.5 million at 12,288 ranks.
     if any(members and (min(members) < 0 or max(members) >= world) for _, members in groups):
         raise TraceFormatError(f"{name}: its group table names a rank outside its world of {world}")
