@@ -3,7 +3,6 @@ and the data position are taken (checksummed like the rank files); plug-ins, fau
 every path come from the user. A resumed copy of a run directory writes into the copy."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -17,6 +16,7 @@ from megatronapp.cli import build_parser, config_from_args
 from megatronapp.config import ConfigError, RunConfig
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.trainer import Trainer
+from tests.forge import edit_meta, write_meta
 from tests.test_training import _cfg
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -38,10 +38,14 @@ def _tamper(step: Path, reseal: bool = True, **changes) -> None:
             meta["config"][section][name] = value
         else:
             meta["config"][section] = value
-    data = json.dumps(meta).encode()
-    (step / "meta.json").write_bytes(data)
-    if reseal:
-        (step / ckpt.MARKER).write_text(json.dumps({"meta_sha256": hashlib.sha256(data).hexdigest()}))
+    write_meta(step, meta, reseal)
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    """A copy of a run directory, without the original's lock file."""
+    shutil.copytree(src, dst)
+    (dst / ".lock").unlink(missing_ok=True)
+    return dst
 
 
 def _args(*argv: str):
@@ -50,9 +54,7 @@ def _args(*argv: str):
 
 def test_resumed_copy_imports_nothing_named_by_its_checkpoint_and_writes_into_the_copy(tmp_path):
     step = _saved_run(tmp_path / "orig")
-    copy = tmp_path / "copy"
-    shutil.copytree(tmp_path / "orig", copy)
-    (copy / ".lock").unlink(missing_ok=True)
+    copy = _copy_run(tmp_path / "orig", tmp_path / "copy")
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     pwned = tmp_path / "pwned"
@@ -114,12 +116,8 @@ def _resume(run: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def test_a_torn_shard_or_a_false_zero_claim_is_an_error_naming_the_file_not_a_traceback(tmp_path):
-    from tests.forge import edit_meta
-
     step = _saved_run(tmp_path / "run")
-    zero = tmp_path / "zero"
-    shutil.copytree(tmp_path / "run", zero)
-    (zero / ".lock").unlink(missing_ok=True)
+    zero = _copy_run(tmp_path / "run", tmp_path / "zero")
     f = step / "rank00000.pt"
     f.write_bytes(f.read_bytes()[:1000])
     r = _resume(tmp_path / "run")

@@ -128,7 +128,8 @@ def test_a_rank_file_with_2000_iterations_of_a_huge_world_is_skipped_and_named(t
 
 @pytest.mark.parametrize("bad, field", [
     ({"ts": float("nan")}, "'ts' = nan"), ({"ts": float("inf")}, "'ts' = inf"), ({"ts": 1e17}, "'ts' = 1e+17"),
-    ({"dur": float("inf")}, "'dur' = inf"), ({"name": "ProfilerStep#" + "9" * 30, "cat": "user_annotation"}, "step number"),
+    ({"dur": float("inf")}, "'dur' = inf"),
+    ({"name": "ProfilerStep#" + "9" * 30, "cat": "user_annotation"}, "step number"),
     ({"name": "gloo:all_reduce", "cat": "user_annotation", "args": {"Seq": 2**70}}, "'Seq'"),
     ({"name": "gloo:all_reduce", "cat": "user_annotation", "args": {"In msg nelems": 1e30}}, "'In msg nelems'"),
 ])
