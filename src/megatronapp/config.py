@@ -410,7 +410,7 @@ def validate_model(m: ModelConfig) -> None:
         value = getattr(m, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"model.{name}={_short(value)} must be a positive integer")
-    for name in ("norm_eps", "rope_theta", "init_std"):
+    for name in ("norm_eps", "rope_theta"):
         value = getattr(m, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise ConfigError(f"model.{name}={_short(value)} must be a positive finite number")

@@ -51,10 +51,11 @@ def _need(raw: dict[str, Any], key: str, file: Path) -> Any:
     return raw[key]
 
 
-def _int(raw: dict[str, Any], key: str, file: Path, default: Any = ..., none_ok: bool = False) -> Any:
-    """A positive integer field (`default` when absent; ... means required; `none_ok`: null means absent)."""
-    value = raw.get(key, default) if default is not ... else _need(raw, key, file)
-    if value is None and (none_ok or default is None):
+def _int(raw: dict[str, Any], key: str, file: Path, default: Any = ...) -> Any:
+    """A positive integer field: required (no `default`), else `default` when absent; with a default of None,
+    null is taken as absent."""
+    value = _need(raw, key, file) if default is ... else raw.get(key, default)
+    if value is None and default is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise HFCheckpointError(f"{file}: field {key!r} must be a positive integer, got {short(repr(value), 80)}")

@@ -115,6 +115,7 @@ def _ranks(ranks: object, world: int) -> tuple[int, ...] | None:
 def _group(args: dict, pgs: dict[str, tuple[int, ...]], world: int) -> tuple[str, tuple[int, ...]] | None:
     """(group name, member ranks) of a collective: its args, else the trace's only process group."""
     name = args.get("Process Group Name")
+    name = name[:120] if isinstance(name, str) else None  # as pg_config's names are kept
     ranks = args.get("Process Group Ranks")
     if isinstance(ranks, str):
         try:
@@ -123,7 +124,7 @@ def _group(args: dict, pgs: dict[str, tuple[int, ...]], world: int) -> tuple[str
             ranks = None
     ranks = _ranks(ranks, world)
     if isinstance(name, str) and ranks:
-        return f"pg{name[:120]}", ranks
+        return f"pg{name}", ranks
     if isinstance(name, str) and name in pgs:
         return f"pg{name}", pgs[name]
     if len(pgs) == 1:
