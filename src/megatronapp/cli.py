@@ -345,7 +345,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from megatronapp.train.export import export_hf
 
     try:
-        out = export_hf(args.checkpoint, args.hf)
+        out = export_hf(args.checkpoint, args.hf, args.tokenizer)
     except (CheckpointError, FileNotFoundError) as e:
         print(f"megatronapp export: {e}", file=sys.stderr)
         return 2
@@ -378,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", metavar="CKPT", help="a step directory, .../checkpoints/latest, a run directory "
                    "or a Hugging Face directory")
     p.add_argument("--hf", required=True, metavar="OUT", help="the directory to write")
+    p.add_argument("--tokenizer", metavar="PATH", help="the tokenizer.json to export (a checkpoint trained with one "
+                   "needs it named: a path saved in the checkpoint is not opened); default: an HF source's own, "
+                   "else the byte tokenizer")
     p.set_defaults(func=cmd_export)
     for module in ("scan", "dpp", "scope", "resilience"):
         try:
@@ -388,6 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         mod.register(sub)
     return parser
+
+
+# errors a rank reports that the user fixes (a bad file or setting, named in the message): no traceback for them
+_USER_ERRORS = ("CheckpointError", "ConfigError", "HFCheckpointError", "DataError")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,11 +409,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatronapp: configuration error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
+        checkpoint = sys.modules.get("megatronapp.train.checkpoint")  # imported only by commands that read one
+        if checkpoint is not None and isinstance(e, checkpoint.CheckpointError):
+            # a checkpoint that is torn, forged or missing is the user's to fix: its message names the file
+            print(f"megatronapp: checkpoint error: {e}", file=sys.stderr)
+            return 2
         launch = sys.modules.get("megatronapp.launch")  # imported only by commands that start ranks (torch)
         if launch is None or not isinstance(e, launch.RankFailed):
             raise
-        # a rank raised or was killed: its own traceback says where, and the job fails with a non-zero status
-        if e.tb:
+        # a rank raised or was killed: its own traceback says where (not for a bad file or setting: its message
+        # names the file and the field), and the job fails with a non-zero status
+        if e.tb and e.message.split(":", 1)[0] not in _USER_ERRORS:
             print(e.tb, file=sys.stderr, end="")
         print(f"megatronapp: {e}", file=sys.stderr)
         return 1

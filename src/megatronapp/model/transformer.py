@@ -17,7 +17,7 @@ from megatronapp import tracing
 from megatronapp.config import ModelConfig
 from megatronapp.model.attention import Attention, CacheUpdate
 from megatronapp.model.capture import Capture
-from megatronapp.model.init import reset_parameters
+from megatronapp.model.init import full_shape, reset_parameters
 from megatronapp.model.mlp import MLP
 from megatronapp.model.norms import is_norm, make_norm
 from megatronapp.model.rope import inv_frequencies, rope_tables
@@ -294,6 +294,23 @@ class KVCache:
 def build_model(cfg: ModelConfig, seed: int = 0, **kw) -> TransformerChunk:
     """The whole model as one chunk (all layers, embedding and head) for a single process."""
     return TransformerChunk(cfg, 0, cfg.num_layers, pre_process=True, post_process=True, seed=seed, **kw)
+
+
+def expected_shapes(cfg: ModelConfig, held: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the one-process model of `cfg` and its full shape (real vocabulary rows), to check the
+    weights a file holds (`held`: name -> shape, from its headers) against before any weight is allocated. The
+    model is built on the meta device, after the config's sizes are bounded by the weights (a layer holds at
+    least one tensor, every size is some tensor's dimension): a claim of 10^9 layers costs nothing."""
+    largest = max((d for shape in held.values() for d in shape), default=0)
+    sizes = {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.ffn_hidden_size,
+             "vocab_size": cfg.vocab_size}
+    if cfg.num_layers > len(held):
+        raise ValueError(f"model.num_layers={cfg.num_layers}, but the weights are {len(held)} tensors")
+    for name, value in sizes.items():
+        if name != "num_layers" and value > largest:
+            raise ValueError(f"model.{name}={value}, but no tensor of the weights has a dimension above {largest}")
+    model = build_model(cfg, device="meta")
+    return {n: full_shape(p, None) for n, p in model.named_parameters()}
 
 
 def unpadded_state_dict(model: TransformerChunk) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from megatronapp import startup
+from megatronapp.files import write_exclusive
 from megatronapp.parallel.flight_recorder import RECORDER
 from megatronapp.resilience import decision
 
@@ -109,7 +110,7 @@ class Heartbeat:
             beat = {**self.state, "time": time.time(), "flight": flight,
                     "open_op": flight["open"][0] if flight["open"] else None,
                     "last_op": flight["recent"][-1] if flight["recent"] else None}
-            decision.write_exclusive(self.path, json.dumps(beat).encode())
+            write_exclusive(self.path, json.dumps(beat).encode())
 
     def failed(self, _error: BaseException | None = None) -> None:
         self.state["failed"] = True
