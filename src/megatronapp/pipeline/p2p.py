@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from megatronapp.parallel import comm
+from megatronapp.parallel import comm, host_copy
 from megatronapp.parallel.topology import Topology
 
 HEADER_BYTES = 16  # int32 step, kind, chunk, microbatch
@@ -184,8 +184,7 @@ class StageLinks:
         """Send `t` (cast to the activation dtype) as message (kind, chunk of the receiver, microbatch)."""
         dst, group = self.outbound[kind]
         buf = torch.empty(HEADER_BYTES + self.payload_bytes, dtype=torch.uint8, device=self.device)
-        header = torch.tensor([self.step % 2**31, _KIND[kind], chunk, microbatch], dtype=torch.int32)
-        buf[:HEADER_BYTES].view(torch.int32).copy_(header)
+        host_copy.write_ints(buf[:HEADER_BYTES].view(torch.int32), [self.step % 2**31, _KIND[kind], chunk, microbatch])
         buf[HEADER_BYTES:].view(self.act_dtype).view(self.act_shape).copy_(t.detach())
         handle = comm.isend(buf, dst, group)
         if not self.overlap:

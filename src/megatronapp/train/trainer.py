@@ -28,7 +28,7 @@ from megatronapp.config import FBD_TRAIN, RunConfig, micro_batch_size, plugin_en
 from megatronapp.data.dataset import build_batch_source, build_valid_source, split_microbatches
 from megatronapp.data.prefetch import Prefetcher
 from megatronapp.model.transformer import TransformerChunk, sync_sequence_parallel_grads
-from megatronapp.parallel import comm, emulation
+from megatronapp.parallel import comm, emulation, host_copy
 from megatronapp.parallel import topology as topology_mod
 from megatronapp.parallel.data_parallel import GradReducer
 from megatronapp.parallel.distributed_optimizer import DistributedOptimizer
@@ -261,13 +261,12 @@ class Trainer:
         read = (lambda: self._read(self.step)) if source is None else (lambda: source.get(index))
         if tp.size == 1:  # nobody to share with: no staging tensor, no broadcast
             ids, labels = read()
-            return split_microbatches(ids.to(self.device, non_blocking=True),
-                                      labels.to(self.device, non_blocking=True), m)
+            return split_microbatches(*(host_copy.to_device(t, self.device) for t in (ids, labels)), m)
         both = torch.empty((2, self.data.local_batch, cfg.train.seq_len), dtype=torch.long, device=self.device)
         if tp.ranks[0] == self.rank:
             ids, labels = read()
-            both[0].copy_(ids, non_blocking=True)  # pinned by the prefetch worker on CUDA
-            both[1].copy_(labels, non_blocking=True)
+            host_copy.copy_into(both[0], ids)  # pinned by the prefetch worker on CUDA (else pinned here)
+            host_copy.copy_into(both[1], labels)
         comm.broadcast(both, tp.ranks[0], tp)
         return split_microbatches(both[0], both[1], m)
 
