@@ -176,6 +176,12 @@ class Handle:
         return not self._driven and not self._nccl and not self._event.is_set()
 
     @property
+    def orders_stream(self) -> bool:
+        """True when `wait()` returns at once and orders the current CUDA stream after the op (an NCCL op issued
+        directly): a consumer that knows which op it needs waits on the device, never on the host."""
+        return self._nccl and not self._driven
+
+    @property
     def done(self) -> bool:
         return self._event.is_set() and not (self._due and time.monotonic() < self._due)
 

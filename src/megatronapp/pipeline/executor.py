@@ -156,7 +156,9 @@ class PipelineExecutor:
             expected = {"F": sum(self.m for c in range(self.vpp) if not self._first(c)),
                         "B": sum(self.m for c in range(self.vpp) if not self._last(c))}
             self.links.peak_buffers = 0
-            self.links.start(self.steps, expected, self._window())
+            # a static schedule fixes each channel's arrival order: the links need not read headers per message
+            order = self.policy.arrivals if isinstance(self.policy, StaticPolicy) else None
+            self.links.start(self.steps, expected, self._window(), order)
         self.steps += 1
         return _StepState(microbatches, loss_scale, view, static=isinstance(self.policy, StaticPolicy),
                           split=split, backward_count=[0] * self.vpp,
