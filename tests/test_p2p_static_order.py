@@ -108,3 +108,23 @@ def test_a_message_out_of_the_static_order_fails_the_step(monkeypatch):
             links2.take(key)
     with pytest.raises(RuntimeError, match="out of order on the F channel"):
         links2.finish()
+
+
+def test_a_wait_decided_by_nccl_receives_polls_at_most_every_200_us(monkeypatch):
+    """A dynamic policy must poll NCCL receives (they signal nothing): the back-off is capped at NCCL_POLL_MAX_S,
+    not the 2 ms that suits gloo, whose watchers wake the waiter."""
+    from megatronapp.parallel import comm_handle
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(comm_handle._progress, "wait", lambda timeout=None: sleeps.append(timeout))
+    topo = topology.build(1, PP, 1, rank=1)
+    links = StageLinks(topo, SHAPE, torch.float32, torch.device("cpu"))
+
+    class _Late(_NcclRecv):
+        def is_completed(self) -> bool:
+            return len(sleeps) > 40
+
+    links.inbound["F"].posted.append((torch.empty(0), _Late({"polls": 0, "waits": 0})))
+    monkeypatch.setattr(StageLinks, "poll", lambda self: True)
+    links.wait_any(5.0, lambda: "test")
+    assert max(sleeps) <= comm.NCCL_POLL_MAX_S < comm.POLL_MAX_S

@@ -24,15 +24,15 @@ import torch.distributed as dist
 
 from megatronapp import tracing
 from megatronapp.parallel.comm_context import CONTEXT, SEMANTICS, CommContext, CommOp, Interceptor
-from megatronapp.parallel.comm_handle import Handle, wait_until
+from megatronapp.parallel.comm_handle import NCCL_POLL_MAX_S, POLL_MAX_S, Handle, wait_until
 from megatronapp.parallel.comm_wire import hold
 from megatronapp.parallel.group import Group
 
-__all__ = ["CONTEXT", "SEMANTICS", "CommContext", "CommOp", "Handle", "Interceptor", "P2P", "add_interceptor",
-           "all_gather", "all_gather_async", "all_gather_inplace_async", "all_reduce", "all_reduce_async",
-           "barrier", "batch_isend_irecv", "broadcast", "broadcast_object", "irecv", "isend", "recv",
-           "reduce_scatter", "reduce_scatter_async", "reduce_scatter_inplace_async", "remove_interceptor", "reset",
-           "semantics", "send", "set_semantics", "wait_until", "warm_up_link"]
+__all__ = ["CONTEXT", "NCCL_POLL_MAX_S", "POLL_MAX_S", "SEMANTICS", "CommContext", "CommOp", "Handle", "Interceptor",
+           "P2P", "add_interceptor", "all_gather", "all_gather_async", "all_gather_inplace_async", "all_reduce",
+           "all_reduce_async", "barrier", "batch_isend_irecv", "broadcast", "broadcast_object", "irecv", "isend",
+           "recv", "reduce_scatter", "reduce_scatter_async", "reduce_scatter_inplace_async", "remove_interceptor",
+           "reset", "semantics", "send", "set_semantics", "wait_until", "warm_up_link"]
 
 
 def add_interceptor(fn: Interceptor) -> None:

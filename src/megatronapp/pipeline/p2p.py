@@ -44,6 +44,11 @@ _KIND = {"F": 0, "B": 1}
 Key = tuple[str, int, int]  # (kind, chunk on the receiving stage, microbatch)
 
 
+def _poll_cap(heads: list[comm.Handle]) -> float:
+    """How long a wait may sleep between polls: short when an NCCL receive (which signals nothing) decides it."""
+    return comm.NCCL_POLL_MAX_S if any(h.orders_stream for h in heads) else comm.POLL_MAX_S
+
+
 class _Inbound:
     """One incoming channel: outstanding receives in posting order (= arrival order)."""
 
@@ -185,7 +190,7 @@ class StageLinks:
                 except RuntimeError as e:  # gloo's own timeout or a dead peer: say where the pipeline stood
                     raise RuntimeError(f"pipeline receive failed ({e}); {what()}") from e
             else:
-                comm.wait_until(head.is_completed, timeout_s, what)
+                comm.wait_until(head.is_completed, timeout_s, what, _poll_cap([head]))
             self._take_head(ch)
         self._prune_sends()
 
@@ -194,7 +199,7 @@ class StageLinks:
         heads = [ch.posted[0][1] for ch in self.inbound.values() if ch.posted]
         if not heads:
             raise RuntimeError(f"pipeline: waiting for input but no message is expected; {what()}")
-        comm.wait_until(lambda: any(h.is_completed() for h in heads), timeout_s, what)
+        comm.wait_until(lambda: any(h.is_completed() for h in heads), timeout_s, what, _poll_cap(heads))
         self.poll()
 
     def take(self, key: Key) -> torch.Tensor:
