@@ -41,6 +41,9 @@ class GradSync(Protocol):
     def after_final_backward(self, chunk: int) -> None: ...
 
 
+_KINDS = "FBW"  # a task's kind as the int TP peers exchange
+
+
 @dataclass
 class StepResult:
     losses: list[float]  # per microbatch, on the stage holding the last virtual stage (else empty)
@@ -191,11 +194,21 @@ class PipelineExecutor:
         if not self.decide_on_tp0 or self.topo.coord.tp == 0:
             task = self._choose(st)
         if self.decide_on_tp0:
-            task = comm.broadcast_object(task, self.topo.tp_group.ranks[0], self.topo.tp_group)
+            task = self._share_choice(task)
             t0 = time.perf_counter()
             self._wait_input(st, task)
             st.wait_s += time.perf_counter() - t0
         return task
+
+    def _share_choice(self, task: Task | None) -> Task:
+        """TP rank 0's choice, on every TP peer: three ints broadcast on the host control group (gloo when the TP
+        group is NCCL's), so a decision per task costs no pickling and no host-device synchronisation."""
+        ctl = self.topo.tp_control_group
+        msg = torch.tensor([_KINDS.index(task.kind), task.chunk, task.microbatch] if task is not None else [0, 0, 0],
+                           dtype=torch.int64, device=self.device if comm.CONTEXT.backend(ctl) == "nccl" else "cpu")
+        comm.broadcast(msg, ctl.ranks[0], ctl)
+        kind, chunk, microbatch = msg.tolist()
+        return Task(_KINDS[kind], chunk, microbatch)
 
     def _choose(self, st: _StepState) -> Task:
         """Ask the policy until it picks a ready task, waiting for arrivals in between; the wait is timed."""

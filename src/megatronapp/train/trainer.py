@@ -144,7 +144,9 @@ class Trainer:
             dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
         torch.manual_seed(t.seed)
         comm.set_semantics(p.comm_semantics)
-        self.topo = topology_mod.build(p.tp, p.pp, p.dp, rank)
+        # a dynamic schedule (a module's factory) makes per-task decisions that TP peers share on the host
+        self.topo = topology_mod.build(p.tp, p.pp, p.dp, rank,
+                                       tp_control=plugins.schedule_factory(p.schedule) is not None)
         self.rank = self.topo.rank
         self.out = Path(t.out)
         self.chunks = build_chunks(cfg, self.topo, self.device)
