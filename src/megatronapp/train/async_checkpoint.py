@@ -63,21 +63,31 @@ def snapshot_plan(obj: Any, reuse: Any = None) -> tuple[Any, list[tuple[torch.Te
     return plan(obj, reuse), copies
 
 
+def _device_of(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.device | None:
+    """The GPU the state to copy lives on (None for a state in host memory)."""
+    return next((src.device for _, src in copies if src.device.type == "cuda"), None)
+
+
 class _Copier:
     """Runs a snapshot's copies from any number of threads: each takes the next piece not yet taken."""
 
     def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]]):
         self.copies = copies
-        self.cuda = any(src.device.type == "cuda" for _, src in copies)
-        self.stream = torch.cuda.Stream() if self.cuda else None
+        self.device = _device_of(copies)
+        self.cuda = self.device is not None
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         if self.cuda:  # the copies must see the optimizer step that produced the state (on the current stream)
-            self.stream.wait_stream(torch.cuda.current_stream())
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self._next = self._done = 0
         self._cond = threading.Condition()
         self.error: BaseException | None = None
 
     def run(self) -> None:
         """Copy pieces until none is left to take."""
+        if self.cuda:
+            # A new thread's current device is 0: leaving `torch.cuda.stream` would make it current (and create a
+            # CUDA context there, ~0.5 GB, on every rank of a node) unless the thread is on the state's device.
+            torch.cuda.set_device(self.device)
         with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
             while True:
                 with self._cond:
