@@ -340,7 +340,15 @@ class PipelineExecutor:
                 f"{[f'{k}{c}.{m}' for k, c, m in links.pending()][:8]}")
 
     def _headroom(self) -> float | None:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            return free / total
+        return memory_headroom(self.device)
+
+
+def memory_headroom(device: torch.device) -> float | None:
+    """The fraction of the device's memory the next allocations can have (None off a GPU): free memory plus what
+    PyTorch's caching allocator holds but does not use (reserved - allocated). `mem_get_info` alone counts the
+    cache as used, so once the cache is warm a stage would read as under memory pressure for the whole run."""
+    if device.type != "cuda":
         return None
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return min(1.0, (free + cached) / total)

@@ -1,5 +1,6 @@
-"""MegaDPP with TP: TP rank 0's per-task choice reaches its peers as three ints on a host (gloo) group, never as a
-pickled object over NCCL, which costs host-device synchronisations per task (issue 39, item 4)."""
+"""What MegaDPP reads and exchanges per task costs no host-device synchronisation, and its memory signal is right on a
+GPU (issue 39, items 4 and 6). With TP, TP rank 0's per-task choice reaches its peers as three ints on a host (gloo)
+group, never as a pickled object over NCCL; the memory headroom counts the caching allocator's unused memory."""
 from __future__ import annotations
 
 import torch
@@ -60,3 +61,18 @@ def test_an_nccl_tp_group_gets_a_gloo_control_group(monkeypatch):
     made.clear()
     plain = topology.build(2, 1, 2)  # static schedules decide nothing at run time: no extra group
     assert plain.tp_control_group is plain.tp_group and all(kw.get("backend") is None for _, kw in made)
+
+
+def test_the_memory_signal_counts_the_allocator_cache_as_free(monkeypatch):
+    """MegaDPP's memory pressure (issue 39, item 6): 80 GB card, 70 GB reserved by the caching allocator of which
+    20 GB hold tensors. The driver sees 10 GB free; the next allocations can have 60 GB."""
+    gb = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gb, 80 * gb))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 70 * gb)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 20 * gb)
+    cfg = RunConfig.from_dict({"parallel": {"schedule": "dpp", "microbatches": 2}})
+    ex = PipelineExecutor([torch.nn.Identity()], topology.build(1, 1, 1), make_policy(cfg), microbatches=2,
+                          act_shape=(1, 2, 4), device="cuda")
+    assert ex._headroom() == 60 / 80  # not 10 / 80, which the DPP policies read as pressure (< 0.1)
+    assert PipelineExecutor([torch.nn.Identity()], topology.build(1, 1, 1), make_policy(cfg), microbatches=2,
+                            act_shape=(1, 2, 4))._headroom() is None  # no GPU, no signal
