@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatronapp import startup, tracing
+from megatronapp import gpu_setup, startup, tracing
 from megatronapp.config import FBD_TRAIN, RunConfig, micro_batch_size, plugin_entries, validate
 from megatronapp.data.dataset import build_batch_source, build_valid_source, split_microbatches
 from megatronapp.data.prefetch import Prefetcher
@@ -143,6 +143,7 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if (
             dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
         torch.manual_seed(t.seed)
+        gpu_setup.math_modes(self.device, t.tf32)
         comm.set_semantics(p.comm_semantics)
         # a dynamic schedule (a module's factory) makes per-task decisions that TP peers share on the host
         self.topo = topology_mod.build(p.tp, p.pp, p.dp, rank,
@@ -362,6 +363,7 @@ def train(cfg: RunConfig, threads: int | None = None) -> dict[str, Any]:
     from megatronapp.launch import external_launch, init_distributed
 
     validate(cfg)
+    prepare_gpu_launch(cfg)
     if cfg.parallel.fbd:  # MegaFBD owns its run loop; reached by import path, so the engine imports no module
         return plugins.resolve(FBD_TRAIN, "parallel.fbd")(cfg, threads)
     plugins.resolve_all(plugin_entries(cfg))  # a bad --attach fails here, once, not in every spawned rank
@@ -372,6 +374,16 @@ def train(cfg: RunConfig, threads: int | None = None) -> dict[str, Any]:
             return run_rank(rank, world, cfg.to_dict())
     with ckpt.OutLock(cfg.train.out):  # two jobs writing one run directory would corrupt each other's steps
         return _train_local(cfg, threads)
+
+
+def prepare_gpu_launch(cfg: RunConfig) -> None:
+    """Before any rank touches a GPU: refuse emulated NCCL rules on NCCL, and put what CUDA reads at context
+    creation into this process's environment, which torchrun's rank (this process) and spawned ranks inherit."""
+    from megatronapp.launch import pick_backend
+
+    backend = pick_backend(cfg.parallel.backend)
+    gpu_setup.check_semantics(cfg, backend)
+    os.environ.update(gpu_setup.launch_env(cfg, backend))
 
 
 def _train_local(cfg: RunConfig, threads: int | None) -> dict[str, Any]:
