@@ -7,6 +7,7 @@ raises). These tests stand in for torch.cuda with fakes that keep a current devi
 """
 from __future__ import annotations
 
+import os
 import threading
 from contextlib import contextmanager
 
@@ -111,3 +112,22 @@ def test_spans_closed_on_a_helper_thread_are_timed_on_the_rank_gpu(monkeypatch, 
     tr.close()  # resolves every span: elapsed_time between the anchor and each event must not raise
     assert cuda.on("comm-watcher") == [f"event on {RANK_GPU}"]
     assert all(w == f"event on {RANK_GPU}" for t, w in cuda.calls if w.startswith("event")), cuda.calls
+
+
+def test_snapshots_pin_host_memory_only_within_a_budget(monkeypatch):
+    """Every rank keeps its snapshot buffers for reuse; pinning whole states would lock most of a node's memory
+    (issue 39, item 8). New buffers of GPU tensors are pinned while the budget lasts, the rest is pageable."""
+    pinned: list[int] = []
+    monkeypatch.setattr(async_checkpoint, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(async_checkpoint, "_host_empty",
+                        lambda x, pin: (pinned.append(x.numel()) if pin else None) or torch.empty(x.shape))
+    state = {"model": [torch.ones(256) for _ in range(3)], "optimizer": {"step": 3, "m": torch.ones(256)}}
+    snap, copies = async_checkpoint.snapshot_plan(state, pin_bytes=2 * 256 * 4 + 100)
+    assert pinned == [256, 256] and len(copies) == 4  # two fit the budget; all four are copied
+    assert snap["optimizer"]["step"] == 3
+    pinned.clear()
+    async_checkpoint.snapshot_plan(state, reuse=snap, pin_bytes=0)
+    assert pinned == []  # the next save reuses the buffers it has
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < async_checkpoint.pin_budget() <= host // 32
