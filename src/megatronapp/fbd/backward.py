@@ -140,7 +140,7 @@ class BackwardRank:
                     grad = self.links.take(("B", c, m)).to(out.dtype)
                 with tracing.span("backward", "compute", chunk=c, microbatch=m), emulation.segment("BW", v, m):
                     if grad is None:
-                        losses.append(out.detach() if out.is_cuda else float(out.detach()))  # GPU: no sync
+                        losses.append(out.detach())  # on the device: one host read per step (global_loss)
                         torch.autograd.backward(out * scale)
                     else:
                         torch.autograd.backward(out, grad)
