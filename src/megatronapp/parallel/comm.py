@@ -120,8 +120,21 @@ def all_reduce_async(t: torch.Tensor, group: Group, op: str = "sum", label: str 
 # NCCL takes one flat buffer per collective: the list forms (`all_gather(list, t)`, `reduce_scatter(t, list)`)
 # make ProcessGroupNCCL flatten the list into a buffer and copy it out again. The single-tensor forms below hand
 # it that buffer directly; a gather along dim 0 then needs no copy at all, along another dim one concatenation.
+# Plain gloo keeps the forms it has always had (older torch's gloo lacks the single-tensor ones); under the strict
+# modes gloo runs NCCL's, so the tests cover them.
 _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
 _scatter_from = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in 2.13
+
+
+def _native_gloo(group: Group) -> bool:
+    return CONTEXT.backend(group) == "gloo" and CONTEXT.strict is None
+
+
+def _gather(out: torch.Tensor, src: torch.Tensor, group: Group) -> Callable[[], Any]:
+    """Start filling `out` ([group.size * n, ...]) with every member's `src` ([n, ...]) as consecutive blocks."""
+    if _native_gloo(group):
+        return lambda: dist.all_gather(list(out.chunk(group.size)), src, group=group.pg, async_op=True)
+    return lambda: _gather_into(out, src, group=group.pg, async_op=True)
 
 
 def reduce_scatter_inplace_async(t: torch.Tensor, group: Group, label: str = "") -> Handle:
@@ -129,7 +142,7 @@ def reduce_scatter_inplace_async(t: torch.Tensor, group: Group, label: str = "")
     equal slices) holds the sum; the other slices are left undefined. A no-op for a group of one."""
     if group.size == 1:
         return Handle(None, None)
-    if CONTEXT.backend(group) == "gloo" and CONTEXT.strict is None:
+    if _native_gloo(group):
         # gloo's reduce-scatter costs about twice its all-reduce (measured: 16 MiB, 2 ranks, 14 vs 8 ms of CPU);
         # an in-place all-reduce leaves the same sums in every slice, ours included. Under --comm-semantics nccl
         # gloo runs the op NCCL would run, so the tests cover both.
@@ -146,7 +159,7 @@ def all_gather_inplace_async(t: torch.Tensor, group: Group, label: str = "") -> 
     if group.size == 1:
         return Handle(None, None)
     mine = _mine(t, group)
-    return _start("all_gather", group, t, label, lambda: _gather_into(t, mine, group=group.pg, async_op=True), keep=t)
+    return _start("all_gather", group, t, label, _gather(t, mine, group), keep=t)
 
 
 def _stacked(t: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
@@ -162,7 +175,7 @@ def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
         return t
     src = t.contiguous()
     out = src.new_empty((group.size * src.shape[0], *src.shape[1:]))  # blocks along dim 0, as gloo checks them
-    _blocking("all_gather", group, t, lambda: _gather_into(out, src, group=group.pg, async_op=True))
+    _blocking("all_gather", group, t, _gather(out, src, group))
     if dim == 0:
         return out
     return torch.cat(out.chunk(group.size, dim=0), dim=dim)
@@ -172,7 +185,7 @@ def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Sum over the group, then keep this member's slice of `dim`."""
     if group.size == 1:
         return t
-    if CONTEXT.backend(group) == "gloo" and CONTEXT.strict is None:
+    if _native_gloo(group):
         # all-reduce a copy and keep our slice (same numbers; cheaper on gloo, see reduce_scatter_inplace_async)
         full = t.contiguous().clone()
         _blocking("reduce_scatter", group, t, lambda: dist.all_reduce(full, group=group.pg, async_op=True))
@@ -190,8 +203,7 @@ def all_gather_async(t: torch.Tensor, group: Group, label: str = "") -> tuple[to
         return t.unsqueeze(0), Handle(None, None)
     src = t.contiguous()
     out = src.new_empty((group.size * src.shape[0], *src.shape[1:]))
-    return out.view(group.size, *src.shape), _start(
-        "all_gather", group, t, label, lambda: _gather_into(out, src, group=group.pg, async_op=True), keep=src)
+    return out.view(group.size, *src.shape), _start("all_gather", group, t, label, _gather(out, src, group), keep=src)
 
 
 def reduce_scatter_async(t: torch.Tensor, group: Group, dim: int = 0,
@@ -200,7 +212,7 @@ def reduce_scatter_async(t: torch.Tensor, group: Group, dim: int = 0,
     `dim` of the sum."""
     if group.size == 1:
         return t, Handle(None, None)
-    if CONTEXT.backend(group) == "gloo" and CONTEXT.strict is None:  # all-reduce a copy: the slice is a view of it
+    if _native_gloo(group):  # all-reduce a copy: the slice is a view of it
         full = t.contiguous().clone()
         h = _start("reduce_scatter", group, t, label, lambda: dist.all_reduce(full, group=group.pg, async_op=True),
                    keep=full)
