@@ -444,7 +444,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the same checks on the CPU (gloo for NCCL, the host clock for CUDA events)")
     parser.add_argument("--quick", action="store_true", help="with --rehearse-on-cpu: the short rehearsal of make test")
     args = parser.parse_args(argv)
-    import torch
+    try:
+        import torch
+    except ImportError as e:  # the machine's python has no torch: nothing can run, and that is a failure
+        print(f"FAIL env (0 s): {sys.executable} cannot import torch ({e}); run with PYTHON=<a python with torch>")
+        return 2 if nvidia_smi_gpus() else 1
 
     kind = "cpu" if args.rehearse_on_cpu else "cuda"
     out = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-")).resolve()
