@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.gpu_check import (
+from benchmarks.gpu_check_common import (
     CLI,
     ROOT,
     CheckFailed,
