@@ -34,6 +34,7 @@ _TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "eval_interval": ("train", "eval_interval"), "eval_iters": ("train", "eval_iters"),
     "valid_data": ("train", "valid_data"),
     "async_save": ("train", "async_save"), "keep_checkpoints": ("train", "keep_checkpoints"),
+    "tf32": ("train", "tf32"),
     "family": ("model", "family"), "layers": ("model", "num_layers"), "hidden": ("model", "hidden_size"),
     "heads": ("model", "num_heads"), "kv_heads": ("model", "num_kv_heads"), "ffn_hidden": ("model", "ffn_hidden_size"),
     "vocab": ("model", "vocab_size"), "max_seq_len": ("model", "max_seq_len"),
@@ -113,6 +114,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int)
     g.add_argument("--dtype", choices=["fp32", "bf16"])
     g.add_argument("--recompute", choices=["none", "selective", "full"])
+    g.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
+                   help="on a GPU, fp32 matmuls use TF32 tensor cores (default on; off to compare with the CPU)")
     g.add_argument("--save-interval", type=int, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--async-save", action="store_true", default=None,
                    help="two-stage checkpoints: the host-memory copy and the file writes run in the background "
@@ -239,7 +242,7 @@ def _check_steps_beyond_checkpoint(path: str, steps: int) -> None:
 # the console port, tracing or a path: those come from the command line or the user's --config file.
 _STATE_TRAIN_FIELDS = ("steps", "global_batch_size", "seq_len", "lr", "min_lr", "warmup_steps", "optimizer",
                        "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed", "dtype", "recompute",
-                       "log_interval", "save_interval", "async_save", "data_prefetch", "peak_tflops")
+                       "tf32", "log_interval", "save_interval", "async_save", "data_prefetch", "peak_tflops")
 # Paths a resumed run needs the same as the saved run, so the user names them again (the saved value is only shown)
 _NAMED_AGAIN = {"data": ("--data", None), "tokenizer": ("--tokenizer", "byte")}
 

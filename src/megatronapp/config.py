@@ -148,6 +148,7 @@ class TrainConfig:
     seed: int = 1234
     dtype: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and gradient reduction)
     recompute: str = "none"  # none | selective | full
+    tf32: bool = True  # fp32 matmuls on a GPU use TF32 tensor cores (gpu_setup.math_modes); no effect on the CPU
     log_interval: int = 1
     save_interval: int = 0  # 0: only at the end
     async_save: bool = False  # two-stage: snapshot to host memory, write in the background

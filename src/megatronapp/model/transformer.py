@@ -21,7 +21,7 @@ from megatronapp.model.init import full_shape, reset_parameters
 from megatronapp.model.mlp import MLP
 from megatronapp.model.norms import is_norm, make_norm
 from megatronapp.model.rope import inv_frequencies, rope_tables
-from megatronapp.parallel import weight_grad
+from megatronapp.parallel import host_copy, weight_grad
 from megatronapp.parallel.tensor_parallel import (
     SEQ_DIM,
     VocabParallelEmbedding,
@@ -153,6 +153,7 @@ class TransformerChunk(nn.Module):
             self.output = OutputLayer(cfg, tp_group) if post_process and not self.tied_here else None
         # Not a buffer: model.to(bfloat16) would round the frequencies; tables are rebuilt in fp32 per forward.
         self.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta) if cfg.family == "llama" else None
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # copied to a device once, not every forward
         if sp:
             # Norms see only this rank's sequence slice: their gradients are partial sums over TP.
             for m in self.modules():
@@ -212,7 +213,7 @@ class TransformerChunk(nn.Module):
         seq = h.shape[1] * (tp_size(self.tp_group) if self.sequence_parallel else 1)
         rope = None
         if self.inv_freq is not None:
-            rope = rope_tables(self.inv_freq.to(h.device), start_pos, seq)
+            rope = rope_tables(self._rope_frequencies(h.device), start_pos, seq)
         training = torch.is_grad_enabled() and kv_cache is None
         # Full recompute replays a layer's forward in backward: hooks would fire twice (and a random
         # perturbation would differ), so layers run plainly while an observer is attached.
@@ -231,6 +232,14 @@ class TransformerChunk(nn.Module):
         if not self.post_process:
             return h
         return self._head(h, labels)
+
+    def _rope_frequencies(self, device: torch.device) -> torch.Tensor:
+        """The fp32 RoPE frequencies on `device`: copied there once (a pageable copy per forward would make the
+        host wait for the GPU at every chunk's forward)."""
+        f = self._inv_freq_on.get(device)
+        if f is None:
+            f = self._inv_freq_on[device] = host_copy.to_device(self.inv_freq, device)
+        return f
 
     def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         cap = self.capture

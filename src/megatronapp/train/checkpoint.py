@@ -155,7 +155,8 @@ def rng_state() -> dict[str, Any]:
              "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # this rank's own GPU only: a resume may see fewer GPUs (or this rank on another index) than the save did
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -167,7 +168,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = state["cuda"]
+        if isinstance(cuda, torch.Tensor):
+            torch.cuda.set_rng_state(cuda, torch.cuda.current_device())
+        else:  # older checkpoints hold every visible GPU's state: restore those of the GPUs still visible
+            for i, s in enumerate(cuda[:torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(s, i)
 
 
 # -- saving ------------------------------------------------------------------------------------------------
