@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -154,6 +155,20 @@ def _netns() -> list[str]:
 
     return [line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True,
                                                        text=True).stdout.splitlines() if line.strip()]
+
+
+def test_a_host_whose_store_nobody_hosts_stops_with_the_flag_named(tmp_path):
+    """Host 1 started alone, its endpoint on host 0 where nothing runs: within torchrun's read timeout (3 s
+    here), a message that names is_host=1 and the address, never torchrun's C++ traceback."""
+    with Cluster(2, log_dir=tmp_path) as c:
+        p = c.run(1, [sys.executable, "-m", "megatronapp", "torchrun", "--nnodes", "2", "--nproc-per-node", "1",
+                      "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{c.hosts[0].addr}:{jobs.PORT}",
+                      "--rdzv-conf", "read_timeout=3", "-m", "megatronapp", "train"], env=_env(), log="agent1.log")
+        code = p.wait(timeout=120)
+    log = (tmp_path / "agent1.log").read_text()
+    assert code == 2, log
+    assert f"the rendezvous store at 10.213.0.1:{jobs.PORT} did not answer within 3 s" in log
+    assert "--rdzv-conf is_host=1" in log and "from 10.213.0.2" in log and "Traceback" not in log
 
 
 def test_two_hosts_train_like_one_process_and_ride_through_a_flapping_link(two_hosts, one_process):

@@ -171,11 +171,19 @@ def main(argv: list[str]) -> int:
             print(unreachable_message(p, wait_s), file=sys.stderr, flush=True)
             return 2
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
     try:
         record(torchrun.run)(args)  # as torchrun's own main: the failed worker's error file is read and shown
     except ChildFailedError as e:
         print(e, file=sys.stderr)
+        return 1
+    except RendezvousError as e:
+        where = f"{p.endpoint[0]}:{p.endpoint[1]}" if p.endpoint else "the rendezvous endpoint"
+        print(f"megatronapp torchrun: the rendezvous failed ({type(e).__name__}: {e}). The store at {where} went "
+              f"away or cannot be reached from this host: the job ended and its host closed the store, or that "
+              f"host is down or cut off from this one (a store outside the training hosts survives the loss of "
+              f"any of them: `megatronapp resilience store`)", file=sys.stderr, flush=True)
         return 1
     except AttributeError as e:
         if not _standby_closed(e):

@@ -9,6 +9,7 @@ only the rendezvous state; it ends on SIGTERM or SIGINT.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import signal
 import socket
@@ -41,5 +42,6 @@ def serve(addr: str, port: int, stop: threading.Event | None = None) -> None:
           f"--rdzv-backend c10d --rdzv-endpoint {addr}:{port} --rdzv-conf is_host=0", file=sys.stderr, flush=True)
     while not stop.wait(1.0):
         pass
-    del store
-    sock.close()
+    del store  # the store closes the listening descriptor it was handed
+    with contextlib.suppress(OSError):
+        sock.close()
