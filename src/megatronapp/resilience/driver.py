@@ -93,6 +93,7 @@ def watch(hb_dir: Path, opts: DriverOptions, log: Callable[[str], None] = _log) 
         seen_at, start = time.time(), None
         starts = StartLog()
         waiting_for: list[int] = []
+        ops, ops_moved_at = None, time.time()
         while True:
             time.sleep(0.2)
             every = read_beats(hb_dir, opts.world)
@@ -123,9 +124,11 @@ def watch(hb_dir: Path, opts: DriverOptions, log: Callable[[str], None] = _log) 
                 log(f"no heartbeat of round {round_} for {opts.give_up_after_s:.0f} s: stopped watching")
                 return _result(False, round_, beats, failures, left)
             clock.update(beats)
+            if ops_done(beats) != ops:  # finer than steps: any rank completing any communication op
+                ops, ops_moved_at = ops_done(beats), time.time()
             idle = clock.overdue(beats)
             if idle is not None and _hang_possible(beats, stale_after):
-                late = stopped_after_stall(beats, clock.last_progress, stale_after)
+                late = stopped_after_stall(beats, max(clock.last_progress, ops_moved_at), stale_after)
                 if not late:
                     break
                 if late != waiting_for:  # said once per set of ranks
@@ -157,12 +160,21 @@ def watch(hb_dir: Path, opts: DriverOptions, log: Callable[[str], None] = _log) 
         round_ += 1
 
 
+def ops_done(beats: dict[int, dict[str, Any]]) -> tuple:
+    """Every rank's count of completed communication ops (its flight recorder's per-stream sequence numbers)."""
+    def done(b: dict[str, Any]) -> int:
+        completed = (b.get("flight") or {}).get("completed") or {}
+        return sum(v for v in completed.values() if isinstance(v, int) and not isinstance(v, bool))
+    return tuple(sorted((r, done(b)) for r, b in beats.items()))
+
+
 def stopped_after_stall(beats: dict[int, dict[str, Any]], last_progress: float, stale_after: float) -> list[int]:
-    """Ranks whose heartbeat stopped well after the job last made progress. They did not stall it (a rank that
-    stalls a job by dying or stopping goes silent when progress stops); something stopped them later: their
-    torchrun agent, which restarts the workers when a host's rendezvous keep-alive expired and a standby host
-    waits (the cause, a host lost or cut off, then shows in who is missing from the new start), or after a worker
-    failed. A decision now would race torchrun and blame the wrong host."""
+    """Ranks whose heartbeat stopped well after the job last made progress (a step, or any rank completing a
+    communication op). They did not stall it: a rank that stalls a job by dying or stopping goes silent while its
+    peers still complete the ops that do not need it, and they block right after. Something stopped them later:
+    their torchrun agent, which restarts the workers when a host's rendezvous keep-alive expired and a standby
+    host waits (the cause, a host lost or cut off, then shows in who is missing from the new start), or after a
+    worker failed. A decision now would race torchrun and blame the wrong host."""
     now = time.time()
     return sorted(r for r, b in beats.items()
                   if now - b["time"] > stale_after and b["time"] > last_progress + stale_after)

@@ -24,7 +24,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from megatronapp.resilience import decision
 
@@ -110,7 +109,3 @@ def describe(current: Start, now: float | None = None) -> str:
     hosts = ", ".join(f"node {n}: {a}" for n, a in sorted(current.hosts.items()))
     return f"start {current.start} of round {current.round} began {age:.1f} s ago on {hosts or 'unknown hosts'}"
 
-
-def as_dict(record: Start) -> dict[str, Any]:
-    return {"round": record.round, "start": record.start, "time": record.time, "run_id": record.run_id,
-            "hosts": dict(record.hosts)}

@@ -116,12 +116,9 @@ def wait_until(predicate: Any, timeout_s: float, what: str, poll_s: float = 0.05
     raise TimeoutError(f"{what}: not within {timeout_s:.0f} s")
 
 
-def wait_for_step(hb: Path, rank: int, step: int, timeout_s: float, start: str | None = None) -> float:
-    """Until rank `rank` reports step >= `step` (of start `start`, when given)."""
-    def done() -> bool:
-        b = beat(hb, rank)
-        return b.get("step", -1) >= step and (start is None or b.get("start") == start)
-    return wait_until(done, timeout_s, f"rank {rank} at step {step}")
+def wait_for_step(hb: Path, rank: int, step: int, timeout_s: float) -> float:
+    """Until rank `rank` reports step >= `step`."""
+    return wait_until(lambda: beat(hb, rank).get("step", -1) >= step, timeout_s, f"rank {rank} at step {step}")
 
 
 def finish(job: Job, timeout_s: float, hosts: list[int]) -> dict[str, Any]:
