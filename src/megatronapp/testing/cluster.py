@@ -150,14 +150,18 @@ class Cluster:
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
         for h in self.hosts:
-            self._add_netns(h.netns)
-            _ip("-n", h.netns, "link", "set", "lo", "up")
-            # both ends made inside their namespaces: the machine's own namespace never holds one
-            _ip("-n", self.switch, "link", "add", h.port, "type", "veth", "peer", "name", h.ifname, "netns", h.netns)
-            _ip("-n", self.switch, "link", "set", h.port, "master", "br0")
-            _ip("-n", self.switch, "link", "set", h.port, "up")
-            _ip("-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
-            _ip("-n", h.netns, "link", "set", h.ifname, "up")
+            self._attach(h)
+
+    def _attach(self, h: Host) -> None:
+        """Make host `h`'s namespace and link it to the switch."""
+        self._add_netns(h.netns)
+        _ip("-n", h.netns, "link", "set", "lo", "up")
+        # both ends made inside their namespaces: the machine's own namespace never holds one
+        _ip("-n", self.switch, "link", "add", h.port, "type", "veth", "peer", "name", h.ifname, "netns", h.netns)
+        _ip("-n", self.switch, "link", "set", h.port, "master", "br0")
+        _ip("-n", self.switch, "link", "set", h.port, "up")
+        _ip("-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
+        _ip("-n", h.netns, "link", "set", h.ifname, "up")
 
     def _add_netns(self, name: str) -> None:
         _ip("netns", "add", name)
@@ -168,20 +172,6 @@ class Cluster:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def add_host(self) -> Host:
-        """One more host on the switch (a standby machine, or a store host)."""
-        i = len(self.hosts)
-        h = Host(i, f"{self.tag}-h{i}", f"{SUBNET}.{i + 1}", f"p{i}")
-        self.hosts.append(h)
-        self._add_netns(h.netns)
-        _ip("-n", h.netns, "link", "set", "lo", "up")
-        _ip("-n", self.switch, "link", "add", h.port, "type", "veth", "peer", "name", h.ifname, "netns", h.netns)
-        _ip("-n", self.switch, "link", "set", h.port, "master", "br0")
-        _ip("-n", self.switch, "link", "set", h.port, "up")
-        _ip("-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
-        _ip("-n", h.netns, "link", "set", h.ifname, "up")
-        return h
 
     def run(self, host: int, argv: list[str], env: dict[str, str] | None = None, log: str | None = None,
             **kw: Any) -> subprocess.Popen:
