@@ -25,6 +25,7 @@ benchmark's (benchmarks/bench_multihost.py), never asserted here.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -254,6 +255,38 @@ def test_a_lost_host_is_replaced_by_a_standby_and_the_run_is_bit_identical(tmp_p
     assert "host 10.213.0.1 (node 0; ranks 0, 1: DP0-PP0-TP0, DP0-PP0-TP1) left the job, replaced by 10.213.0.3" \
         in driver
     assert re.search(r"round 0 \(torchrun restart counts \[0\]\): resuming from step_0000000[2-9]", logs), logs
+    _assert_identical(job.out, two_hosts["out"])
+
+
+@pytest.mark.skipif(os.environ.get("MEGATRONAPP_LONG") != "1",
+                    reason="a host lost without a standby, then brought back: ~90 s; set MEGATRONAPP_LONG=1")
+def test_without_a_standby_the_job_waits_for_the_lost_host_and_resumes_when_it_returns(tmp_path, two_hosts):
+    """Host 1 loses power at step 2 and no standby waits: the driver names the host after the hang timeout and
+    decides a restart; the rendezvous waits for a second host until host 1's torchrun is started again (the
+    machine rebooted), then the job resumes bit-identically."""
+    c = Cluster(2, log_dir=tmp_path / "logs")
+    job = jobs.Job(c, tmp_path / "run", tmp_path / "hb", tmp_path / "logs")
+    env = _env()
+    try:
+        endpoint = f"{c.hosts[0].addr}:{jobs.PORT}"
+        flags = [*TWO_HOSTS, *COMMON, *HB, *PACED]
+        for h in (0, 1):
+            jobs.start_agent(job, h, endpoint, "2", 2, flags, jobs.rdzv_conf(), env)
+        jobs.start_driver(job, 4, HANG_TIMEOUT, 0.3, env)
+        jobs.wait_for_step(job.hb, 0, 2, 300)
+        c.lose_host(1)
+        jobs.wait_until(lambda: (job.hb / "restart-0.json").is_file(), 120, "the driver's decision")
+        c.restore(1)  # the machine is back; its torchrun starts again and joins the waiting rendezvous
+        jobs.start_agent(job, 1, endpoint, "2", 2, flags, jobs.rdzv_conf(), env)
+        result = jobs.finish(job, 400, [0, 1])
+        codes = [job.agents[h].returncode for h in (0, 1)]
+        driver = job.log("driver.log")
+    finally:
+        _closed(c, job)
+    assert codes == [0, 0], job.agent_logs()[-4000:]
+    assert "every rank of host 10.213.0.2 (node 1; ranks 2, 3: DP0-PP1-TP0, DP0-PP1-TP1) stopped beating: the " \
+           "host is lost" in driver
+    assert result["completed"] and result["round"] == 1 and len(result["failures"]) == 1, driver
     _assert_identical(job.out, two_hosts["out"])
 
 
