@@ -24,7 +24,6 @@ of benchmarks/results/recovery_emulated.json (same job on one host under `--supe
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -38,13 +37,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import stats
+from benchmarks import harness, stats
 from megatronapp.testing import jobs
 from megatronapp.testing.cluster import Cluster, missing_capability
 
-RESULTS = Path(__file__).resolve().parent / "results" / "multihost_emulated.json"
-SINGLE = Path(__file__).resolve().parent / "results" / "recovery_emulated.json"
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("multihost_emulated")
+SINGLE = harness.results_path("recovery_emulated")
 SPEC = "tflops=0.00001"  # as recovery_emulated.py: ~1.2 s of device time per rank and step
 FLAGS = ["--tp", "2", "--pp", "2", "--dp", "2", "--steps", "8", "--save-interval", "2", "--layers", "2",
          "--hidden", "64", "--global-batch", "4", "--microbatches", "2", "--seq-len", "32", "--no-progress",
@@ -156,10 +154,12 @@ def _summary(values: list[float]) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, quick="one kill-9 and one flap drill; writes nothing")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kinds", default=",".join(KINDS))
     args = ap.parse_args()
+    if args.quick:
+        args.repeats, args.kinds = 1, "kill-9,flap"
     missing = missing_capability()
     if missing:
         sys.exit(f"bench_multihost: hosts as network namespaces: {missing}")
@@ -167,7 +167,7 @@ def main() -> None:
     bad = sorted(set(kinds) - set(KINDS))
     if bad:
         sys.exit(f"--kinds: unknown {bad}; choose from {', '.join(KINDS)}")
-    t0 = time.perf_counter()
+    clock = harness.Clock()
     drills: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
     for i in range(args.repeats):
         for kind in kinds:  # interleaved: a slow drift of load touches every kind alike
@@ -193,13 +193,13 @@ def main() -> None:
               "keep_alive_s": 5, "flap_s": FLAP_S, "drills": drills, "summary": summary,
               "single_host": single["summary"] if single else None,
               "single_host_load": [round(d["load_avg"], 1) for d in single["drills"]] if single else None,
-              "wall_s": time.perf_counter() - t0,
-              "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    stats.write_block(DOCS, "multihost-emulated", docs_body(result))
+              "wall_s": clock.wall_s(), "timestamp": clock.timestamp,
+              "machine": harness.machine(clock, emulated=True, hosts=4, ranks_per_host=2)}
     for kind, s in summary.items():
         print(kind + ": " + "; ".join(f"{p} {v['median_s']:.2f} s [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}]"
                                      for p, v in s.items() if isinstance(v, dict)))
+    if not args.quick:
+        harness.save(result, RESULTS, docs_body(result), block="multihost-emulated")
 
 
 def _cell(s: dict[str, Any], part: str) -> str:
