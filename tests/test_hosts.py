@@ -151,6 +151,23 @@ def test_the_cluster_runs_cuts_kills_and_cleans_up(tmp_path):
     assert sweep_stale() == []  # nothing stale of a live owner, nothing of ours left
 
 
+def test_a_killed_runs_namespaces_are_swept_and_only_those():
+    """A namespace left by a run whose process is gone is removed; one of a live owner is not."""
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale, live = f"mah{dead.pid}xdead00-h0", f"mah{os.getpid()}xlive00-h0"
+    for name in (stale, live):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        removed = sweep_stale()
+        assert stale in removed and live not in removed and live in _netns() and stale not in _netns()
+    finally:
+        for name in (stale, live):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 def _netns() -> list[str]:
     import subprocess
 

@@ -190,3 +190,13 @@ def test_the_store_outside_the_training_hosts_serves_a_rendezvous(tmp_path):
     assert not t.is_alive()
     with pytest.raises(ConfigError, match="cannot listen there"):
         serve("192.0.2.1", port)
+
+
+def test_the_cluster_names_what_is_missing(monkeypatch):
+    from megatronapp.testing import cluster
+
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 1000)
+    assert cluster.missing_capability().startswith("not root")
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(cluster.shutil, "which", lambda name: None)
+    assert cluster.missing_capability() == "no `ip` command (iproute2) on PATH"
