@@ -27,7 +27,6 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 SIOCGIFADDR = 0x8915  # Linux: the IPv4 address of an interface
@@ -125,19 +124,19 @@ def plan(endpoint: str | None, conf_text: str, local_addr: str | None, backend: 
     return p
 
 
-def store_answers(host: str, port: int, wait_s: float, poll_s: float = 0.5,
-                  clock: Callable[[], float] = time.monotonic) -> bool:
+def store_answers(host: str, port: int, wait_s: float, poll_s: float = 0.5) -> bool:
     """Whether a TCP connection to host:port opens within `wait_s` (retried: the store's host may start later)."""
-    deadline = clock() + wait_s
+    deadline = time.monotonic() + wait_s
     while True:
         with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=min(2.0, max(wait_s, 0.1))):
             return True
-        if clock() >= deadline:
+        if time.monotonic() >= deadline:
             return False
         time.sleep(poll_s)
 
 
 def unreachable_message(p: Plan, wait_s: float) -> str:
+    """What a host whose store never answered is told: the address, the flag, and the store outside."""
     assert p.endpoint is not None
     host, port = p.endpoint
     return (f"megatronapp torchrun: the rendezvous store at {host}:{port} did not answer within {wait_s:.0f} s. "
@@ -191,8 +190,8 @@ def main(argv: list[str]) -> int:
         # pytorch/pytorch#194710 (open): a host in the rendezvous' redundancy list (a standby that was never
         # needed, or a host that was replaced and rejoined) leaves gracefully when the job closes the rendezvous,
         # but torch's launch_agent then reads the result it did not get and raises this
-        print("megatronapp torchrun: the job ended while this host waited as a standby; it trained nothing here",
-              file=sys.stderr, flush=True)
+        print("megatronapp torchrun: the job ended while this host waited in the rendezvous as a standby (never "
+              "needed, or replaced and then back); nothing more to do here", file=sys.stderr, flush=True)
     return 0
 
 
