@@ -9,6 +9,8 @@ run (in an order where a docs section that quotes another result comes after it)
   gpu_check                            a pass/fail check of the CUDA paths, not a benchmark; it needs a GPU
                                        (benchmarks/gpu_check.sh runs it there)
   run_all                              this file
+  bench_multihost                      4 hosts as network namespaces: needs root, and its drills take ~20 min on
+                                       2 cores; run by hand (`python -m benchmarks.bench_multihost`)
   bench_scan_scale --cli / --scale-100k  the CLI at 12,288 and at 100,096 ranks: about 3 GB of trace files a job and
                                        an hour or more on 2 cores; run by hand (SCAN_SCALE_DIR picks the disk)
   bench_scan_detect --record           re-records the stored traces under benchmarks/data: not a measurement
@@ -60,7 +62,8 @@ BENCHMARKS: list[tuple[str, ...]] = [
     ("bench_scope_training",),
 ]
 EXCLUDED = {"gpu_check": "a pass/fail check of the CUDA paths, not a benchmark; needs a GPU",
-            "run_all": "this file"}
+            "run_all": "this file",
+            "bench_multihost": "needs root (hosts are network namespaces) and ~20 min; run by hand"}
 
 
 def main(argv: list[str] | None = None) -> int:
