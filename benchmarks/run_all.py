@@ -8,6 +8,7 @@ BENCHMARKS lists every module of benchmarks/ that has a main, each mode that wri
 run (in an order where a docs section that quotes another result comes after it). Left out, and why:
   gpu_check                            a pass/fail check of the CUDA paths, not a benchmark; it needs a GPU
                                        (benchmarks/gpu_check.sh runs it there)
+  gpu_check_ranks                      part of gpu_check; its main prints the plan of rank layouts it checks
   run_all                              this file
   bench_multihost                      4 hosts as network namespaces: needs root, and its drills take ~20 min on
                                        2 cores; run by hand (`python -m benchmarks.bench_multihost`)
@@ -62,6 +63,7 @@ BENCHMARKS: list[tuple[str, ...]] = [
     ("bench_scope_training",),
 ]
 EXCLUDED = {"gpu_check": "a pass/fail check of the CUDA paths, not a benchmark; needs a GPU",
+            "gpu_check_ranks": "part of gpu_check; its main prints the rank layouts it checks",
             "run_all": "this file",
             "bench_multihost": "needs root (hosts are network namespaces) and ~20 min; run by hand"}
 
