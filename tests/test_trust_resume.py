@@ -17,7 +17,7 @@ from megatronapp.cli import build_parser, config_from_args
 from megatronapp.config import ConfigError, RunConfig
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.trainer import Trainer
-from tests.test_training import _cfg
+from tests.jobs import train_case as _cfg
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
