@@ -69,7 +69,7 @@ def test_a_yaml_alias_bomb_is_refused_quickly_with_a_short_message(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(ConfigError) as e:
         load_yaml(bomb)
-    assert time.monotonic() - t0 < 5.0
+    assert time.monotonic() - t0 < 60.0  # refused before expanding: 9^11 items would take hours, not a loaded minute
     assert "aliases" in str(e.value) and len(str(e.value)) < 500
 
 
