@@ -1,8 +1,9 @@
-"""Test-wide settings and the fixtures several test files share, each launched at most once per session.
+"""Test-wide settings, the slow tier, and the fixtures several test files share, each launched at most once per
+session.
 
 Shared code lives in plain helper modules (tests/jobs.py, tests/traced_job.py, tests/scope_cases.py, ...), never
 in a test module: no test imports another (tests/test_imports.py checks it). `make test-fast` leaves out the tests
-marked `slow` (several process launches, or one long one); `make test` runs everything.
+marked `slow`: in their file, or listed in tests/tiers.py; `make test` runs everything.
 """
 from __future__ import annotations
 
@@ -12,13 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import jobs
+from tests import jobs, tiers
 from tests import traced_job as traced
 from tests.tmpdirs import session_dir
 
 # Tiny models on a 2-core machine shared with spawned ranks: several intra-op threads per process only contend
 # (seen here: tiny matmuls up to 100x slower with 2 threads under load).
 torch.set_num_threads(1)  # every test module: the model, TP and HF tests rely on it
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests tests/tiers.py lists as slow."""
+    for item in items:
+        if tiers.is_slow(item.path.name, getattr(item, "originalname", item.name)):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
