@@ -24,9 +24,10 @@ torch.set_num_threads(1)  # every test module: the model, TP and HF tests rely o
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the tests tests/tiers.py lists as slow."""
+    """Mark the tests tests/tiers.py lists, and every test that drives a browser, as slow."""
     for item in items:
-        if tiers.is_slow(item.path.name, getattr(item, "originalname", item.name)):
+        if tiers.is_slow(item.path.name, getattr(item, "originalname", item.name)) \
+                or item.get_closest_marker("browser"):
             item.add_marker(pytest.mark.slow)
 
 

@@ -31,6 +31,7 @@ def test_listed_tests_are_marked_slow(request):
     items = request.session.items
     listed = [i for i in items if tiers.is_slow(i.path.name, getattr(i, "originalname", i.name))]
     assert all(i.get_closest_marker("slow") for i in listed)
+    assert all(i.get_closest_marker("slow") for i in items if i.get_closest_marker("browser"))
     me = next(i for i in items if i.nodeid.endswith("::test_listed_tests_are_marked_slow"))
     assert me.get_closest_marker("slow") is None  # a fast test stays fast
 

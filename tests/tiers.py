@@ -7,7 +7,8 @@ rest of the suite on the 2-core development machine at load 11-21 (2026-12-07): 
 torchrun, supervised jobs, servers, CLIs in a subprocess) and long in-process work (512-rank simulations,
 hypothesis searches, the 1,000-message fuzz). Tests that share one launch (a module fixture, an lru_cache) are
 in the same tier, so the fast tier never pays a launch the slow tests were meant to pay. conftest.py adds the
-marker; tests/test_tiers.py checks every name here still names a test.
+marker, to these and to every test marked `browser` (headless chromium: skipped where it is not installed, so
+absent from the measurement); tests/test_tiers.py checks every name here still names a test.
 """
 from __future__ import annotations
 
