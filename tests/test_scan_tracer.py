@@ -163,9 +163,23 @@ def _plain_loop(rank: int, world: int, out: str) -> None:
     dist.all_reduce(torch.ones(1))  # plain torch again
 
 
-def test_instrument_plain_torch_loop(tmp_path):
-    spawn(_plain_loop, 2, str(tmp_path))
-    traces, problems = read_dir(tmp_path)
+def _instrumented_loops(rank: int, world: int, out: str) -> None:
+    """The three instrument() loops of this file, one after the other in one 2-rank launch (each uninstruments
+    before the next instruments: what one leaves behind the next would trip on)."""
+    for loop in (_plain_loop, _ddp_loop, _coverage_loop):
+        loop(rank, world, str(Path(out) / loop.__name__))
+
+
+@pytest.fixture(scope="module")
+def instrumented(tmp_path_factory) -> Path:
+    """The traces of the three loops, each in out/<loop name>."""
+    out = tmp_path_factory.mktemp("instrumented")
+    spawn(_instrumented_loops, 2, str(out))
+    return out
+
+
+def test_instrument_plain_torch_loop(instrumented):
+    traces, problems = read_dir(instrumented / "_plain_loop")
     assert problems == [] and len(traces) == 2
     per_rank = []
     for t in traces:
@@ -203,9 +217,8 @@ def _ddp_loop(rank: int, world: int, out: str) -> None:
     scan.uninstrument()
 
 
-def test_instrument_returns_real_work_and_traces_ddp(tmp_path):
-    spawn(_ddp_loop, 2, str(tmp_path))
-    traces, problems = read_dir(tmp_path)
+def test_instrument_returns_real_work_and_traces_ddp(instrumented):
+    traces, problems = read_dir(instrumented / "_ddp_loop")
     assert problems == [] and len(traces) == 2
     for t in traces:
         assert t.coord == (t.rank, 0, 0) and t.topo == (1, 1, 2)
@@ -289,9 +302,8 @@ def _coverage_loop(rank: int, world: int, out: str) -> None:
     assert funcol.all_reduce.__module__.startswith("torch")
 
 
-def test_instrument_covers_all_to_all_rooted_and_functional_collectives(tmp_path):
-    spawn(_coverage_loop, 2, str(tmp_path))
-    traces, problems = read_dir(tmp_path)
+def test_instrument_covers_all_to_all_rooted_and_functional_collectives(instrumented):
+    traces, problems = read_dir(instrumented / "_coverage_loop")
     assert problems == [] and len(traces) == 2
     want = {"all_to_all", "all_to_all_single", "reduce", "gather", "scatter", "all_gather_single",
             "reduce_scatter_single", "all_reduce", "all_gather_tensor"}
