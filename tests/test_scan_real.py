@@ -107,7 +107,14 @@ def test_slow_compute_on_eight_ranks_with_tensor_parallel(traced_run):
     report = traced_run(8, ("slow-compute=5:2.0",)).report
     top = _top(report)
     assert (top.kind, top.ranks) == ("slow-compute", (5,)), report.to_text()
-    assert not [f for f in report.findings if f.ranks == (4,)], report.to_text()
+    # Not blamed for what it waited: rank 4 waits rank 5's extra time in every iteration, so a finding of the wait
+    # would be persistent, or a pause in most iterations of a size near rank 5's. A pause of the host's own is
+    # neither (a loaded host once gave rank 4 +7.5 ms in 2 of 8 iterations beside rank 5's +82.8 ms in all 8).
+    def the_wait(f) -> bool:
+        if f.kind != "transient-pause":
+            return True
+        return 2 * len(f.evidence["iterations"]) >= STEPS and f.excess_ms > top.excess_ms / 2
+    assert not [f for f in report.findings if f.ranks == (4,) and the_wait(f)], report.to_text()
 
 
 def test_slow_link_between_data_parallel_peers(traced_run):
