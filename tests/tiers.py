@@ -5,10 +5,12 @@ several people edit the test files. Chosen by measurement, not by guess: every t
 more (all its parameters together; a shared launch counted where it is paid) in a `--durations=0` run of the
 rest of the suite on the 2-core development machine at load 11-21 (2026-12-07): process launches (ranks,
 torchrun, supervised jobs, servers, CLIs in a subprocess) and long in-process work (512-rank simulations,
-hypothesis searches, the 1,000-message fuzz). Tests that share one launch (a module fixture, an lru_cache) are
-in the same tier, so the fast tier never pays a launch the slow tests were meant to pay. conftest.py adds the
-marker, to these and to every test marked `browser` (headless chromium: skipped where it is not installed, so
-absent from the measurement); tests/test_tiers.py checks every name here still names a test.
+hypothesis searches, the 1,000-message fuzz). The tests main gained later (multi-host, GPU, trust) were measured
+the same way on 2026-12-07 08:54-08:58 at load 2-5, in one run of the files they touched. Tests that share one
+launch (a module fixture, an lru_cache) are in the same tier, so the fast tier never pays a launch the slow tests
+were meant to pay. conftest.py adds the marker, to these and to every test marked `browser` (headless chromium:
+skipped where it is not installed, so absent from the measurement); tests/test_tiers.py checks every name here
+still names a test.
 """
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     "test_faults.py": ("test_slow_link_delays_sends_and_collectives",
                        "test_slow_wire_delivers_late_in_order_without_stalling_the_sender"),
     "test_fbd_layout.py": ("test_weight_plan_moves_backward_shards_into_forward_shards",),
-    "test_gpu_check.py": ("test_script_skips_without_a_gpu",),
+    "test_gpu_check.py": ("test_a_gpu_that_torch_cannot_use_fails_the_check",  # the check script, in a subprocess
+                          "test_without_a_gpu_every_check_says_why_it_skips"),
+    "test_hosts.py": ALL,  # hosts as network namespaces (root): torchrun across them, 110 s
     "test_launch.py": ("test_a_finished_rank_with_a_daemon_thread_in_torch_exits_cleanly",
                        "test_forked_ranks_see_the_launchers_environment_of_the_moment_and_start_with_torch_loaded",
                        "test_rank_killed_by_signal_is_named_and_local_jobs_listen_on_loopback_only"),
@@ -78,10 +82,15 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     "test_scope_tp.py": ("test_tp2_serving_matches_single_process",),
     "test_scope_training.py": ("test_console_pauses_steps_once_and_resumes",),
     "test_tensor_parallel.py": ("test_tp2_matches_single_process_with_and_without_sequence_parallel",),
-    "test_trust_resume.py": ("test_resumed_copy_imports_nothing_named_by_its_checkpoint_and_writes_into_the_copy",),
+    "test_trust_fuzz.py": ("test_config_files",  # hypothesis
+                           "test_new_formats_under_a_memory_cap"),  # children under a memory cap: 9 s
+    "test_trust_hf.py": ("test_a_config_claiming_more_than_the_tensors_hold_is_refused_before_allocation",),
+    "test_trust_resume.py": ("test_resumed_copy_imports_nothing_named_by_its_checkpoint_and_writes_into_the_copy",
+                             "test_a_torn_shard_or_a_false_zero_claim_is_an_error_naming_the_file_not_a_traceback"),
     "test_trust_save_drill.py": (
         "test_kill_9_at_each_stage_of_an_async_save_under_torchrun_resumes_the_newest_full_step_bit_identically",),
     "test_trust_startup.py": ALL,
+    "test_trust_traces.py": ("test_a_summary_block_claiming_2000_iterations_of_a_huge_world_is_refused_under_1_gb",),
     "test_vocab_padding.py": ("test_tp2_loss_sampling_and_hf_parity_with_full_gpt2_vocab",),
 }
 

@@ -16,7 +16,14 @@ from pathlib import Path
 import numpy as np
 
 from megatronapp.scan.read import rank_summary
-from megatronapp.scan.read.format import CAT_INDEX, FILE_PATTERN, TraceFormatError, dropped_problem, read_rank
+from megatronapp.scan.read.format import (
+    CAT_INDEX,
+    FILE_PATTERN,
+    TraceFormatError,
+    cells_problem,
+    dropped_problem,
+    read_rank,
+)
 
 COMPUTE, COMM, DATA, OPT, STEP = (CAT_INDEX[c] for c in ("compute", "comm", "data", "optimizer", "step"))
 KINDS = ("tp", "pp", "dp")  # group name prefixes of the engine's (and the simulator's) collectives
@@ -97,6 +104,10 @@ def _reduce(paths: list[str], use_summaries: bool = True) -> dict:
                 t = read_rank(p, shared, _views=True)
             except TraceFormatError as e:
                 problems.append(str(e))
+                continue
+            too_big = cells_problem(t.world, len(np.unique(t.it[t.cat == STEP])))
+            if too_big:  # its world and iterations would size the arrays of every rank
+                problems.append(f"{os.path.basename(p)}: {too_big}; skipped")
                 continue
             problems.extend(t.problems)
             traces.append(t)
@@ -409,6 +420,9 @@ def features(trace_dir: str | Path, workers: int = 2, use_summaries: bool = True
     world = max(p["world"] for p in parts)
     iters = np.unique(np.concatenate([p["iters"] for p in parts]))
     W = max(len(iters), 1)
+    too_big = cells_problem(world, W)
+    if too_big:  # each file fits, their union of iterations does not
+        raise ValueError(f"the rank files in {d} together claim {too_big}; are they of one job?")
     f = Features(world, iters, np.full((world, 3), -1, np.int64), parts[0]["topo"],
                  np.full((world, W), np.nan), np.full((world, W), np.nan), np.full((world, 4), np.nan),
                  np.full(world, -1, np.int64),

@@ -87,6 +87,18 @@ class TraceFormatError(ValueError):
 # not make a reader build a tuple of 1e11 ranks or a missing-file list of 1e10 names.
 MAX_WORLD = 1 << 20
 MAX_DIMS = 8  # entries of coord/topo
+# Rank x iteration cells an analysis holds: the detectors' per-(rank, iteration) arrays and the triage's are sized by
+# the world a file claims times its iterations (1 GiB for two float64 arrays at this bound). A 12 KB file claiming
+# 2^20 ranks over 2,000 iterations would size them at 15.6 GiB each: it is refused instead (`cells_problem`).
+MAX_CELLS = 1 << 26
+
+
+def cells_problem(world: int, iterations: int) -> str | None:
+    """Why a world of `world` ranks over `iterations` iterations is more than an analysis holds, or None."""
+    if world * max(iterations, 1) <= MAX_CELLS:
+        return None
+    return (f"a world of {world} ranks over {iterations} iterations: more rank x iteration cells than an analysis "
+            f"holds ({MAX_CELLS})")
 
 
 def rank_file(trace_dir: str | Path, rank: int) -> Path:
@@ -613,6 +625,9 @@ def read_rank(path: str | Path, shared: dict | None = None, _views: bool = False
     if not 0 < world <= MAX_WORLD or not 0 <= rank < world:
         raise TraceFormatError(f"{name}: header claims rank {str(header['rank'])[:20]} of world "
                                f"{str(header['world'])[:20]}; a world holds 1 to {MAX_WORLD} ranks")
+    if len(coord) != 3 or len(topo) != 3 or min(coord) < 0 or min(topo) < 1:  # the analyses index (dp, pp, tp)
+        raise TraceFormatError(f"{name}: header coord {list(coord)[:3]} / topo {list(topo)[:3]} is not a (dp, pp, "
+                               f"tp) position and (tp, pp, dp) sizes")
     # min/max per group (C loops), not a Python test per member: 1.5 million at 12,288 ranks.
     if any(members and (min(members) < 0 or max(members) >= world) for _, members in groups):
         raise TraceFormatError(f"{name}: its group table names a rank outside its world of {world}")

@@ -16,22 +16,28 @@ profiling window), each with `distributedInfo` (rank, world_size, process groups
   nothing running inside it, or a collective's launch) while a collective is in flight. The ops of a
   collective's worker thread (gloo's copies) are the collective's, not the rank's work.
 Every rank is one data-parallel replica of one stage (coord (rank, 0, 0)): Kineto records no TP/PP layout.
-Nothing in a file decides what code runs: it is parsed as JSON and read as numbers and names. Files above
-`max_bytes` (decompressed) are skipped and named, as are files that are no trace or carry no rank.
+Nothing in a file decides what code runs: it is parsed as JSON (`kineto_load.py`: sizes and the world bounded
+before memory is spent) and read as numbers and names. Times, durations, step and sequence numbers, sizes and
+group ranks are range-checked here. A file that fails a check is skipped and named (a rank whose events fail, with
+the file and the field), and the rest of the directory is read.
 """
 from __future__ import annotations
 
-import gzip
 import json
+import math
 import re
 from pathlib import Path
 
 import numpy as np
 
+from megatronapp.files import short
 from megatronapp.scan.read.format import CAT_INDEX, RankTrace
+from megatronapp.scan.read.kineto_load import MAX_BYTES, KinetoError, is_int, kineto_files, load
 
-MAX_BYTES = 2 << 30  # a profiler window of one rank is tens to hundreds of MB; past this it is not read
-SUFFIXES = (".json", ".json.gz")
+__all__ = ["KinetoError", "MAX_BYTES", "kineto_files", "load", "read_kineto_dir", "to_rank_trace"]
+_MAX_US = float(1 << 52)  # µs (142 years): no profiler's time or duration; in ns it fits int64 with room
+_MAX_STEP = (1 << 31) - 1  # iteration numbers are int32 columns
+_MAX_COUNT = 1 << 48  # elements or bytes of one collective
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
 _COMM_ANNOTATION = re.compile(r"^(?:nccl|gloo|mpi|ucc|xccl):(\w+)$")
 _NCCL_KERNEL = re.compile(r"^nccl(?:Dev)?Kernel_([A-Za-z]+)")
@@ -42,44 +48,6 @@ _DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "half": 2, 
                 "long": 8, "int64": 8, "int": 4, "int32": 4, "short": 2, "int16": 2, "char": 1, "int8": 1,
                 "byte": 1, "uint8": 1, "bool": 1}
 _SEQ_STRIDE = 1_000_000  # instance number = step * stride + order in the step (where the trace has no Seq)
-
-
-class KinetoError(ValueError):
-    """A file that is not a usable profiler trace (named in the message)."""
-
-
-def kineto_files(trace_dir: str | Path) -> list[Path]:
-    """The profiler trace files of a directory (`*.json`, `*.json.gz`), sorted by name."""
-    return sorted(p for p in Path(trace_dir).iterdir() if p.is_file() and p.name.endswith(SUFFIXES))
-
-
-def load(path: Path, max_bytes: int = MAX_BYTES) -> dict:
-    """One trace file as a dict, reading at most `max_bytes` (decompressed): bigger files raise KinetoError."""
-    try:
-        if path.name.endswith(".gz"):
-            with gzip.open(path, "rb") as f:
-                raw = f.read(max_bytes + 1)
-        else:
-            if path.stat().st_size > max_bytes:
-                raise KinetoError(f"{path.name}: {path.stat().st_size} bytes, above the {max_bytes}-byte limit; "
-                                  "skipped")
-            raw = path.read_bytes()
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
-        raise KinetoError(f"{path.name}: unreadable ({e}); skipped") from e
-    if len(raw) > max_bytes:
-        raise KinetoError(f"{path.name}: over {max_bytes} bytes decompressed, above the limit; skipped")
-    try:
-        doc = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise KinetoError(f"{path.name}: not JSON ({e.__class__.__name__}: {e}); skipped") from e
-    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
-        raise KinetoError(f"{path.name}: no traceEvents list: not a PyTorch profiler trace; skipped")
-    info = doc.get("distributedInfo")
-    if not isinstance(info, dict) or not isinstance(info.get("rank"), int) or \
-            not isinstance(info.get("world_size"), int) or not 0 <= info["rank"] < info["world_size"]:
-        raise KinetoError(f"{path.name}: no distributedInfo with rank and world_size (profiled outside "
-                          "torch.distributed?); skipped")
-    return doc
 
 
 def read_kineto_dir(path: str | Path, max_bytes: int = MAX_BYTES) -> tuple[list[RankTrace], list[str]]:
@@ -119,29 +87,44 @@ def read_kineto_dir(path: str | Path, max_bytes: int = MAX_BYTES) -> tuple[list[
 
 
 def _nbytes(args: dict) -> int:
-    """Payload bytes from a collective's args: element count x dtype size (NCCL args), else the input dims."""
+    """Payload bytes from a collective's args: element count x dtype size (NCCL args), else the input dims
+    (KinetoError past _MAX_COUNT: a count no collective has)."""
     n = args.get("In msg nelems")
-    size = _DTYPE_BYTES.get(str(args.get("dtype", "float")).lower(), 4)
+    size = _DTYPE_BYTES.get(str(args.get("dtype", "float"))[:20].lower(), 4)
     if isinstance(n, (int, float)) and n >= 0:
+        if not n < _MAX_COUNT:  # NaN is not >= 0; infinity and 1e30 stop here
+            raise KinetoError(f"args 'In msg nelems' = {short(n, 30)}")
         return int(n) * size
     dims, types = args.get("Input Dims"), args.get("Input type")
-    if isinstance(dims, list) and dims and isinstance(dims[0], list) and all(isinstance(x, int) for x in dims[0]):
+    if isinstance(dims, list) and dims and isinstance(dims[0], list) and all(is_int(x) for x in dims[0]):
         t = types[0] if isinstance(types, list) and types else "float"
-        return int(np.prod(dims[0], dtype=np.int64)) * _DTYPE_BYTES.get(str(t).lower(), 4)
+        n = math.prod(dims[0])
+        if not 0 <= n < _MAX_COUNT:
+            raise KinetoError(f"args 'Input Dims' = {short(dims[0], 60)}")
+        return n * _DTYPE_BYTES.get(str(t)[:20].lower(), 4)
     return 0
 
 
-def _group(args: dict, pgs: dict[str, tuple[int, ...]]) -> tuple[str, tuple[int, ...]] | None:
+def _ranks(ranks: object, world: int) -> tuple[int, ...] | None:
+    """Member ranks of a process group, each a rank of the world; None when they are not."""
+    if isinstance(ranks, list) and ranks and all(is_int(r) and 0 <= r < world for r in ranks):
+        return tuple(ranks)
+    return None
+
+
+def _group(args: dict, pgs: dict[str, tuple[int, ...]], world: int) -> tuple[str, tuple[int, ...]] | None:
     """(group name, member ranks) of a collective: its args, else the trace's only process group."""
     name = args.get("Process Group Name")
+    name = name[:120] if isinstance(name, str) else None  # as pg_config's names are kept
     ranks = args.get("Process Group Ranks")
     if isinstance(ranks, str):
         try:
-            ranks = json.loads(ranks)
-        except json.JSONDecodeError:
+            ranks = json.loads(ranks[:1 << 24])
+        except (json.JSONDecodeError, RecursionError):
             ranks = None
-    if isinstance(name, str) and isinstance(ranks, list) and ranks and all(isinstance(r, int) for r in ranks):
-        return f"pg{name}", tuple(ranks)
+    ranks = _ranks(ranks, world)
+    if isinstance(name, str) and ranks:
+        return f"pg{name}", ranks
     if isinstance(name, str) and name in pgs:
         return f"pg{name}", pgs[name]
     if len(pgs) == 1:
@@ -223,26 +206,39 @@ def to_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankT
     """One rank's spans from its profiler trace files (events of several files merged)."""
     pgs: dict[str, tuple[int, ...]] = {}
     for _, doc in docs:
-        for pg in doc["distributedInfo"].get("pg_config") or []:
-            if isinstance(pg, dict) and isinstance(pg.get("ranks"), list):
-                pgs[str(pg.get("pg_name"))] = tuple(int(r) for r in pg["ranks"] if isinstance(r, int))
-    events = [e for _, doc in docs for e in doc["traceEvents"]
+        configs = doc["distributedInfo"].get("pg_config")
+        for pg in configs if isinstance(configs, list) else []:
+            members = _ranks(pg.get("ranks"), world) if isinstance(pg, dict) else None
+            if members:
+                pgs[str(pg.get("pg_name"))[:120]] = members
+    events = [(p, e) for p, doc in docs for e in doc["traceEvents"]
               if isinstance(e, dict) and e.get("ph") == "X" and isinstance(e.get("ts"), (int, float))
               and isinstance(e.get("dur"), (int, float)) and e["dur"] >= 0 and isinstance(e.get("name"), str)]
     if not events:
         raise KinetoError(f"rank {rank} ({', '.join(p.name for p, _ in docs)}): no complete events; skipped")
-    device = any(e.get("cat") in _DEVICE_CATS for e in events)
+    device = any(e.get("cat") in _DEVICE_CATS for _, e in events)
+
+    def bad(path: Path, e: dict, field: str) -> KinetoError:  # an event out of range: the file and the field
+        return KinetoError(f"rank {rank}: {path.name}: an event ({short(e.get('name'), 60)!r}) has {field}; the "
+                           f"rank is skipped")
+
     names: dict[str, int] = {}
     groups: dict[tuple[str, tuple[int, ...]], int] = {}
     rows: list[tuple] = []  # (ts_ns, dur_ns, cat, name id, gid, nbytes, seq arg, thread key, is an op)
     steps: list[tuple[int, int, int]] = []
     step_threads: set[str] = set()
-    for e in events:
+    for path, e in events:
         name, cat, args = e["name"], e.get("cat"), e.get("args") if isinstance(e.get("args"), dict) else {}
+        if not -_MAX_US < e["ts"] < _MAX_US:  # NaN, Infinity and 1e17 fail here
+            raise bad(path, e, f"'ts' = {short(e['ts'], 30)}: not a time in µs")
+        if not e["dur"] < _MAX_US:
+            raise bad(path, e, f"'dur' = {short(e['dur'], 30)}: not a duration in µs")
         ts, dur = int(round(e["ts"] * 1000)), int(round(e["dur"] * 1000))
-        thread = f"{e.get('pid')}/{e.get('tid')}"
+        thread = f"{e.get('pid')}/{e.get('tid')}"[:200]
         m = _STEP.match(name)
         if m and cat in ("user_annotation", "cpu_op"):
+            if len(m.group(1)) > 10 or int(m.group(1)) > _MAX_STEP:
+                raise bad(path, e, f"a step number above {_MAX_STEP}")
             steps.append((ts, ts + dur, int(m.group(1))))
             step_threads.add(thread)
             continue
@@ -266,10 +262,16 @@ def to_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankT
             continue
         gid, nbytes, seq = -1, 0, -1
         if kind == "comm":
-            g = _group(args, pgs)
+            g = _group(args, pgs, world)
             gid = groups.setdefault(g, len(groups)) if g else -1
-            nbytes = _nbytes(args)
-            seq = int(args["Seq"]) if isinstance(args.get("Seq"), int) else -1
+            try:
+                nbytes = _nbytes(args)
+            except KinetoError as why:
+                raise bad(path, e, str(why)) from None
+            seq = args.get("Seq")
+            if is_int(seq) and not 0 <= seq < _MAX_COUNT:
+                raise bad(path, e, f"args 'Seq' = {short(seq, 30)}: not a sequence number")
+            seq = seq if is_int(seq) else -1
         is_op = cat == "cpu_op" and not _NOT_OP.search(name)
         rows.append((ts, dur, CAT_INDEX[kind], names.setdefault(op, len(names)), gid, nbytes, seq, thread, is_op))
     if not steps:

@@ -13,8 +13,10 @@ iters[W], then float64 (ms; NaN where none) work[W], host[W], p2p[4], coll[3], a
 length and checksum must agree. Without one (an older file, a rank that never closed, a block written after it) or
 with one that fails a check, the file is read in full as before: a summary saves reading and is never needed.
 
-Trust: it is data. Sizes are bounded before anything is read, every value is range-checked, floats are NaN or
-finite and not negative, and its rank, world, coord and topo must be those of its file's header (the first page).
+Trust: it is data. Sizes are bounded before anything is read (the block against its file's real size; its world
+times its iterations against format.MAX_CELLS, what the triage's per-rank, per-iteration arrays may hold), every value
+is range-checked, floats are NaN or finite and not negative, and its rank, world, coord and topo must be those of
+its file's header (the first page).
 It decides what the full detector reads, never what it finds (findings come from the spans of the ranks read); a
 summary that lies could keep a rank out of the triage, so `scan detect --no-summaries` works the numbers out from
 the spans instead. Damage to a span block after the summary was written is seen only in the ranks read in full (the
@@ -29,7 +31,7 @@ import zlib
 
 import numpy as np
 
-from megatronapp.scan.read.format import _BLOCK, MAGIC, MAX_WORLD
+from megatronapp.scan.read.format import _BLOCK, MAGIC, MAX_WORLD, cells_problem
 
 TAG = b"SUMS"
 _HEAD = struct.Struct("<4sI")
@@ -93,6 +95,9 @@ def decode(payload: bytes) -> dict | str:
     iters = ints[_N_INTS:]
     if not 0 < world <= MAX_WORLD or not 0 <= rank < world:
         return f"a summary claims rank {rank} of world {world}"
+    too_big = cells_problem(world, W)
+    if too_big:
+        return f"a summary claims {too_big}"
     if (topo < 1).any() or (topo > MAX_WORLD).any() or (coord < 0).any() or (coord >= topo[::-1]).any():
         return f"a summary claims coord {coord.tolist()} in topo {topo.tolist()}"
     if not -1 <= peer_up < world or opened < 0 or spans < 0 or dropped < 0:

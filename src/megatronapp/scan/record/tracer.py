@@ -96,6 +96,11 @@ class Tracer:
         self._skip = _SKIP_ON_COARSE if granularity == "coarse" else frozenset()
         self._clock = clock
         self._cuda = cuda
+        self._device = None  # the rank's GPU: spans closed on helper threads are timed on its stream too
+        if cuda:
+            import torch
+
+            self._device = torch.cuda.current_device()
         self._limit = queue_limit
         self._q: collections.deque = collections.deque()
         self.dropped = 0
@@ -212,7 +217,7 @@ class Tracer:
         import torch
 
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
+        ev.record(torch.cuda.current_stream(self._device))  # a helper thread's own current device would be 0
         return ev
 
     def _sync(self) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatronapp.files import write_exclusive
 from megatronapp.scan.detect.features import summary_blocks
 from megatronapp.scan.read.format import CAT_INDEX, RankTrace, pack_columns, rank_file, write_rank_file
 
@@ -394,7 +395,7 @@ def simulate(out_dir: str | Path, ranks: int, tp: int, pp: int, dp: int | None =
     res = SimResult(str(out), ranks, tp, pp, dp, iterations, m, flist, offsets.tolist(), n_spans,
                     (drift * 1e6).tolist())
     truth = {**asdict(res), "faults": [{**asdict(f), "label": f.label()} for f in flist]}
-    (out / "ground_truth.json").write_text(json.dumps(truth))
+    write_exclusive(out / "ground_truth.json", json.dumps(truth).encode())  # a link there is replaced, not followed
     return res
 
 
