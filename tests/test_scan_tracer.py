@@ -358,7 +358,8 @@ class _FakeCudaTracer(Tracer):
         self.dev.syncs += 1
 
 
-def test_cuda_event_times_stay_precise_hours_later_with_one_anchor_per_window(tmp_path):
+def test_cuda_event_times_stay_precise_hours_later_with_one_anchor_per_window(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the tracer asks its GPU; the fake device is 0
     dev = _FakeDevice()
     header = {"rank": 0, "world": 1, "coord": [0, 0, 0], "topo": [1, 1, 1]}
     tr = _FakeCudaTracer(dev, tmp_path / "rank00000.mst", header, interval=1000, iterations=2)
