@@ -1,10 +1,11 @@
-# The two commands: `make demo` and `make test`. Both create .venv on first use.
+# The two commands: `make demo` and `make test`. Both create .venv on first use. `make test-fast`: the tests not
+# marked slow (no process launches, nothing long; under 3 minutes on 2 cores) for development; `make test` runs all.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean browser gpu-wheels
+.PHONY: demo test test-fast bench lint clean browser gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +27,9 @@ browser:
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest tests -ra --durations=25
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests -m "not slow" -ra --durations=10
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all

@@ -93,9 +93,10 @@ def _full_params(m: torch.nn.Module) -> list[torch.Tensor]:
     return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in m.parameters()]
 
 
-def job(rank: int, world: int, out: str, kind: str, runs: tuple[str, ...] = RUNS) -> None:
+def job(rank: int, world: int, out: str, kind: str, runs: tuple[str, ...] = RUNS, slow: int = SLOW) -> None:
     """One rank (under `megatronapp.launch.spawn`): train the same seeded model once per entry of `runs`, in this
-    process; traced runs write `out/<run>/`; every run's final parameters go to `out/params<rank>.pt`."""
+    process, rank SLOW_RANK `slow` times slower in the "slow" run; traced runs write `out/<run>/`; every run's
+    final parameters go to `out/params<rank>.pt`."""
     from megatronapp import scan
 
     torch.set_num_threads(1)
@@ -108,7 +109,7 @@ def job(rank: int, world: int, out: str, kind: str, runs: tuple[str, ...] = RUNS
             inner = m.module if kind == "ddp" else m
             if run == "slow" and rank == SLOW_RANK:
                 for block in inner:
-                    block.repeat = SLOW
+                    block.repeat = slow
             scan.instrument(Path(out) / run, modules={"forward": inner})
             if kind == "ddp":
                 scan.trace_ddp(m)

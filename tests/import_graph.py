@@ -3,8 +3,9 @@
 Every way a file can import is seen: import statements at the top, inside functions and under TYPE_CHECKING,
 relative forms (resolved against the file's package), and `importlib.import_module` / `__import__` of a literal
 string. A string that merely looks like a module path ("pkg.mod:fn" plug-in entries) is data, not an import.
-Shared by tests/test_imports.py (cycles and layers of src/ and benchmarks/), test_engine_imports.py (the
-engine imports no module) and test_scan_imports.py (scan/'s own graph).
+Shared by tests/test_imports.py (cycles and layers of src/ and benchmarks/; no test module imported by another
+file of tests/), test_engine_imports.py (the engine imports no module) and test_scan_imports.py (scan/'s own
+graph).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 # (directory that holds the top package, top package): src/megatronapp and benchmarks
 TREES = ((REPO / "src", "megatronapp"), (REPO, "benchmarks"))
+TESTS = ((REPO, "tests"),)
 
 
 def module_of(path: Path, root: Path) -> str:
@@ -203,3 +205,16 @@ def describe_cycles(graph: dict[str, dict[str, int]]) -> list[str]:
         path = find_cycle(inside) or comp
         out.append(" -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(path, path[1:])) + f" -> {path[-1]}")
     return out
+
+
+def is_test_module(module: str) -> bool:
+    """A module pytest collects or loads by itself (test_*.py, conftest.py): never imported by name."""
+    name = module.rpartition(".")[2]
+    return name.startswith("test_") or name == "conftest"
+
+
+def test_module_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Every import of a test module by another file, as 'a:line imports b': what several tests share belongs
+    in a helper module (tests/jobs.py, tests/conftest.py's fixtures), not in one of the tests."""
+    return [f"{m}:{line} imports {d}" for m, edges in sorted(graph.items())
+            for d, line in sorted(edges.items()) if is_test_module(d)]

@@ -30,17 +30,19 @@ def test_quick_run_produces_numbers():
         # the dynamic policies keep to interleaved 1F1B's memory; ZB-H1 (one chunk a stage) to 1F1B's
         peak = r["peak_activation"]
         assert peak["dpp-zb"] <= peak["interleaved-1f1b"] and peak["dpp-adaptive"] <= peak["interleaved-1f1b"]
-    # slow-link 0-1 2ms: on pp=2 most sends cross the link; each sleeps 2 ms on the sender before it is issued
+    # slow-link 0-1 20ms: on pp=2 most sends cross the link; each sleeps 20 ms on the sender before it is issued
     # (stage 0: every forward, and the chunk-1 backward; so the median forward of stage 0 is blocked)
     slow = next(r for r in result["cases"] if r["case"].startswith("slow-link"))
     base = result["cases"][0]
-    for s in SCHEDULES:
-        assert slow["blocked_s"][s][0]["F"] >= 0.002, (s, slow["blocked_s"][s])
-        assert base["blocked_s"][s][0]["F"] < 0.002, (s, base["blocked_s"][s])
-    # a slow wire delivers late without blocking the sender, and reaches the simulator as link latency
+    # (a lower bound, which load cannot break: a sleep is never shorter; the unslowed cases are compared with it,
+    # not with a bound of their own: a loaded host lengthens every case's send issue alike)
     wire = next(r for r in result["cases"] if r["case"].startswith("slow-wire"))
     for s in SCHEDULES:
-        assert wire["blocked_s"][s][0]["F"] < 0.002, (s, wire["blocked_s"][s])
+        blocked = slow["blocked_s"][s][0]["F"]
+        assert blocked >= 0.02, (s, slow["blocked_s"][s])
+        assert base["blocked_s"][s][0]["F"] < blocked, (s, base["blocked_s"][s], blocked)
+        # a slow wire delivers late without blocking the sender, and reaches the simulator as link latency
+        assert wire["blocked_s"][s][0]["F"] < blocked, (s, wire["blocked_s"][s], blocked)
     assert wire["sim_links"]["link_latency"][0] > 0 and base["sim_links"] == {}
     assert "| none |" in table(result)
     # one paired sample a pair on the quick run: degenerate intervals, but every pair has one and it renders

@@ -18,7 +18,7 @@ from megatronapp.config import ConfigError, RunConfig
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.consolidate import consolidate
 from megatronapp.train.trainer import Trainer
-from tests.test_training import _cfg
+from tests.jobs import train_case as _cfg
 
 
 class _Payload:

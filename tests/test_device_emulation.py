@@ -2,10 +2,10 @@
 
 The distributed test runs three cases in one launch of 4 gloo ranks (pp 4, 1F1B): a plain run, the same run on
 emulated devices with jitter, and one with `--inject slow-compute` on an emulated device. The emulated losses
-equal the plain ones exactly, and each emulated step lasts what the simulator predicts from the same device
-costs (within 10%), since the device times (80-160 ms per task) dwarf the host's compute on the tiny model.
-When other jobs crowd the host so much that host time exceeds its share of device time, the run says so, and
-the test then checks only that no step was shorter than modelled.
+equal the plain ones exactly, no emulated step is shorter than the simulator's prediction from the same device
+costs, and a host crowded so much that host time exceeds its share of device time says so. How close a step comes
+to the prediction (within a few % when the device times, 80-160 ms per task, dwarf the host's compute) is a
+figure, measured by benchmarks/bench_dpp_emulated.py, not asserted here: a loaded host only lengthens steps.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from megatronapp.launch import spawn
 from megatronapp.parallel import comm
 from megatronapp.parallel import device_emulation as emu
 from tests import engine_cases as ec
+from tests.fake_clock import FakeClock
 
 
 def test_flops_are_those_mfu_counts_and_recompute_adds_device_work():
@@ -57,21 +58,30 @@ def test_jitter_is_a_seeded_mean_one_function_of_the_task():
     assert emu.jitter(parse_spec("tflops=1"), 3, 0, 1, "B", 1, 2) == 1.0
 
 
-def test_a_task_sleeps_out_its_device_time_and_records_the_host_share():
+def test_a_task_sleeps_out_its_device_time_and_records_the_host_share(monkeypatch):
+    import time
+
     cfg = RunConfig.from_dict({**ec.base_case(), "emulate_device": "tflops=4e-4,host_share=0.2"})
     dev = emu.EmulatedDevice(parse_spec(cfg.emulate_device), cfg, 0, 0, 0, local_params=1000)
     dev.begin_step(0)
     want = dev.task_seconds("F", 0, 0)
-    import time
-
     t0 = time.perf_counter()
     with dev.task("F", 0, 0):
         pass
-    assert want * 0.999 <= time.perf_counter() - t0 < want + 2.0  # never early; late only under load
+    assert time.perf_counter() - t0 >= want * 0.999  # never early (in real time: a loaded host only adds)
+    # On a fake clock (tests/fake_clock.py) a task lasts its device time exactly: its host work, then the sleep
+    clock = FakeClock()
+    monkeypatch.setattr(emu, "time", clock)
+    dev = emu.EmulatedDevice(parse_spec(cfg.emulate_device), cfg, 0, 0, 0, local_params=1000)
+    dev.begin_step(0)
+    start = clock.ns
+    with dev.task("F", 0, 0):
+        clock.advance(want / 4)
+    assert clock.ns - start == round(want * 1e9) and clock.slept == [pytest.approx(want * 3 / 4)]
     dev.slow_down(2.0)
     assert dev.task_seconds("BW", 0, 1) == pytest.approx(2 * (dev.flops[0][1] + dev.flops[0][2]) / 4e8)
     with dev.task("W", 0, 0):
-        time.sleep(dev.task_seconds("W", 0, 0) * 1.1)  # the host overran the device
+        clock.advance(dev.task_seconds("W", 0, 0) * 1.1)  # the host overran the device
     rec = emu.summarize(cfg.emulate_device, [dev.record()])
     assert rec["ranks"][0]["overruns"] == 1 and rec["ranks"][0]["kinds"]["F"]["count"] == 1
     assert not rec["in_accelerator_regime"] and "not in the accelerator regime" in emu.warning(rec)
@@ -128,10 +138,9 @@ def test_emulated_pp4_1f1b_trains_identically_and_lasts_the_modelled_time():
             want = dpp_emulated.predict(cfg, step).step_time + opt
             measured = max(got[i][r]["times"][step] for r in range(4))
             assert measured >= 0.98 * want, f"case {i} step {step}: {measured} s, shorter than the device time {want}"
-            if record["in_accelerator_regime"]:  # else a host crowded by other jobs overran the device (reported)
-                assert measured == pytest.approx(want, rel=0.10), f"case {i} step {step}: {measured} vs {want}"
-            else:
-                assert "not in the accelerator regime" in emu.warning(record)
+        # How close the step comes to the simulator's figure is a benchmark's (bench_dpp_emulated: sim_error);
+        # here, that a crowded host is reported whenever it overran the devices
+        assert record["in_accelerator_regime"] or "not in the accelerator regime" in emu.warning(record)
     # the slow stage really is the one that stretches the step: its device time doubles
     assert dpp_emulated.predict(RunConfig.from_dict(cases[2]), 1).busy[2] == pytest.approx(
         2 * dpp_emulated.predict(RunConfig.from_dict({**cases[2], "inject": []}), 1).busy[2])

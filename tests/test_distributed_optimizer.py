@@ -17,7 +17,7 @@ from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.consolidate import VOCAB_WEIGHTS, consolidate
 from megatronapp.train.trainer import Trainer, train
 from tests.engine_cases import base_case
-from tests.test_training import _cfg
+from tests.jobs import train_case as _cfg
 
 
 def test_zero_values_and_fbd_are_refused_naming_the_field():
@@ -88,7 +88,7 @@ def test_dp2_zero_resumes_bit_exactly_and_holds_half_the_optimizer_state(tmp_pat
         assert torch.equal(t, src[:t.shape[0]] if name in VOCAB_WEIGHTS else src), name
     # and it exports to Hugging Face (the model only: optimizer shards are left behind)
     from megatronapp.train.export import export_hf
-    from tests.test_export import assert_exported_matches
+    from tests.hf_checks import assert_exported_matches
 
     assert_exported_matches(a, export_hf(a, tmp_path / "hf"), "Snow is white.")
 

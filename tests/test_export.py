@@ -15,12 +15,10 @@ import torch
 
 from megatronapp.cli import main
 from megatronapp.config import RunConfig
-from megatronapp.train.consolidate import load_model
 from megatronapp.train.export import ExportError, export_hf
 from megatronapp.train.trainer import Trainer
 from tests.engine_cases import base_case
-
-TEXT = "After Monday: 3 + 4 = 7. Caf\u00e9!"
+from tests.hf_checks import assert_exported_matches
 
 
 def _checkpoint(tmp_path: Path, family: str, **over) -> Path:
@@ -30,23 +28,6 @@ def _checkpoint(tmp_path: Path, family: str, **over) -> Path:
     tr = Trainer(RunConfig.from_dict(d))
     tr.train_step()
     return tr.save()
-
-
-def assert_exported_matches(ckpt: Path, out: Path, text: str = TEXT) -> None:
-    """transformers loads the export; its tokenizer gives the run's ids and its logits equal the engine's."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megatronapp.data.tokenizer import ByteTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(out).eval()
-    tok = AutoTokenizer.from_pretrained(out)
-    ids = tok(text, return_tensors="pt").input_ids
-    assert ids[0].tolist() == ByteTokenizer().encode(text) and tok.decode(ids[0]) == text
-    engine = load_model(ckpt).eval()
-    with torch.no_grad():
-        got, want = model(ids).logits, engine(ids)
-    assert got.shape == want.shape and got.shape[-1] == engine.cfg.vocab_size  # no TP padding rows
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("family, over", [("gpt2", {"model.tie_embeddings": False}),

@@ -12,9 +12,11 @@ from megatronapp import faults, tracing
 from megatronapp.config import ConfigError
 from megatronapp.launch import spawn
 from megatronapp.parallel import comm
+from megatronapp.parallel.comm_context import CommOp
 from megatronapp.parallel.topology import Topology
 from megatronapp.scan.read.format import CATS, read_dir, read_rank
 from megatronapp.scan.record.tracer import Tracer
+from tests.fake_clock import FakeClock
 
 
 def test_parse_every_kind():
@@ -51,68 +53,68 @@ def test_install_checks_ranks_against_world():
         faults.install(["slow-link=1-9:5"], Topology(tp=1, pp=1, dp=4, rank=0))
 
 
-def _traced(tmp_path, specs: list[str], rank: int = 0, world: int = 1):
-    header = {"rank": rank, "world": world, "coord": [rank, 0, 0], "topo": [1, 1, world]}
-    tr = Tracer(tmp_path / f"rank{rank:05d}.mst", header)
+def _traced(tmp_path, specs: list[str], clock: FakeClock, world: int = 1, granularity: str = "coarse"):
+    """Rank 0 traced on `clock`, with the faults of `specs` installed."""
+    header = {"rank": 0, "world": world, "coord": [0, 0, 0], "topo": [1, 1, world]}
+    tr = Tracer(tmp_path / "rank00000.mst", header, granularity=granularity, clock=clock.monotonic_ns)
     tracing.install(tr)  # the trainer's order: tracer first, then faults
-    inj = faults.install(specs, Topology(tp=1, pp=1, dp=world, rank=rank))
+    inj = faults.install(specs, Topology(tp=1, pp=1, dp=world, rank=0))
     return tr, inj
 
 
-def test_slow_compute_and_pause_act_on_their_rank_only(tmp_path):
-    tr, inj = _traced(tmp_path, ["slow-compute=0:2.0", "pause=0:80:2", "slow-compute=1:5"], world=2)
-    inner = []
+# The two tests below run on a fake clock (tests/fake_clock.py): the work is `clock.advance`, the injector's
+# sleeps advance it too, so every span lasts exactly what the fault logic makes it last (a stretch counted twice,
+# a fault of another rank, a pause in the wrong iteration change these numbers), and no loaded host can move them.
+def test_slow_compute_and_pause_act_on_their_rank_only(tmp_path, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(faults, "time", clock)
+    tr, inj = _traced(tmp_path, ["slow-compute=0:2.0", "pause=0:80:2", "slow-compute=1:5"], clock, world=2)
     try:
         for it in range(4):
             with tracing.step(it):
                 with tracing.span("forward", "compute"):
-                    t0 = time.perf_counter()
-                    time.sleep(0.05)
-                    inner.append(time.perf_counter() - t0)
+                    clock.advance(0.05)
                 with tracing.span("data", "data"):
-                    time.sleep(0.02)
+                    clock.advance(0.02)
     finally:
         inj.remove()
         tr.close()
     t = read_rank(tmp_path / "rank00000.mst")
     name, cat = np.array(t.names)[t.name], np.array(CATS)[t.cat]
-    ratio = t.dur[name == "forward"] / 1e9 / np.array(inner)
-    # Factor 2 (sleeps on a loaded machine only overshoot), and not rank 1's factor 5.
-    assert np.all(ratio > 1.95) and np.median(ratio) < 3.0, ratio
-    assert np.median(t.dur[name == "data"]) / 1e6 < 35  # only compute is slowed
-    # The pause sits inside the step, outside its child spans: the gap is >= 80 ms at iterations 0 and 2 only.
+    assert (t.dur[name == "forward"] == 100_000_000).all(), t.dur[name == "forward"]  # 2 x 50 ms, not rank 1's 5x
+    assert (t.dur[name == "data"] == 20_000_000).all()  # only compute is slowed
+    # The pause sits inside the step, outside its child spans: a gap of 80 ms at iterations 0 and 2 only.
     gaps = []
     for it in range(4):
         sel = t.it == it
         step = sel & (cat == "step")
-        gaps.append((t.dur[step].sum() - t.dur[sel & ~(cat == "step")].sum()) / 1e6)
-    assert gaps[0] >= 79 and gaps[2] >= 79 and gaps[1] < 40 and gaps[3] < 40, gaps
+        gaps.append(int(t.dur[step].sum() - t.dur[sel & ~(cat == "step")].sum()))
+    assert gaps == [80_000_000, 0, 80_000_000, 0], gaps
 
 
-def test_slow_compute_stretches_layers_once_and_the_compute_around_them(tmp_path):
+def test_slow_compute_stretches_layers_once_and_the_compute_around_them(tmp_path, monkeypatch):
     # A slow device is slow at every op: per-layer spans are stretched too (MegaScan measures stage work and
     # lone stages by them), and the compute span around them stretches only its time outside layers.
-    tr = Tracer(tmp_path / "rank00000.mst", {"rank": 0, "world": 1, "coord": [0, 0, 0], "topo": [1, 1, 1]},
-                granularity="full")
-    tracing.install(tr)
-    inj = faults.install(["slow-compute=0:2.0"], Topology(tp=1, pp=1, dp=1, rank=0))
+    clock = FakeClock()
+    monkeypatch.setattr(faults, "time", clock)
+    tr, inj = _traced(tmp_path, ["slow-compute=0:2.0"], clock, granularity="full")
     try:
         for it in range(3):
             with tracing.step(it):
                 with tracing.span("forward", "compute"):
-                    time.sleep(0.01)
+                    clock.advance(0.01)
                     for i in range(2):
                         with tracing.span(f"layers.{i}", "layer"):
-                            time.sleep(0.02)
+                            clock.advance(0.02)
     finally:
         inj.remove()
         tr.close()
     t = read_rank(tmp_path / "rank00000.mst")
     name = np.array(t.names)[t.name]
-    layer = t.dur[np.char.startswith(name.astype(str), "layers.")] / 1e6
-    fwd = t.dur[name == "forward"] / 1e6
-    assert np.all(layer > 39) and np.median(layer) < 60, layer  # 2 x 20 ms
-    assert np.all(fwd > 99) and np.median(fwd) < 140, fwd  # 2 x (10 + 2 x 20) ms, not 2 x (10 + 2 x 40)
+    layer = t.dur[np.char.startswith(name.astype(str), "layers.")]
+    fwd = t.dur[name == "forward"]
+    assert len(layer) == 6 and (layer == 40_000_000).all(), layer  # 2 x 20 ms
+    assert len(fwd) == 3 and (fwd == 100_000_000).all(), fwd  # 2 x (10 + 2 x 20) ms, not 2 x (10 + 2 x 40)
 
 
 def test_hang_blocks_until_removed(tmp_path):
@@ -126,10 +128,13 @@ def test_hang_blocks_until_removed(tmp_path):
 
     th = threading.Thread(target=loop, daemon=True)
     th.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60  # a thread on a loaded host may take long to get there; it then stays
+    while inj.hung_at is None and th.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # had the drill not held it, the thread would go on to iterations 3 and 4 meanwhile
     assert reached == [0, 1, 2] and inj.hung_at == 3 and th.is_alive()
     inj.remove()
-    th.join(5)
+    th.join(60)
     assert reached == [0, 1, 2, 3, 4] and not tracing.enabled()
 
 
@@ -158,21 +163,36 @@ def _link_job(rank: int, world: int, out: str) -> None:
     assert not comm.CONTEXT.interceptors
 
 
-def test_slow_link_delays_sends_and_collectives(tmp_path):
+def test_slow_link_delays_sends_and_collectives(tmp_path, monkeypatch):
     spawn(_link_job, 3, str(tmp_path))
     traces, problems = read_dir(tmp_path)
     assert problems == []
     t0, t2 = traces[0], traces[2]
-    name0 = np.array(t0.names)[t0.name]
-    ar = t2.dur[np.array(t2.names)[t2.name] == "all_reduce"] / 1e6  # rank 2 waits for the delayed members
-    assert np.all(ar > 25)
-    # Rank 0 waits 30 ms before the all-reduce and before the send to 1, not before the send to 2.
-    steps = t0.dur[name0 == "step"] / 1e6
-    assert np.all(steps > 55)
-    ar_end = t0.end[name0 == "all_reduce"]
-    send1, send2 = (name0 == "send") & (t0.peer == 1), (name0 == "send") & (t0.peer == 2)
+    name0, name2 = np.array(t0.names)[t0.name], np.array(t2.names)[t2.name]
+    # Rank 0 waits 30 ms before the all-reduce (each step begins with that wait) and before the send to 1. Lower
+    # bounds only: a sleep is never shorter, whatever the load (one host clock: CLOCK_MONOTONIC in every rank).
+    ar_start, ar_end = t0.ts[name0 == "all_reduce"], t0.end[name0 == "all_reduce"]
+    assert np.all((ar_start - t0.ts[name0 == "step"]) / 1e6 > 25)
+    send1 = (name0 == "send") & (t0.peer == 1)
     assert np.all((t0.ts[send1] - ar_end) / 1e6 > 25)
-    assert np.all((t0.ts[send2] - t0.end[send1]) / 1e6 < 15)
+    # Rank 2, off the link, is held all the same: its all-reduce ends only after the delayed rank 0 entered it.
+    assert np.all(t2.end[name2 == "all_reduce"] >= ar_start)
+    # Which ops wait, exactly (a fake clock counts the interceptor's sleeps): a send over the link and a
+    # collective holding both ends; not a send to another rank, a receive, or a collective holding one end.
+    clock = FakeClock()
+    monkeypatch.setattr(faults, "time", clock)
+    inj = faults.install(["slow-link=0-1:30"], Topology(tp=1, pp=1, dp=3, rank=0))
+    try:
+        ops = [(CommOp("all_reduce", "dp", (0, 1, 2), 0, 16), 0.03),
+               (CommOp("send", "dp", (0, 1, 2), 0, 16, peer=1), 0.03),
+               (CommOp("send", "dp", (0, 1, 2), 1, 16, peer=2), 0.0),
+               (CommOp("recv", "dp", (0, 1, 2), 2, 16, peer=1), 0.0),
+               (CommOp("all_reduce", "pp", (0, 2), 0, 16), 0.0)]
+        for op, delay in ops:
+            before = clock.ns
+            assert inj.intercept(op) is None and clock.ns - before == round(delay * 1e9), (op, clock.slept)
+    finally:
+        inj.remove()
 
 
 def test_parse_wire_faults():

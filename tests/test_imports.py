@@ -1,10 +1,14 @@
-"""No import circle and no import running back up, anywhere in src/ and benchmarks/.
+"""No import circle and no import running back up, anywhere in src/ and benchmarks/; no test module imported by
+another file of tests/.
 
 Every import of every file (top level, in functions, under TYPE_CHECKING, relative, import_module of a literal)
 is read with ast (tests/import_graph.py). Three rules: no circle between files; no circle between packages (a
 leaf package, or a file directly in a package that has subpackages, such as megatronapp/config.py); and no
 import of a unit on the same floor or a higher one, in the layer order that docs/architecture.md writes down
-('Layers'). The self-test plants each kind of fault in a small tree and checks that the checker names it.
+('Layers'). In tests/, what several tests share lives in helper modules and fixtures: a test module imported by
+another file would run its tests' imports and module-level set-up as a side effect, and tie one test's private
+helper to its callers. The self-tests plant each kind of fault in a small tree and check that the checker names
+it.
 """
 from __future__ import annotations
 
@@ -102,3 +106,41 @@ def test_the_checker_finds_planted_circles_and_upward_imports(tmp_path):
 def test_the_layers_are_read_from_their_section():
     text = "# Doc\n```\nnot this\n```\n## Layers\n\nwords\n```\ncli  # top\n\ndpp fbd\nconfig\n```\n## Next\n"
     assert ig.read_layers(text) == [["cli"], ["dpp", "fbd"], ["config"]]
+
+
+def test_no_test_module_is_imported_by_another_file():
+    files = ig.source_files(ig.TESTS)
+    graph = ig.file_graph(files)
+    assert "tests.jobs" in graph["tests.test_training"] and "tests.test_imports" in files  # real edges, all files
+    found = ig.test_module_imports(graph)
+    assert not found, ("test modules imported by another file (move what they share to a helper module such as "
+                       "tests/jobs.py, or a fixture in tests/conftest.py):\n" + "\n".join(found))
+
+
+def test_the_checker_finds_a_test_module_imported_in_a_function_or_by_a_helper(tmp_path):
+    sources = {
+        "__init__.py": "",
+        "conftest.py": "from tests import helper\n",
+        "helper.py": "HOOK = 'tests.test_b:plugin'  # a string is data, not an import\n",
+        "test_a.py": "from tests.helper import HOOK\n"
+                     "def test_x():\n"
+                     "    from tests.test_b import _cfg  # PLANTED\n"
+                     "    pass\n",
+        "test_b.py": "import importlib\n"
+                     "def _cfg():\n"
+                     "    importlib.import_module('tests.conftest')  # PLANTED\n"
+                     "    pass\n",
+        "jobs.py": "from . import test_a  # PLANTED\npass\n",
+    }
+    root = tmp_path / "tests"
+    root.mkdir()
+    for name, text in sources.items():
+        (root / name).write_text(text)
+    trees = [(tmp_path, "tests")]
+    assert ig.test_module_imports(ig.file_graph(ig.source_files(trees))) == [
+        "tests.jobs:1 imports tests.test_a", "tests.test_a:3 imports tests.test_b",
+        "tests.test_b:3 imports tests.conftest"]
+    for name in ("test_a.py", "test_b.py", "jobs.py"):
+        path = root / name
+        path.write_text("".join(line for line in path.read_text().splitlines(True) if "PLANTED" not in line))
+    assert ig.test_module_imports(ig.file_graph(ig.source_files(trees))) == []

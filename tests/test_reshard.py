@@ -18,7 +18,7 @@ from megatronapp.launch import spawn
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.consolidate import consolidate
 from megatronapp.train.trainer import Trainer, run_rank
-from tests.test_training import _cfg
+from tests.jobs import train_case as _cfg
 
 TOL = 1e-5  # the equivalence harness's loss tolerance
 

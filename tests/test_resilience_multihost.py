@@ -19,15 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatronapp.cli import build_parser, config_from_args
 from megatronapp.launch import free_port
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.metrics import read_metrics
-from megatronapp.train.trainer import train
+from tests.jobs import tiny_flags
 
 STEPS = 6
-FLAGS = ["--tp", "2", "--pp", "2", "--steps", str(STEPS), "--save-interval", "1", "--layers", "2", "--hidden", "64",
-         "--global-batch", "4", "--microbatches", "2", "--seq-len", "16", "--no-progress", "--peak-tflops", "1"]
+FLAGS = tiny_flags("--tp", "2", "--pp", "2", "--steps", str(STEPS), "--save-interval", "1")
 
 pytestmark = pytest.mark.skipif(os.environ.get("MEGATRONAPP_LONG") != "1",
                                 reason="two torchrun agents and a driver: ~40-60 s; set MEGATRONAPP_LONG=1")
@@ -46,11 +44,9 @@ def _params(out: Path) -> list[list[dict[str, torch.Tensor]]]:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory) -> Path:
-    """The same job, uninterrupted."""
-    base = tmp_path_factory.mktemp("baseline") / "run"
-    train(config_from_args(build_parser().parse_args(["train", "--nproc", "4", *FLAGS, "--out", str(base)])))
-    return base
+def baseline(uninterrupted) -> Path:
+    """The same job, uninterrupted (trained once per session: tests/conftest.py)."""
+    return uninterrupted(["--nproc", "4", *FLAGS])
 
 
 def _stop_rank_at(hb: Path, rank: int, step: int, deadline_s: float = 300.0) -> int | None:

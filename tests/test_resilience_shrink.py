@@ -17,12 +17,11 @@ from megatronapp.resilience import recovery, shrink
 from megatronapp.resilience.supervisor import Options, supervise
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.metrics import read_metrics
-from megatronapp.train.trainer import train
+from tests.jobs import tiny_flags
 
 STEPS = 6
-FLAGS = ["--nproc", "2", "--dp", "2", "--steps", str(STEPS), "--save-interval", "2", "--layers", "2", "--hidden",
-         "32", "--heads", "2", "--global-batch", "4", "--microbatches", "2", "--seq-len", "16", "--no-progress",
-         "--peak-tflops", "1", "--data-prefetch", "0"]
+FLAGS = tiny_flags("--nproc", "2", "--dp", "2", "--steps", str(STEPS), "--save-interval", "2", "--heads", "2",
+                   "--data-prefetch", "0", hidden=32)
 
 
 def _cfg(*extra: str):
@@ -59,9 +58,8 @@ def test_memory_errors_are_evicted_with_the_named_rank_and_perf_outliers_only_re
     assert recovery.evictions(cfg, 1, "hang", {"outliers": {"gemm": [{"who": 0}]}})[0].rank == 1
 
 
-def test_a_hung_replica_is_diagnosed_evicted_and_the_run_finishes_on_dp1(tmp_path):
-    base = tmp_path / "base"
-    train(_cfg("--out", str(base)))  # the same job, uninterrupted, on dp=2
+def test_a_hung_replica_is_diagnosed_evicted_and_the_run_finishes_on_dp1(tmp_path, uninterrupted):
+    base = uninterrupted(FLAGS)  # the same job, uninterrupted, on dp=2
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "megatronapp", "train", *FLAGS, "--out", str(out), "--supervise", "--inject",
            "hang=1:3", "--hang-timeout", "6", "--heartbeat-interval", "0.3", "--allow-shrink"]

@@ -5,7 +5,7 @@ import numpy as np
 
 from megatronapp.scan.detect.align import estimate_offsets, to_reference
 from megatronapp.scan.read.format import RankWriter, rank_file, read_dir
-from tests.test_scan_tracer import DRIFT, SKEW_NS, traced_job
+from tests.traced_job import DRIFT, SKEW_NS
 
 TOL_NS = 1_000_000
 
@@ -19,8 +19,8 @@ def _check_recovered(traces, offsets, report, t0_drift):
         assert np.abs(err).max() < TOL_NS, (t.rank, err)
 
 
-def test_recovers_skew_and_drift_from_collectives_and_handshake():
-    out, t0 = traced_job()
+def test_recovers_skew_and_drift_from_collectives_and_handshake(traced_job):
+    out, t0 = traced_job
     traces, _ = read_dir(out)
     offsets, residual, report = estimate_offsets(traces)
     assert report["unaligned"] == [] and report["anchors"] > 40
@@ -30,10 +30,10 @@ def test_recovers_skew_and_drift_from_collectives_and_handshake():
     assert offsets[0] == 0
 
 
-def test_transitive_alignment_without_handshake():
+def test_transitive_alignment_without_handshake(traced_job):
     # Rank 3 shares no group with rank 0 (tp={2,3}, dp={1,3}) except the world all-reduce: drop that and the
     # handshake, and it must still be aligned through rank 1 or 2.
-    out, t0 = traced_job()
+    out, t0 = traced_job
     traces, _ = read_dir(out)
     for t in traces:
         t.header.pop("handshake")

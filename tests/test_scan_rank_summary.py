@@ -19,7 +19,6 @@ from megatronapp.scan.detect import features, triage
 from megatronapp.scan.read import rank_summary
 from megatronapp.scan.read.format import RECORD, RankWriter, read_rank, write_rank_file
 from megatronapp.scan.synth.simulate import simulate
-from tests.test_scan_tracer import traced_job
 
 TP, PP, DP = 4, 4, 16  # 256 ranks
 
@@ -53,8 +52,8 @@ def test_simulated_summaries_equal_the_spans_numbers(tmp_path, faults):
     assert a.problems == b.problems == []
 
 
-def test_tracer_leaves_the_summary_the_triage_would_work_out():
-    out, _ = traced_job()
+def test_tracer_leaves_the_summary_the_triage_would_work_out(traced_job):
+    out, _ = traced_job
     for r in range(4):
         path = os.fspath(out / f"rank{r:05d}.mst")
         got, why = rank_summary.read(path)

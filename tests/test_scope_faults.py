@@ -16,6 +16,7 @@ from megatronapp.scope import budget
 from megatronapp.scope.generate import ScopeModel, default_compression, generate, mask_non_finite, plan
 from megatronapp.scope.protocol import Generate
 from megatronapp.scope.server import create_app
+from tests.scope_cases import fuzz
 
 CFG = ModelConfig(family="gpt2", vocab_size=256, hidden_size=32, num_layers=2, num_heads=2, max_seq_len=64)
 # the top exponent bit of every element of layer 0's output: inf and NaN reach the logits
@@ -65,59 +66,6 @@ def test_attention_is_pooled_by_default_above_a_sequence_length():
     assert default_compression("attn.probs", CFG, budget.POOL_ATTENTION_ABOVE).pool == "none"
     long = default_compression("attn.probs", CFG, budget.POOL_ATTENTION_ABOVE + 1)
     assert long.pool == "mean" and long.axis == -1
-
-
-def _random_request(rng: random.Random) -> str:
-    """A random message: junk, a wrong shape, or a generate request with random (often invalid) fields."""
-    kind = rng.random()
-    if kind < 0.15:
-        return "".join(rng.choice("{}[]\":,ab1 \\\x00é") for _ in range(rng.randint(0, 40)))
-    if kind < 0.3:
-        return json.dumps(rng.choice([[1, 2], 3, "x", None, {"type": rng.choice(["ping", "info", "stop", "nope", 7])},
-                                      {"type": "auth", "token": "t"}, {"type": "control", "action": "pause"}]))
-    gen: dict = {"type": "generate", "prompts": [rng.choice(["a", "hello", "é€", "x" * 30])
-                                                for _ in range(rng.randint(0, 3))],
-                 "max_new_tokens": rng.choice([1, 2, 3, 0, 70, -1]), "greedy": rng.random() < 0.5,
-                 "temperature": rng.choice([0.0, 0.5, 1.0, 1e-6, 11.0]), "top_k": rng.choice([0, 1, 5, 300]),
-                 "seed": rng.randint(0, 5)}
-    points = ["in", "attn.q", "attn.k", "attn.v", "attn.probs", "attn.out", "mlp.out", "out", "embed", "logits",
-              "bogus"]
-    gen["capture"] = {"points": rng.sample(points, rng.randint(0, 3)), "logit_lens": rng.random() < 0.3,
-                      "layers": rng.choice([None, [0], [1], [5]]), "pca_layer": rng.choice([None, 0, 1, 9])}
-    if rng.random() < 0.5:
-        gen["perturbations"] = [{
-            "kind": rng.choice(["gaussian", "uniform", "offset", "zero", "bitflip", "melt"]),
-            "place": rng.choice(["weight", "activation", "hidden"]),
-            "target": rng.choice(["out", "attn.q", "attn.probs", "mlp.out", "attn.qkv.weight", "mlp.fc1.weight",
-                                  "final_norm.weight", "nope"]),
-            "layers": rng.choice([None, [0], [1], [3]]), "rate": rng.choice([None, 0.1, 1.0]),
-            "bit": rng.choice([None, 30, 31, 40]), "strength": rng.choice([0.0, 1.0, 1e6]),
-            "indices": rng.choice([None, None, [0, 3], [10**9]])}]
-    if rng.random() < 0.05:
-        gen["surprise"] = True
-    return json.dumps(gen)
-
-
-def fuzz(client: TestClient, rng: random.Random, n: int) -> dict[str, int]:
-    """Send n random messages one at a time; every one is answered (error, pong, info, done ...). A client is
-    disconnected after 20 bad messages, so the fuzz opens a new connection every 16."""
-    seen: dict[str, int] = {}
-    for first in range(0, n, 16):
-        with client.websocket_connect("ws://127.0.0.1/ws") as ws:
-            assert ws.receive_json()["type"] == "hello"
-            for _ in range(min(16, n - first)):
-                raw = _random_request(rng)
-                ws.send_text(raw)
-                if '"type": "stop"' in raw:
-                    continue  # nothing runs: a stop has no answer
-                while True:
-                    m = ws.receive_json()
-                    if m["type"] in ("done", "error", "pong", "info", "auth_ok", "busy"):
-                        break
-                kind = m["type"] if m["type"] != "error" else f"error:{m['code']}"
-                seen[kind] = seen.get(kind, 0) + 1
-                assert m.get("code") != "internal", (raw, m)  # every failure is a clear, user-fixable refusal
-    return seen
 
 
 def test_fuzz_1000_messages_one_rank(sm):

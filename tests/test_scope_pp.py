@@ -11,7 +11,7 @@ import torch
 from megatronapp.launch import spawn
 from megatronapp.scope import distributed
 from megatronapp.scope import generate as gen_mod
-from tests.test_scope_tp import CAPTURE, _compare, _reference, _same_as_checkpoint, write_checkpoint
+from tests.scope_cases import CAPTURE, compare, reference, same_as_checkpoint, write_checkpoint
 
 REQUESTS = [
     {"type": "generate", "prompts": ["Hello", "The quick"], "max_new_tokens": 3, "greedy": True,
@@ -43,7 +43,7 @@ def _serve_once(rank: int, tp: int, pp: int, out: str, checkpoint: str, semantic
     topo = topology.build(tp, pp, 1)
     sm = distributed.load_shard(None, topo)
     # a checkpoint trained without pipeline parallelism, cut into these stages (the last takes the tied weight)
-    same = _same_as_checkpoint(sm, topo, checkpoint)
+    same = same_as_checkpoint(sm, topo, checkpoint)
     weights = {n: p.detach().clone() for n, p in sm.model.named_parameters()}
     if rank == 1 and not hasattr(gen_mod._sample, "faulty"):
         real = gen_mod._sample
@@ -93,9 +93,9 @@ def _check(out: str, tp: int, pp: int) -> None:
     res = torch.load(f"{out}.0")
     assert res["describe"]["name"] == f"embedded gpt2-tiny (tp={tp}, pp={pp})"
     for got, req in zip(res["runs"], REQUESTS):
-        _compare(got, _reference(req))
+        compare(got, reference(req))
     assert "rank 1 failed: RuntimeError: injected fault on rank 1" in res["fault"]
-    _compare(res["after_fault"], _reference(REQUESTS[0]))
+    compare(res["after_fault"], reference(REQUESTS[0]))
     workers = [torch.load(f"{out}.{r}") for r in range(1, tp * pp)]
     assert res["restored"] and all(w["restored"] for w in workers)
     assert res["checkpoint"] and all(w["checkpoint"] for w in workers)

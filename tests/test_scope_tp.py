@@ -5,27 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from megatronapp.data.tokenizer import ByteTokenizer
 from megatronapp.launch import spawn
 from megatronapp.model.transformer import KVCache
 from megatronapp.scope import cli, distributed
-from megatronapp.scope.compress import decode
 from megatronapp.scope.default_model import load_default_model
-from megatronapp.scope.generate import ScopeModel, generate
-from megatronapp.scope.protocol import Generate
-from tests.test_scope_faults import fuzz
+from tests.scope_cases import CAPTURE, compare, fuzz, reference, same_as_checkpoint, write_checkpoint
 
 FUZZ_TP = 100  # random requests on tp = 2 (1,000 run on one rank in test_scope_faults.py)
 
-FULL = {"pool": "none", "quant": "fp32"}
-CAPTURE = {"points": ["attn.q", "attn.probs", "out", "logits"], "layers": [0, 3], "logit_lens": True,
-           "pca_layer": 1, "per_point": {p: FULL for p in ("attn.q", "attn.probs", "out", "logits")}}
 REQUESTS = [
     {"type": "generate", "prompts": ["Hello", "The quick"], "max_new_tokens": 4, "greedy": True,
      "capture": CAPTURE},
@@ -41,36 +33,6 @@ WEIGHT_PERTURBATION = {"type": "generate", "prompts": ["x"], "max_new_tokens": 2
     {"kind": "bitflip", "place": "weight", "target": "mlp.fc1.weight", "layers": [1], "indices": [7, 60000],
      "bit": 23},
     {"kind": "gaussian", "place": "activation", "target": "attn.k", "layers": [2], "strength": 0.3, "seed": 2}]}
-
-
-def write_checkpoint(root: str, tp: int) -> str:
-    """The embedded model saved as `tp` tensor-parallel training ranks would save it (pp = dp = 1)."""
-    import torch.nn.functional as F
-
-    from megatronapp.config import ParallelConfig, RunConfig
-    from megatronapp.train import checkpoint as ckpt
-
-    model, cfg, _ = load_default_model()
-    for t in range(tp):
-        sd, dims = {}, {}
-        for n, p in model.named_parameters():
-            full = p.detach()
-            if getattr(p, "vocab_size", None) is not None:  # zero padding rows up to this tp's padded vocabulary
-                full = F.pad(full[:cfg.vocab_size], (0, 0, 0, cfg.padded_vocab_size(tp) - cfg.vocab_size))
-            if getattr(p, "tensor_parallel", False):
-                dims[n] = p.partition_dim
-                full = full.chunk(tp, dim=p.partition_dim)[t]
-            sd[n] = full.clone()
-        ckpt.save_rank(Path(root), 1, t, {"step": 1, "chunks": [sd], "coord": {"dp": 0, "pp": 0, "tp": t},
-                                           "partition_dims": [dims]})
-    run = RunConfig(model=cfg, parallel=ParallelConfig(tp=tp))
-    return str(ckpt.finalize(Path(root), 1, {"step": 1, "world_size": tp, "config": run.to_dict()}))
-
-
-def _same_as_checkpoint(sm, topo, path: str) -> bool:
-    """The shard `load_shard` reads from a checkpoint equals the one it reads from the shipped weights."""
-    other = distributed.load_shard(None, topo, checkpoint=path)
-    return all(torch.equal(p, q) for p, q in zip(sm.model.parameters(), other.model.parameters()))
 
 
 def _until_done(ws) -> list[dict]:
@@ -89,7 +51,7 @@ def _tp_rank(rank: int, world: int, out: str, ckpt_tp2: str, ckpt_tp1: str) -> N
     topo = topology.build(world, 1, 1)
     sm = distributed.load_shard(None, topo)
     # --checkpoint under tp > 1: the same slices, read straight from the matching rank's file or re-cut
-    same = [_same_as_checkpoint(sm, topo, ckpt_tp2), _same_as_checkpoint(sm, topo, ckpt_tp1)]
+    same = [same_as_checkpoint(sm, topo, ckpt_tp2), same_as_checkpoint(sm, topo, ckpt_tp1)]
     if rank != 0:
         torch.save({"worker_runs": distributed.worker_loop(sm, topo), "checkpoint": same}, f"{out}.1")
         return
@@ -126,49 +88,21 @@ def _tp_rank(rank: int, world: int, out: str, ckpt_tp2: str, ckpt_tp1: str) -> N
     torch.save(res, f"{out}.0")
 
 
-def _reference(req: dict) -> list[dict]:
-    model, cfg, meta = load_default_model()
-    msgs: list[dict] = []
-    generate(ScopeModel(model, cfg, ByteTokenizer(), meta=meta), Generate.model_validate(req), msgs.append)
-    return json.loads(json.dumps(msgs))
-
-
-def _compare(got: list[dict], want: list[dict]) -> None:
-    assert [m["type"] for m in got] == [m["type"] for m in want]
-    for g, w in zip(got, want):
-        if g["type"] == "step":
-            if "next" in w:
-                assert [r["id"] for r in g["next"]] == [r["id"] for r in w["next"]]
-                for gr, wr in zip(g["next"], w["next"]):
-                    assert gr["prob"] == pytest.approx(wr["prob"], abs=1e-4)
-                    assert [t for t, _ in gr["top"]] == [t for t, _ in wr["top"]]
-            assert set(g["states"]) == set(w["states"]) and len(w["states"]) == 7
-            for name in w["states"]:
-                a, b = decode(g["states"][name]), decode(w["states"][name])
-                assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4), name
-            assert [[t for t, _ in row] for layer in g["lens"] for row in layer] == \
-                   [[t for t, _ in row] for layer in w["lens"] for row in layer]
-        elif g["type"] == "pca":
-            assert torch.allclose(torch.tensor(g["points"]), torch.tensor(w["points"]), atol=1e-3)
-        elif g["type"] == "done":
-            assert g["texts"] == w["texts"] and g["new_tokens"] == w["new_tokens"]
-
-
 def test_tp2_serving_matches_single_process(tmp_path):
     out = str(tmp_path / "res")
     spawn(_tp_rank, 2, out, write_checkpoint(str(tmp_path / "tp2"), 2), write_checkpoint(str(tmp_path / "tp1"), 1))
     res, worker = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert res["hello"]["model"]["name"] == "embedded gpt2-tiny (tp=2)"
     for got, req in zip(res["runs"], REQUESTS):
-        _compare(got, _reference(req))
-    want = _reference(WEIGHT_PERTURBATION)
-    _compare(res["weights"], want)
-    plain = _reference({**WEIGHT_PERTURBATION, "perturbations": []})
+        compare(got, reference(req))
+    want = reference(WEIGHT_PERTURBATION)
+    compare(res["weights"], want)
+    plain = reference({**WEIGHT_PERTURBATION, "perturbations": []})
     assert want[1]["states"]["layers.3.attn.q"] != plain[1]["states"]["layers.3.attn.q"]  # they did act
     assert res["stopped"][-1]["type"] == "done", res["stopped"][-1]
-    _compare(res["after_stop"], _reference(REQUESTS[0]))
+    compare(res["after_stop"], reference(REQUESTS[0]))
     assert res["fuzz"].get("done", 0) > 3 and res["fuzz"].get("error:invalid", 0) > 20, res["fuzz"]
-    _compare(res["after_fuzz"], _reference(REQUESTS[1]))
+    compare(res["after_fuzz"], reference(REQUESTS[1]))
     assert res["restored"]
     assert res["checkpoint"] == worker["checkpoint"] == [True, True]
     assert worker["worker_runs"] >= 5 + res["fuzz"]["done"]

@@ -18,16 +18,7 @@ from megatronapp.launch import spawn
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.consolidate import load_model
 from megatronapp.train.trainer import Trainer, run_rank
-from tests.engine_cases import base_case
-
-
-def _cfg(out: Path, **over) -> dict:
-    d = base_case("gpt2", **{"model.num_layers": 4, "model.hidden_size": 64, "train.seq_len": 32,
-                             "train.lr": 3e-3, "train.warmup_steps": 2, "train.grad_clip": 1.0,
-                             "train.peak_tflops": 1.0, **over})
-    d["train"]["out"] = str(out)
-    d["train"]["steps"] = over.get("train.steps", d["train"]["steps"])
-    return d
+from tests.jobs import train_case as _cfg
 
 
 def test_loss_goes_down_on_embedded_corpus(tmp_path):
@@ -160,7 +151,7 @@ def test_resume_is_bit_exact_and_modes_train(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from megatronapp.train.export import export_hf
-    from tests.test_export import assert_exported_matches
+    from tests.hf_checks import assert_exported_matches
 
     hf = export_hf(a, tmp_path / "hf")
     assert_exported_matches(a, hf, "Today is Monday, so")

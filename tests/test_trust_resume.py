@@ -17,7 +17,7 @@ from megatronapp.config import ConfigError, RunConfig
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.trainer import Trainer
 from tests.forge import edit_meta, write_meta
-from tests.test_training import _cfg
+from tests.jobs import train_case as _cfg
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

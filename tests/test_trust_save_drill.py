@@ -18,15 +18,13 @@ from pathlib import Path
 
 import torch
 
-from megatronapp.cli import build_parser, config_from_args
 from megatronapp.launch import free_port
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.metrics import read_metrics
-from megatronapp.train.trainer import train
+from tests.jobs import tiny_flags
 
 STEPS = 6
-FLAGS = ["--pp", "2", "--steps", str(STEPS), "--save-interval", "1", "--async-save", "--layers", "2", "--hidden",
-         "32", "--global-batch", "4", "--microbatches", "2", "--seq-len", "16", "--no-progress", "--peak-tflops", "1"]
+FLAGS = tiny_flags("--pp", "2", "--steps", str(STEPS), "--save-interval", "1", "--async-save", hidden=32)
 # (rank, step, stage) killed in torchrun start 0, 1, 2, ...: marker and commit are the committer's (rank 0)
 DRILLS = [(1, 1, "copy"), (1, 2, "write"), (0, 3, "sum"), (0, 4, "marker"), (0, 5, "commit")]
 
@@ -59,7 +57,7 @@ def _assert_equal(a, b, where: str = "") -> None:
 
 
 def test_kill_9_at_each_stage_of_an_async_save_under_torchrun_resumes_the_newest_full_step_bit_identically(
-        tmp_path):
+        tmp_path, uninterrupted):
     out = tmp_path / "run"
     drills = [f"--inject=kill-save={r}:{s}:{stage}:{i}" for i, (r, s, stage) in enumerate(DRILLS)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
@@ -79,8 +77,7 @@ def test_kill_9_at_each_stage_of_an_async_save_under_torchrun_resumes_the_newest
     assert not [p.name for p in root.iterdir() if p.name.startswith((".step_", ".trash"))]  # leftovers removed
     assert all(ckpt.verify(ckpt.step_dir(root, s)) is None for s in range(1, STEPS + 1))
 
-    base = tmp_path / "baseline"
-    train(config_from_args(build_parser().parse_args(["train", "--nproc", "2", *FLAGS, "--out", str(base)])))
+    base = uninterrupted(["--nproc", "2", *FLAGS])
     _assert_equal(_state(out), _state(base), "state")
     ref = {r["step"]: r["loss"] for r in read_metrics(base / "metrics.jsonl")}
     records = read_metrics(out / "metrics.jsonl")

