@@ -3,19 +3,20 @@
 What users who profile their jobs already hold: one or more `*.json` / `*.json.gz` files per rank (one per
 profiling window), each with `distributedInfo` (rank, world_size, process groups). Mapped onto MegaScan's spans:
 
+A GPU job's trace (one with device events) is read by gpu_kineto.py: its device timeline, NCCL kernels keyed to
+be matched across ranks. A CPU job's:
 - steps: `ProfilerStep#N` annotations; every other event belongs to the step whose window holds its start.
-- communication: on a GPU trace the NCCL kernels (device time; their args name the collective, the element
-  count and dtype, the process group and its ranks); on a CPU trace the `gloo:*` / `nccl:*` record_function
-  annotations, which gloo runs on its worker threads for the whole collective (waiting for the last member
-  included). Instances are numbered per process group in each step, or by the `Seq` arg where the trace has one,
-  so the same collective has the same number on every rank. Point-to-point ops have no peer in these args:
-  they count as communication time but are not matched as links.
-- compute: on a GPU trace every other kernel and memcpy; on a CPU trace the outermost op of each thread
+- communication: the `gloo:*` / `nccl:*` record_function annotations, which gloo runs on its worker threads for
+  the whole collective (waiting for the last member included). Instances are numbered per process group in each
+  step, or by the `Seq` arg where the trace has one, so the same collective has the same number on every rank.
+  Point-to-point ops have no peer in these args: they count as communication time but are not matched as links.
+- compute: the outermost op of each thread
   (`Optimizer.*` as optimizer, DataLoader iterations as data), nested ops are inside it, less the waits: the
   stretches where the thread runs no op (an annotation such as `FSDP::all_gather` or a loop's `backward` with
   nothing running inside it, or a collective's launch) while a collective is in flight. The ops of a
   collective's worker thread (gloo's copies) are the collective's, not the rank's work.
-Every rank is one data-parallel replica of one stage (coord (rank, 0, 0)): Kineto records no TP/PP layout.
+Every rank is one data-parallel replica of one stage (coord (rank, 0, 0)): Kineto records no TP/PP layout (a GPU
+job's pipeline is read from its point-to-point transfers: kineto_layout.py).
 Nothing in a file decides what code runs: it is parsed as JSON and read as numbers and names. Files above
 `max_bytes` (decompressed) are skipped and named, as are files that are no trace or carry no rank.
 """
@@ -29,23 +30,18 @@ from pathlib import Path
 import numpy as np
 
 from megatronapp.scan.read.format import CAT_INDEX, RankTrace
+from megatronapp.scan.read.gpu_kineto import gpu_rank_trace, is_device_trace
+from megatronapp.scan.read.kineto_fields import SEQ_STRIDE as _SEQ_STRIDE
+from megatronapp.scan.read.kineto_fields import STEP as _STEP
+from megatronapp.scan.read.kineto_fields import KinetoError, pg_configs
+from megatronapp.scan.read.kineto_fields import group_of as _group
+from megatronapp.scan.read.kineto_fields import nbytes as _nbytes
 
 MAX_BYTES = 2 << 30  # a profiler window of one rank is tens to hundreds of MB; past this it is not read
 SUFFIXES = (".json", ".json.gz")
-_STEP = re.compile(r"^ProfilerStep#(\d+)$")
 _COMM_ANNOTATION = re.compile(r"^(?:nccl|gloo|mpi|ucc|xccl):(\w+)$")
-_NCCL_KERNEL = re.compile(r"^nccl(?:Dev)?Kernel_([A-Za-z]+)")
-_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 # CPU events that are no computation of their own: a collective's launch or wait, an annotation, Python code
 _NOT_OP = re.compile(r"^(?:c10d::|_c10d_functional::|c10d_functional::|record_param_comms$)|wait")
-_DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "half": 2, "float16": 2, "bfloat16": 2,
-                "long": 8, "int64": 8, "int": 4, "int32": 4, "short": 2, "int16": 2, "char": 1, "int8": 1,
-                "byte": 1, "uint8": 1, "bool": 1}
-_SEQ_STRIDE = 1_000_000  # instance number = step * stride + order in the step (where the trace has no Seq)
-
-
-class KinetoError(ValueError):
-    """A file that is not a usable profiler trace (named in the message)."""
 
 
 def kineto_files(trace_dir: str | Path) -> list[Path]:
@@ -116,38 +112,6 @@ def read_kineto_dir(path: str | Path, max_bytes: int = MAX_BYTES) -> tuple[list[
     if not traces and not problems:
         problems.append(f"no profiler traces (*.json, *.json.gz) in {d}")
     return traces, problems
-
-
-def _nbytes(args: dict) -> int:
-    """Payload bytes from a collective's args: element count x dtype size (NCCL args), else the input dims."""
-    n = args.get("In msg nelems")
-    size = _DTYPE_BYTES.get(str(args.get("dtype", "float")).lower(), 4)
-    if isinstance(n, (int, float)) and n >= 0:
-        return int(n) * size
-    dims, types = args.get("Input Dims"), args.get("Input type")
-    if isinstance(dims, list) and dims and isinstance(dims[0], list) and all(isinstance(x, int) for x in dims[0]):
-        t = types[0] if isinstance(types, list) and types else "float"
-        return int(np.prod(dims[0], dtype=np.int64)) * _DTYPE_BYTES.get(str(t).lower(), 4)
-    return 0
-
-
-def _group(args: dict, pgs: dict[str, tuple[int, ...]]) -> tuple[str, tuple[int, ...]] | None:
-    """(group name, member ranks) of a collective: its args, else the trace's only process group."""
-    name = args.get("Process Group Name")
-    ranks = args.get("Process Group Ranks")
-    if isinstance(ranks, str):
-        try:
-            ranks = json.loads(ranks)
-        except json.JSONDecodeError:
-            ranks = None
-    if isinstance(name, str) and isinstance(ranks, list) and ranks and all(isinstance(r, int) for r in ranks):
-        return f"pg{name}", tuple(ranks)
-    if isinstance(name, str) and name in pgs:
-        return f"pg{name}", pgs[name]
-    if len(pgs) == 1:
-        (n, r), = pgs.items()
-        return f"pg{n}", r
-    return None  # several groups and no name: counted as communication, matched with nothing
 
 
 def _outermost(ts: np.ndarray, end: np.ndarray, thread: np.ndarray) -> np.ndarray:
@@ -221,17 +185,16 @@ def _covered(ws: np.ndarray, we: np.ndarray, cs: np.ndarray, ce: np.ndarray) -> 
 
 def to_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankTrace:
     """One rank's spans from its profiler trace files (events of several files merged)."""
-    pgs: dict[str, tuple[int, ...]] = {}
+    pgs: dict = {}
     for _, doc in docs:
-        for pg in doc["distributedInfo"].get("pg_config") or []:
-            if isinstance(pg, dict) and isinstance(pg.get("ranks"), list):
-                pgs[str(pg.get("pg_name"))] = tuple(int(r) for r in pg["ranks"] if isinstance(r, int))
+        pgs.update(pg_configs(doc["distributedInfo"]))
+    if any(is_device_trace(doc["traceEvents"]) for _, doc in docs):
+        return gpu_rank_trace(rank, world, docs)  # a GPU job: its device timeline (gpu_kineto.py)
     events = [e for _, doc in docs for e in doc["traceEvents"]
               if isinstance(e, dict) and e.get("ph") == "X" and isinstance(e.get("ts"), (int, float))
               and isinstance(e.get("dur"), (int, float)) and e["dur"] >= 0 and isinstance(e.get("name"), str)]
     if not events:
         raise KinetoError(f"rank {rank} ({', '.join(p.name for p, _ in docs)}): no complete events; skipped")
-    device = any(e.get("cat") in _DEVICE_CATS for e in events)
     names: dict[str, int] = {}
     groups: dict[tuple[str, tuple[int, ...]], int] = {}
     rows: list[tuple] = []  # (ts_ns, dur_ns, cat, name id, gid, nbytes, seq arg, thread key, is an op)
@@ -247,21 +210,13 @@ def to_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankT
             step_threads.add(thread)
             continue
         op, kind = None, None
-        if device:
-            km = _NCCL_KERNEL.match(name) if cat == "kernel" else None
-            if km:
-                op, kind = str(args.get("Collective name") or km.group(1)).lower(), "comm"
-            elif cat in _DEVICE_CATS:
-                op, kind = name.split("(")[0][:120], "compute"
-            # CPU ops of a GPU job: launches and enqueues; the device timeline holds the time
-        else:
-            cm = _COMM_ANNOTATION.match(name) if cat in ("user_annotation", "cpu_op") else None
-            if cm:
-                op, kind = cm.group(1), "comm"
-            elif cat in ("cpu_op", "user_annotation", "python_function"):
-                kind = "optimizer" if name.startswith("Optimizer.") else \
-                    "data" if "DataLoader" in name else "compute"
-                op = name.split("#")[0][:120]
+        cm = _COMM_ANNOTATION.match(name) if cat in ("user_annotation", "cpu_op") else None
+        if cm:
+            op, kind = cm.group(1), "comm"
+        elif cat in ("cpu_op", "user_annotation", "python_function"):
+            kind = "optimizer" if name.startswith("Optimizer.") else \
+                "data" if "DataLoader" in name else "compute"
+            op = name.split("#")[0][:120]
         if kind is None:
             continue
         gid, nbytes, seq = -1, 0, -1
@@ -309,28 +264,27 @@ def to_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankT
         start = np.maximum.accumulate(np.where(first, np.arange(len(o)), 0)) if len(o) else o
         seq[o] = it[o] * _SEQ_STRIDE + (np.arange(len(o)) - start)
     sel = np.flatnonzero(keep)
-    if not device:
-        # A thread that waits for a collective (FSDP's pre-forward for its all-gather, DDP's end of backward for
-        # its all-reduce) records no op while it waits: gloo runs the collective on a worker thread, the waiting
-        # thread sits in an annotation with nothing inside it. Those stretches, where a collective is in flight,
-        # are copied as comm spans inside the work span ("in flight"), which its exclusive time leaves out: a rank
-        # waiting for a slow peer is not itself slow, while a slow rank's ops (however named) stay its compute.
-        # (The table nests a comm span in the latest work span started before it: right for one working thread,
-        # the training loop's; a second thread's spans starting between would take the wait from it.)
-        w = np.flatnonzero(work)
-        ids, ide = _idle(ts[w], ts[w] + dur[w], thread[w], is_op[w])
-        wts, wend = _covered(ids, ide, ts[comm], ts[comm] + dur[comm])
-        if len(wts):
-            fid = names.setdefault("in flight", len(names))
-            k = len(ts)
-            ks = np.searchsorted(s_ts, wts, side="right") - 1
-            wit = np.where((ks >= 0) & (wts < s_end[np.maximum(ks, 0)]), s_n[np.maximum(ks, 0)], -1)
-            ts, dur = np.r_[ts, wts], np.r_[dur, wend - wts]
-            cat = np.r_[cat, np.full(len(wts), CAT_INDEX["comm"], np.int8)]
-            name = np.r_[name, np.full(len(wts), fid, np.int32)]
-            gid, nbytes = np.r_[gid, np.full(len(wts), -1, np.int32)], np.r_[nbytes, np.zeros(len(wts), np.int64)]
-            seq, it = np.r_[seq, np.full(len(wts), -1, np.int64)], np.r_[it, wit]
-            sel = np.r_[sel, np.arange(k, k + len(wts))]
+    # A thread that waits for a collective (FSDP's pre-forward for its all-gather, DDP's end of backward for
+    # its all-reduce) records no op while it waits: gloo runs the collective on a worker thread, the waiting
+    # thread sits in an annotation with nothing inside it. Those stretches, where a collective is in flight,
+    # are copied as comm spans inside the work span ("in flight"), which its exclusive time leaves out: a rank
+    # waiting for a slow peer is not itself slow, while a slow rank's ops (however named) stay its compute.
+    # (The table nests a comm span in the latest work span started before it: right for one working thread,
+    # the training loop's; a second thread's spans starting between would take the wait from it.)
+    w = np.flatnonzero(work)
+    ids, ide = _idle(ts[w], ts[w] + dur[w], thread[w], is_op[w])
+    wts, wend = _covered(ids, ide, ts[comm], ts[comm] + dur[comm])
+    if len(wts):
+        fid = names.setdefault("in flight", len(names))
+        k = len(ts)
+        ks = np.searchsorted(s_ts, wts, side="right") - 1
+        wit = np.where((ks >= 0) & (wts < s_end[np.maximum(ks, 0)]), s_n[np.maximum(ks, 0)], -1)
+        ts, dur = np.r_[ts, wts], np.r_[dur, wend - wts]
+        cat = np.r_[cat, np.full(len(wts), CAT_INDEX["comm"], np.int8)]
+        name = np.r_[name, np.full(len(wts), fid, np.int32)]
+        gid, nbytes = np.r_[gid, np.full(len(wts), -1, np.int32)], np.r_[nbytes, np.zeros(len(wts), np.int64)]
+        seq, it = np.r_[seq, np.full(len(wts), -1, np.int64)], np.r_[it, wit]
+        sel = np.r_[sel, np.arange(k, k + len(wts))]
     step_cols = {"ts": s_ts, "dur": s_end - s_ts, "it": s_n}
     n_step = len(steps)
     step_name = names.setdefault("step", len(names))
@@ -352,6 +306,6 @@ def to_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankT
     doc0 = docs[0][1]
     header = {"rank": rank, "world": world, "coord": [rank, 0, 0], "topo": [1, 1, world], "source": "kineto",
               "files": [p.name for p, _ in docs], "host": doc0.get("host_name"),
-              "backend": doc0["distributedInfo"].get("backend"), "device": device}
+              "backend": doc0["distributedInfo"].get("backend"), "device": False}
     return RankTrace(rank=rank, world=world, coord=(rank, 0, 0), topo=(1, 1, world), header=header,
                      names=list(names), groups=list(groups), **cols)
