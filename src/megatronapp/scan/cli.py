@@ -70,6 +70,10 @@ def _load(trace_dir: str, align: bool):
     for p in problems:
         print(f"scan: {p}", file=sys.stderr)
     if not traces:
+        if any("no distributedInfo" in p for p in problems):
+            print("scan: a profiler trace without distributedInfo comes from a process outside torch.distributed "
+                  "(a single-GPU job): MegaScan compares the ranks of one job, so profile every rank of a "
+                  "torch.distributed job (its traces record their rank and world size)", file=sys.stderr)
         raise SystemExit(f"scan: no readable rank traces in {trace_dir}")
     offsets = clock = None
     if align:
