@@ -53,6 +53,7 @@ from megatronapp.scan.detect.linkfold import (
     links_within_cpu_waits,
 )
 from megatronapp.scan.detect.links import links_and_waits
+from megatronapp.scan.detect.matching import numbered_by_order, unmatch_disagreeing
 from megatronapp.scan.detect.ranks import rank_findings
 from megatronapp.scan.detect.structure import collective_stall_findings, lone_stage_findings, lone_stage_pauses
 from megatronapp.scan.detect.table import LAYER, STEP, Phases, Table, Waits, exclusive_time, join, phases
@@ -87,7 +88,9 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     hangs = hang_findings(traces, partial)
     if hangs:  # what a hang cut short is no evidence of speed: judge the iterations every rank finished
         traces = _finished_iterations(traces)
+    by_order = numbered_by_order(traces, max([t.world for t in traces] + [t.rank + 1 for t in traces]))
     tb = join(traces, release=release_traces)
+    mismatch = unmatch_disagreeing(tb, by_order)  # profiler traces matched by call order: checked
     ph = phases(tb)
     # Stage costs: the headers' cost model (the engine writes its FLOPs), else measured from per-layer spans (any
     # job traced per layer). A declared model goes first: measured units are noisy by 15-25% per rank on a busy
@@ -128,7 +131,7 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
                   for r in top if caused_total[r] > 0]
     stage_size = max(int(t.topo[0]) * int(t.topo[2]) for t in traces)
     notes, nothing_judged = coverage_notes(tb, stage_size, partial)
-    notes += [n for n in (short_hang, few) if n]
+    notes += [n for n in (short_hang, few, mismatch) if n]
     if bad_work:
         notes.append(bad_work)
     named = {r for f in findings for r in f.ranks}

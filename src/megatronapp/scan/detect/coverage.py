@@ -47,8 +47,8 @@ def peerless_ranks(tb: Table, stage_size: int) -> np.ndarray:
 
 def coverage_notes(tb: Table, stage_size: int, partial: bool = False) -> tuple[list[str], str | None]:
     """Notes on what could not be judged, and (where no rank has a peer) the sentence that replaces "no root cause
-    found": (notes, nothing_judged). `stage_size`: ranks a pipeline stage has in the job. `partial`: a selection of a job's ranks read on purpose (two-level): the
-    ranks left out were judged by the triage, not missing."""
+    found": (notes, nothing_judged). `stage_size`: ranks a pipeline stage has in the job. `partial`: a selection of
+    a job's ranks read on purpose (two-level): the ranks left out were judged by the triage, not missing."""
     notes: list[str] = []
     present = tb.present
     n_present = int(present.sum())

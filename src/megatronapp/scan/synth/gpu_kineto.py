@@ -130,7 +130,7 @@ class GpuJob:
         out.mkdir(parents=True, exist_ok=True)
         paths = []
         for r, doc in enumerate(self.docs):
-            p = out / f"rank{r}.{1000 + r}.pt.trace.json" + (".gz" if compress else "")
+            p = out / (f"rank{r}.{1000 + r}.pt.trace.json" + (".gz" if compress else ""))
             data = json.dumps(doc).encode()
             p.write_bytes(gzip.compress(data, 6) if compress else data)
             paths.append(p)
