@@ -2,14 +2,14 @@
 overlap on the public traces, and what each names on generated GPU jobs with injected faults.
 
 Peer: `holistictraceanalysis` 0.5.0 (HTA), a benchmark-only peer run in its own interpreter (HTA_PYTHON, default
-`.venv-hta/bin/python`; `make .venv-hta/.installed` installs it with only what its analyses import). Part 1, on the public
-traces (benchmarks/hta_traces.py): per rank, idle / compute / non-compute % and comm/compute overlap % from HTA's
-`get_temporal_breakdown` and `get_comm_comp_overlap`, from `scan summary`'s GPU table (detect/gputime.py) as it is,
-and from it with HTA's two conventions applied to the input (device events without a launch in the trace dropped;
-sub-microsecond times rounded inwards, start up and end down); plus what `scan detect` says of each job. Part 2,
-generated jobs (scan/synth/gpu_kineto.py) of 8 and 64 ranks with every fault kind at drawn ranks and seeds: whether
-`scan detect` names the injected cause first, false findings at confidence >= 0.5, the headline factor against the
-injected one, and what HTA's `get_potential_stragglers` returns on the 8-rank jobs.
+`.venv-hta/bin/python`; `make .venv-hta/.installed` installs it with only what its analyses import).
+Part 1, on the public traces (benchmarks/hta_traces.py): per rank, idle / compute / non-compute % and comm/compute
+overlap % from HTA's `get_temporal_breakdown` and `get_comm_comp_overlap`, from `scan summary`'s GPU table
+(detect/gputime.py) as it is, and from it with HTA's two conventions applied to the input (device events without a
+launch in the trace dropped; sub-microsecond times rounded inwards, start up and end down); plus what `scan detect`
+says of each job. Part 2, generated jobs (scan/synth/gpu_kineto.py) of 8 and 64 ranks with every fault kind at
+drawn ranks and seeds: whether `scan detect` names the injected cause first, false findings at confidence >= 0.5,
+the headline factor against the injected one, and what HTA's `get_potential_stragglers` returns on the 8-rank jobs.
 Results: benchmarks/results/scan_hta.json and the generated blocks of docs/megascan.md.
 """
 from __future__ import annotations
@@ -59,10 +59,10 @@ for d in sys.argv[1:]:
     out[d] = r
 print(json.dumps(out, default=float))
 """
-# Part 2: (fault template, kind named) with R a rank drawn per seed (a link: R and its next stage's replica).
-FAMILY = [("slow-compute=R:F", "slow-compute"), ("late-arrival=R:MS", "late-arrival"),
-          ("pause=R:MS:2:host", "transient-pause"), ("pause=R:MS:2:device", "transient-pause"),
-          ("slow-link=R-S:3", "slow-link"), ("hang=R:2", "hang"), ("", None)]
+# Part 2: (fault template, kind named) with r a rank drawn per seed (a link: r and its next stage's replica s).
+FAMILY = [("slow-compute={r}:{f}", "slow-compute"), ("late-arrival={r}:{ms}", "late-arrival"),
+          ("pause={r}:{ms}:2:host", "transient-pause"), ("pause={r}:{ms}:2:device", "transient-pause"),
+          ("slow-link={r}-{s}:3", "slow-link"), ("hang={r}:2", "hang"), ("", None)]
 
 
 def hta_peer(dirs: list[Path]) -> dict:
@@ -144,11 +144,10 @@ def family(quick: bool) -> list[dict]:
             for seed in seeds:
                 rng = np.random.default_rng(1000 * ranks + seed)
                 for template, kind in FAMILY:
-                    r = int(rng.integers(0, ranks - dp)) if "S" in template else int(rng.integers(0, ranks))
+                    r = int(rng.integers(0, ranks - dp)) if "{s}" in template else int(rng.integers(0, ranks))
                     f = float(rng.choice([1.3, 1.5, 2.0]))
                     ms = float(rng.choice([8.0, 15.0, 30.0]))
-                    spec = template.replace("S", str(r + dp)).replace("R", str(r)).replace("F", f"{f:g}") \
-                        .replace("MS", f"{ms:g}") if template else ""
+                    spec = template.format(r=r, s=r + dp, f=f"{f:g}", ms=f"{ms:g}")
                     job = generate(ranks, pp, faults=[spec] if spec else [], seed=seed, **kw)
                     t0 = time.perf_counter()
                     traces = [read_kineto_dir_doc(r_, d) for r_, d in enumerate(job.docs)]

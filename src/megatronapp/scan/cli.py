@@ -189,8 +189,31 @@ def cmd_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate_kineto(args: argparse.Namespace) -> int:
+    """`scan simulate --kineto`: a GPU job's profiler traces (scan/synth/gpu_kineto.py), one file per rank."""
+    from megatronapp.scan.synth.gpu_kineto import generate
+
+    if args.tp != 1:
+        print("scan simulate --kineto: the GPU-style job has no tensor parallelism (use --tp 1)", file=sys.stderr)
+        return 2
+    try:
+        job = generate(args.ranks, args.pp, args.iterations, args.microbatches, faults=args.fault or [],
+                       seed=args.seed)
+        job.write(args.out, compress=True)
+    except ValueError as e:
+        print(f"scan simulate: {e}", file=sys.stderr)
+        return 2
+    faults = "; ".join(f.label() for f in job.faults) or "none"
+    print(f"wrote {args.ranks} GPU-style profiler traces to {args.out}: pp={job.pp} dp={job.dp}, {job.iterations} "
+          f"iterations; faults: {faults}")
+    return 0
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from megatronapp.scan.synth.simulate import simulate
+
+    if args.kineto:
+        return _simulate_kineto(args)
 
     _tune_memory()  # its big per-stage temporaries too: page faults were a third of its system time at 100,096 ranks
     try:
@@ -273,5 +296,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fault", action="append", metavar="SPEC",
                    help="slow-compute=RANK:FACTOR | slow-link=A-B[:FACTOR] | pause=RANK:MS[:EVERY] | "
                         "late-arrival=RANK:MS (repeatable)")
+    p.add_argument("--kineto", action="store_true",
+                   help="write a GPU job's PyTorch profiler traces instead (NCCL kernels, launches; pp x dp, --tp 1); "
+                        "faults also late-arrival, pause=RANK:MS[:EVERY[:host|device]] and hang=RANK:ITERATION")
     p.add_argument("-o", "--out", required=True, type=Path, help="output trace directory")
     p.set_defaults(func=cmd_simulate)

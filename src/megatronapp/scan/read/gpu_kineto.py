@@ -22,6 +22,7 @@ finished has no device event: it is an op opened and never closed (`RankTrace.op
 """
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -51,6 +52,7 @@ def is_device_trace(events: list[dict]) -> bool:
     return any(isinstance(e, dict) and e.get("cat") in DEVICE_CATS for e in events)
 
 
+@functools.lru_cache(maxsize=4096)  # a trace runs a few hundred kernels, each thousands of times
 def kernel_name(full: str) -> str:
     """A device event's name without its argument list (`void f<T>(int, float*)` -> `f<T>`; `Memcpy HtoD (Pinned
     -> Device)` -> `Memcpy HtoD`): one name per kernel whatever it was called with. `(anonymous namespace)` and

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatronapp.scan.synth.simulate import one_f_one_b
+from megatronapp.scan.synth.simulate import Fault, one_f_one_b, parse_fault
 
 KINDS = ("slow-compute", "late-arrival", "pause", "slow-link", "hang")
 US = 1_000  # ns per us
@@ -66,52 +66,40 @@ _STREAMS = {"compute": 7, "tp": 20, "send": 24, "recv": 28, "dp": 32}
 
 
 @dataclass(frozen=True)
-class GpuFault:
-    """One injected fault: `ranks` is (rank,) or the link (a, b)."""
+class GpuFault(Fault):
+    """One injected fault (simulate.Fault's fields), and where a pause is and the iteration a rank hangs in."""
 
-    kind: str
-    ranks: tuple[int, ...]
-    factor: float = 1.0
-    ms: float = 0.0
-    every: int = 1
     where: str = "host"  # a pause: of the host or of the device
     iteration: int = 0  # a hang: the iteration the rank stops in (counted from the first traced one)
 
     def label(self) -> str:
         """A short human form."""
-        r = "-".join(map(str, self.ranks))
-        return {"slow-compute": f"slow-compute {r} x{self.factor:g}",
-                "late-arrival": f"late-arrival {r} +{self.ms:g} ms",
-                "pause": f"pause {r} {self.ms:g} ms every {self.every} ({self.where})",
-                "slow-link": f"slow-link {r} x{self.factor:g}", "hang": f"hang {r} in iteration {self.iteration}"
-                }[self.kind]
+        if self.kind == "hang":
+            return f"hang {self.ranks[0]} in iteration {self.iteration}"
+        return super().label() + (f" ({self.where})" if self.kind == "pause" else "")
 
 
 def parse_gpu_fault(spec: str) -> GpuFault:
-    """Parse one `--fault` of a GPU-style job (the forms in this module's docstring)."""
+    """Parse one `--fault` of a GPU-style job (the forms in this module's docstring): simulate's kinds, a pause's
+    `:host` / `:device`, and `hang=RANK:ITERATION`."""
     kind, sep, arg = spec.partition("=")
     if not sep or kind not in KINDS:
         raise ValueError(f"--fault {spec!r}: expected KIND=ARGS with KIND one of {', '.join(KINDS)}")
     p = arg.split(":")
-    try:
-        if kind == "slow-link":
-            a, b = (int(x) for x in p[0].split("-"))
-            return GpuFault(kind, (a, b), factor=float(p[1]) if len(p) > 1 else 3.0)
-        r = (int(p[0]),)
-        if kind == "slow-compute":
-            return GpuFault(kind, r, factor=float(p[1]))
-        if kind == "late-arrival":
-            return GpuFault(kind, r, ms=float(p[1]))
-        if kind == "hang":
-            return GpuFault(kind, r, iteration=int(p[1]))
-        where = p[3] if len(p) > 3 else "host"
-        if where not in ("host", "device"):
-            raise ValueError
-        return GpuFault(kind, r, ms=float(p[1]), every=int(p[2]) if len(p) > 2 else 1, where=where)
-    except (ValueError, IndexError):
-        forms = {"slow-link": "A-B[:FACTOR]", "slow-compute": "RANK:FACTOR", "late-arrival": "RANK:MS",
-                 "hang": "RANK:ITERATION", "pause": "RANK:MS[:EVERY[:host|device]]"}
-        raise ValueError(f"--fault {spec!r}: {kind} takes {forms[kind]}") from None
+    if kind == "hang":
+        try:
+            return GpuFault(kind, (int(p[0]),), iteration=int(p[1]))
+        except (ValueError, IndexError):
+            raise ValueError(f"--fault {spec!r}: hang takes RANK:ITERATION") from None
+    where = "host"
+    if kind == "pause" and len(p) > 3:
+        if p[3] not in ("host", "device"):
+            raise ValueError(f"--fault {spec!r}: a pause is of the host or of the device")
+        where, arg = p[3], ":".join(p[:3])
+    if kind == "pause" and len(p) == 2:
+        arg += ":1"  # every iteration unless said (simulate's default is every other)
+    f = parse_fault(f"{kind}={arg}")
+    return GpuFault(f.kind, f.ranks, f.factor, f.ms, f.every, where=where)
 
 
 @dataclass
@@ -134,8 +122,9 @@ class GpuJob:
             data = json.dumps(doc).encode()
             p.write_bytes(gzip.compress(data, 6) if compress else data)
             paths.append(p)
-        (out / "ground_truth.json").write_text(json.dumps(
-            {"pp": self.pp, "dp": self.dp, "faults": [f.label() for f in self.faults]}))
+        # What was injected, beside the traces (not as *.json: every JSON file here is read as a trace)
+        (out / "ground_truth.txt").write_text(f"pp {self.pp} dp {self.dp}\n" + "".join(
+            f"{f.label()}\n" for f in self.faults))
         return paths
 
 
