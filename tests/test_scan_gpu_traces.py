@@ -159,6 +159,10 @@ def test_cli_reads_generated_gpu_trace_files(tmp_path, capsys):
     rep = json.loads(capsys.readouterr().out)
     assert rep["findings"][0]["ranks"] == [6] and rep["ranks"] == 8
     assert rep["findings"][0]["evidence"]["top_ops"]  # full names stay in the JSON
+    # Clocks of hosts seconds apart, aligned from the collectives that leave together (PyTorch's own op names)
+    assert _main(["scan", "detect", str(tmp_path), "--json", "--align"]) == 0
+    aligned = json.loads(capsys.readouterr().out)
+    assert [(f["kind"], f["ranks"]) for f in aligned["findings"]] == [("slow-compute", [6])], aligned["findings"]
     assert _main(["scan", "summary", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "slow-compute" in out and "GPU time" in out
