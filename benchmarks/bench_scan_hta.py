@@ -213,8 +213,10 @@ def body(result: dict) -> str:
     if missed:
         lines += ["", "Missed or beside a false finding: " + "; ".join(missed)]
     m = result["machine"]
-    lines += ["", f"HTA {result['hta_version']}; {result['timestamp']}, load {m['load_avg_at_start']} -> "
-              f"{m['load_avg_at_end']}."]
+    load = [round(x, 1) for x in (m["load_avg_at_start"] or [])[:1] + (m["load_avg_at_end"] or [])[:1]]
+    lines += ["", f"HTA {result['hta_version']}; MegaScan's GPU table (`scan summary`); generated: seeds 0-2, fault "
+              f"ranks, factors (1.3/1.5/2.0) and delays (8/15/30 ms) drawn per seed; {result['timestamp']}, load "
+              f"{' -> '.join(map(str, load))}, {result['wall_s']:.0f} s."]
     return "\n".join(lines)
 
 
