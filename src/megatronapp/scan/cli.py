@@ -189,36 +189,26 @@ def cmd_summary(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate_kineto(args: argparse.Namespace) -> int:
-    """`scan simulate --kineto`: a GPU job's profiler traces (scan/synth/gpu_kineto.py), one file per rank."""
-    from megatronapp.scan.synth.gpu_kineto import generate
-
-    if args.tp != 1:
-        print("scan simulate --kineto: the GPU-style job has no tensor parallelism (use --tp 1)", file=sys.stderr)
-        return 2
-    try:
-        job = generate(args.ranks, args.pp, args.iterations, args.microbatches, faults=args.fault or [],
-                       seed=args.seed)
-        job.write(args.out, compress=True)
-    except ValueError as e:
-        print(f"scan simulate: {e}", file=sys.stderr)
-        return 2
-    faults = "; ".join(f.label() for f in job.faults) or "none"
-    print(f"wrote {args.ranks} GPU-style profiler traces to {args.out}: pp={job.pp} dp={job.dp}, {job.iterations} "
-          f"iterations; faults: {faults}")
-    return 0
-
-
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from megatronapp.scan.synth.gpu_kineto import generate
     from megatronapp.scan.synth.simulate import simulate
 
-    if args.kineto:
-        return _simulate_kineto(args)
-
+    if args.kineto and args.tp != 1:
+        print("scan simulate --kineto: the GPU-style job has no tensor parallelism (use --tp 1)", file=sys.stderr)
+        return 2
     _tune_memory()  # its big per-stage temporaries too: page faults were a third of its system time at 100,096 ranks
     try:
-        res = simulate(args.out, args.ranks, args.tp, args.pp, args.dp, args.iterations, args.fault or [],
-                       args.seed, args.microbatches)
+        if args.kineto:  # a GPU job's profiler traces (scan/synth/gpu_kineto.py), one file per rank
+            res = generate(args.ranks, args.pp, args.iterations, args.microbatches, faults=args.fault or [],
+                           seed=args.seed)
+            res.write(args.out, compress=True)
+            what = (f"{args.ranks} GPU-style profiler traces to {args.out}: pp={res.pp} dp={res.dp}, "
+                    f"{res.iterations} iterations")
+        else:
+            res = simulate(args.out, args.ranks, args.tp, args.pp, args.dp, args.iterations, args.fault or [],
+                           args.seed, args.microbatches)
+            what = (f"{res.world} rank files ({res.spans} spans) to {res.out_dir}: tp={res.tp} pp={res.pp} "
+                    f"dp={res.dp}, {res.iterations} iterations x {res.microbatches} microbatches")
     except ValueError as e:
         print(f"scan simulate: {e}", file=sys.stderr)
         return 2
@@ -226,8 +216,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"scan simulate: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
         return 1
     faults = "; ".join(f.label() for f in res.faults) or "none"
-    print(f"wrote {res.world} rank files ({res.spans} spans) to {res.out_dir}: tp={res.tp} pp={res.pp} "
-          f"dp={res.dp}, {res.iterations} iterations x {res.microbatches} microbatches; faults: {faults}")
+    print(f"wrote {what}; faults: {faults}")
     return 0
 
 
