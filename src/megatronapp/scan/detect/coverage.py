@@ -64,10 +64,10 @@ def coverage_notes(tb: Table, stage_size: int, partial: bool = False) -> tuple[l
     elif len(alone) and not partial:
         shown = ", ".join(map(str, alone[:8].tolist())) + (f" and {len(alone) - 8} more" if len(alone) > 8 else "")
         notes.append(f"ranks {shown} have no peer of their stage present: their own time was not judged")
-    if tb.groups:
+    if tb.groups and not partial:
         gk = np.unique(tb.gkey[tb.gkey >= 0])
         lonely = [g for g in gk.tolist() if sum(bool(present[r]) for r in tb.groups[g][1] if r < tb.world) < 2]
-        if lonely and not partial:
+        if lonely:
             notes.append(f"{len(lonely)} of {len(gk)} process groups have one member present: no wait inside their "
                          "collectives can be split from the transfer (no peer to match)")
     return notes, nothing
