@@ -251,3 +251,19 @@ def test_public_traces_are_read_and_reported_honestly_with_htas_breakdown():
             if want:
                 got = (row["idle_pct"], row["compute_pct"], row["non_compute_pct"], row["overlap_pct"])
                 assert got == pytest.approx(want, abs=0.01), (job, row)
+
+
+def test_malformed_collective_fields_are_read_as_absent_never_a_crash():
+    job = generate(8, 2, faults=["slow-compute=3:1.5"], seed=5, iterations=3)
+    junk = [None, "x", -5, 1e300, [], {"a": 1}, "[1, ..., 2]", True]
+    rng = np.random.default_rng(0)
+    for d in job.docs:
+        for e in d["traceEvents"]:
+            a = e.get("args")
+            if isinstance(a, dict) and ("Collective name" in a or "correlation" in a) and rng.random() < 0.3:
+                for k in ("Process Group Ranks", "Seq", "Src Rank", "Dst Rank", "In msg nelems", "Group size",
+                          "Process Group Name", "correlation", "External id", "Global rank stride"):
+                    if k in a and rng.random() < 0.5:
+                        a[k] = junk[int(rng.integers(len(junk)))]
+    rep = analyse(_traces(job.docs)).report  # read and judged: whatever it finds, it says in lines that fit
+    assert max(map(len, rep.to_text().splitlines())) <= 120

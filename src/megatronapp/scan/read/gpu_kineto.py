@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatronapp.scan.read.format import CAT_INDEX, COLUMNS, RankTrace
+from megatronapp.scan.read.format import CAT_INDEX, COLUMNS, MAX_WORLD, RankTrace
 from megatronapp.scan.read.kineto_fields import (
     SEQ_STRIDE,
     STEP,
@@ -91,7 +91,7 @@ def _op(name: str, args: dict) -> str:
 def _peer(op: str, args: dict) -> int:
     """The other end of a point-to-point op (a global rank), -1 where the trace does not say."""
     p = as_int(args.get("Dst Rank" if op == "send" else "Src Rank")) if op in _P2P else None
-    return p if p is not None and p >= 0 else -1
+    return p if p is not None and 0 <= p < MAX_WORLD else -1
 
 
 def gpu_rank_trace(rank: int, world: int, docs: list[tuple[Path, dict]]) -> RankTrace:

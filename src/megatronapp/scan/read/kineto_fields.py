@@ -14,6 +14,8 @@ import re
 
 import numpy as np
 
+from megatronapp.scan.read.format import MAX_WORLD
+
 STEP = re.compile(r"^ProfilerStep#(\d+)$")
 DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "half": 2, "float16": 2, "bfloat16": 2,
                "long": 8, "int64": 8, "int": 4, "int32": 4, "short": 2, "int16": 2, "char": 1, "int8": 1,
@@ -31,7 +33,7 @@ def as_int(v: object) -> int | None:
     if isinstance(v, bool):
         return None
     if isinstance(v, int):
-        return v
+        return v if abs(v) < 1 << 62 else None  # past int64: no count or id of a real trace
     if isinstance(v, str) and re.fullmatch(r"-?\d{1,18}", v.strip()):
         return int(v)
     return None
@@ -41,7 +43,7 @@ def nbytes(args: dict) -> int:
     """Payload bytes from a collective's args: element count x dtype size (NCCL args), else the input dims."""
     n = args.get("In msg nelems")
     size = DTYPE_BYTES.get(str(args.get("dtype", "float")).lower(), 4)
-    if isinstance(n, (int, float)) and not isinstance(n, bool) and n >= 0:
+    if isinstance(n, (int, float)) and not isinstance(n, bool) and 0 <= n < 1 << 50:  # NaN and 1e300 fail too
         return int(n) * size
     dims, types = args.get("Input Dims"), args.get("Input type")
     if isinstance(dims, list) and dims and isinstance(dims[0], list) and all(isinstance(x, int) for x in dims[0]):
@@ -65,7 +67,8 @@ def rank_list(v: object, size: int | None = None, start: int | None = None,
                 return None
             full = tuple(range(start, start + stride * size, stride))
             return full if isinstance(v, list) and v and v[0] == full[0] and v[-1] == full[-1] else None
-    if isinstance(v, list) and v and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in v):
+    if isinstance(v, list) and v and all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < MAX_WORLD
+                                         for r in v):
         return tuple(v)
     return None
 
