@@ -11,6 +11,7 @@ import argparse
 import functools
 import gzip
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -98,10 +99,19 @@ def test_victims_waits_fill_the_summary_and_the_host_or_device_is_named():
 
 def test_text_report_lines_fit_and_list_at_most_five_ops():
     for case in CASES[:4]:
-        text = _analysed(case[0], case[1], (case[2],), case[3]).report.to_text()
-        assert max(len(line) for line in text.splitlines()) <= 120, text
-        assert text.count("x   +") + text.count("x    +") <= 5 * text.count(". slow") + 5, text
+        rep = _analysed(case[0], case[1], (case[2],), case[3]).report
+        text = rep.to_text()
+        lines = text.splitlines()
+        assert max(len(line) for line in lines) <= 120, text
+        heads = [i for i, line in enumerate(lines) if "top ops by excess" in line]
+        assert heads, text
+        for i in heads:  # the op lines under each header: at most five
+            ops = [x for x in lines[i + 1:i + 8] if re.match(r"^ +-?\d+\.\d+x ", x)]
+            assert 1 <= len(ops) <= 5, text
         assert "Flash_fwd_kernel_traits" not in text  # template arguments elided
+        assert all(len(f.evidence["ops"]) >= len(f.evidence["top_ops"]) for f in rep.findings)  # JSON keeps all
+    slow = _analysed(8, 2, ("slow-compute=5:1.5",), 0).report.to_text()
+    assert "5 of 7" in slow and "flash::flash_fwd_kernel<...>" in slow, slow
 
 
 def test_instances_match_by_seq_or_by_order_and_disagreement_is_reported():

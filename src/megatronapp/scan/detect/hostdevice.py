@@ -54,6 +54,7 @@ def attribute(findings: list[Finding], tb: Table, ph: Phases, idle: np.ndarray |
             device = float(np.nanmedian(ph.compute[r, cols] - np.nanmedian(ph.compute[peers][:, cols], axis=0)))
         if not np.isfinite(host) or not np.isfinite(device):
             continue
+        host, device = round(host, 1) + 0.0, round(device, 1) + 0.0  # + 0.0: no "-0.0 ms" in the text
         f.evidence["host_late_ms"] = round(host, 3)
         f.evidence["device_late_ms"] = round(device, 3)
         if host >= max(device, 0.0) and host > 0:
