@@ -10,11 +10,11 @@ be matched across ranks. A CPU job's:
   the whole collective (waiting for the last member included). Instances are numbered per process group in each
   step, or by the `Seq` arg where the trace has one, so the same collective has the same number on every rank.
   Point-to-point ops have no peer in these args: they count as communication time but are not matched as links.
-- compute: the outermost op of each thread
-  (`Optimizer.*` as optimizer, DataLoader iterations as data), nested ops are inside it, less the waits: the
-  stretches where the thread runs no op (an annotation such as `FSDP::all_gather` or a loop's `backward` with
-  nothing running inside it, or a collective's launch) while a collective is in flight. The ops of a
-  collective's worker thread (gloo's copies) are the collective's, not the rank's work.
+- compute: the outermost op of each thread (`Optimizer.*` as optimizer, DataLoader iterations as data), nested
+  ops are inside it, less the waits: the stretches where the thread runs no op (an annotation such as
+  `FSDP::all_gather` or a loop's `backward` with nothing running inside it, or a collective's launch) while a
+  collective is in flight. The ops of a collective's worker thread (gloo's copies) are the collective's, not the
+  rank's work.
 Every rank is one data-parallel replica of one stage (coord (rank, 0, 0)): Kineto records no TP/PP layout (a GPU
 job's pipeline is read from its point-to-point transfers: kineto_layout.py).
 Nothing in a file decides what code runs: it is parsed as JSON and read as numbers and names. Files above
