@@ -9,6 +9,7 @@ run (in an order where a docs section that quotes another result comes after it)
   gpu_check                            a pass/fail check of the CUDA paths, not a benchmark; it needs a GPU
                                        (benchmarks/gpu_check.sh runs it there)
   run_all                              this file
+  hta_traces                           downloads the public GPU traces bench_scan_hta and the tests read: no measurement
   bench_scan_scale --cli / --scale-100k  the CLI at 12,288 and at 100,096 ranks: about 3 GB of trace files a job and
                                        an hour or more on 2 cores; run by hand (SCAN_SCALE_DIR picks the disk)
   bench_scan_detect --record           re-records the stored traces under benchmarks/data: not a measurement
@@ -56,11 +57,12 @@ BENCHMARKS: list[tuple[str, ...]] = [
     ("bench_scan_detect", "--family", "large"),
     ("bench_scan_scale",),
     ("bench_scan_real",),
+    ("bench_scan_hta",),  # needs `make .venv-hta/.installed` and `python -m benchmarks.hta_traces` first
     ("bench_scope",),
     ("bench_scope_training",),
 ]
 EXCLUDED = {"gpu_check": "a pass/fail check of the CUDA paths, not a benchmark; needs a GPU",
-            "run_all": "this file"}
+            "run_all": "this file", "hta_traces": "downloads the public GPU traces; no measurement"}
 
 
 def main(argv: list[str] | None = None) -> int:
