@@ -8,8 +8,11 @@ BENCHMARKS lists every module of benchmarks/ that has a main, each mode that wri
 run (in an order where a docs section that quotes another result comes after it). Left out, and why:
   gpu_check                            a pass/fail check of the CUDA paths, not a benchmark; it needs a GPU
                                        (benchmarks/gpu_check.sh runs it there)
+  gpu_check_ranks                      part of gpu_check; its main prints the plan of rank layouts it checks
   run_all                              this file
   hta_traces                           downloads the public GPU traces bench_scan_hta and the tests read: no measurement
+  bench_multihost                      4 hosts as network namespaces: needs root, and its drills take ~20 min on
+                                       2 cores; run by hand (`python -m benchmarks.bench_multihost`)
   bench_scan_scale --cli / --scale-100k  the CLI at 12,288 and at 100,096 ranks: about 3 GB of trace files a job and
                                        an hour or more on 2 cores; run by hand (SCAN_SCALE_DIR picks the disk)
   bench_scan_detect --record           re-records the stored traces under benchmarks/data: not a measurement
@@ -62,7 +65,9 @@ BENCHMARKS: list[tuple[str, ...]] = [
     ("bench_scope_training",),
 ]
 EXCLUDED = {"gpu_check": "a pass/fail check of the CUDA paths, not a benchmark; needs a GPU",
-            "run_all": "this file", "hta_traces": "downloads the public GPU traces; no measurement"}
+            "gpu_check_ranks": "part of gpu_check; its main prints the rank layouts it checks",
+            "run_all": "this file", "hta_traces": "downloads the public GPU traces; no measurement",
+            "bench_multihost": "needs root (hosts are network namespaces) and ~20 min; run by hand"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,7 +79,8 @@ def shell_lines(body: str) -> list[str]:
 
 def skip_reason(words: list[str]) -> str | None:
     """Why a command cannot run on this machine, or None."""
-    if words[0] == "torchrun" and int(_value(words, "--nnodes") or 1) > 1:
+    launcher = words[0] == "torchrun" or words[:2] == ["megatronapp", "torchrun"]
+    if launcher and int((_value(words, "--nnodes") or "1").split(":")[0]) > 1:
         return "needs another host (torchrun --nnodes > 1)"
     needs_gpu = _value(words, "--device") == "cuda" or _value(words, "--backend") == "nccl"
     if needs_gpu and not torch.cuda.is_available():

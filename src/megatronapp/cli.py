@@ -385,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "needs it named: a path saved in the checkpoint is not opened); default: an HF source's own, "
                    "else the byte tokenizer")
     p.set_defaults(func=cmd_export)
+    sub.add_parser("torchrun", add_help=False, help="torchrun on several hosts, with what it cannot find by itself "
+                   "in containers or namespaces (is_host, --local-addr, the socket interface) filled in",
+                   description="Every argument goes to torchrun (see `torchrun --help`).")
     for module in ("scan", "dpp", "scope", "resilience"):
         try:
             mod = importlib.import_module(f"megatronapp.{module}.cli")
@@ -401,6 +404,11 @@ _USER_ERRORS = ("CheckpointError", "ConfigError", "HFCheckpointError", "DataErro
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["torchrun"]:  # every argument is torchrun's: its own parser reads them
+        from megatronapp import multihost
+
+        return multihost.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
