@@ -11,6 +11,9 @@ run (in an order where a docs section that quotes another result comes after it)
   gpu_check_ranks                      part of gpu_check; its main prints the plan of rank layouts it checks
   run_all                              this file
   hta_traces                           downloads the public GPU traces bench_scan_hta and the tests read: no measurement
+  bench_scan_hta                       needs the network, which `make bench` does not assume: its peer HTA in its own
+                                       .venv-hta (`make .venv-hta/.installed`, from the package registry) and the
+                                       public traces (`python -m benchmarks.hta_traces`); run by hand after those two
   bench_multihost                      4 hosts as network namespaces: needs root, and its drills take ~20 min on
                                        2 cores; run by hand (`python -m benchmarks.bench_multihost`)
   bench_scan_scale --cli / --scale-100k  the CLI at 12,288 and at 100,096 ranks: about 3 GB of trace files a job and
@@ -60,13 +63,13 @@ BENCHMARKS: list[tuple[str, ...]] = [
     ("bench_scan_detect", "--family", "large"),
     ("bench_scan_scale",),
     ("bench_scan_real",),
-    ("bench_scan_hta",),  # needs `make .venv-hta/.installed` and `python -m benchmarks.hta_traces` first
     ("bench_scope",),
     ("bench_scope_training",),
 ]
 EXCLUDED = {"gpu_check": "a pass/fail check of the CUDA paths, not a benchmark; needs a GPU",
             "gpu_check_ranks": "part of gpu_check; its main prints the rank layouts it checks",
             "run_all": "this file", "hta_traces": "downloads the public GPU traces; no measurement",
+            "bench_scan_hta": "needs the network (HTA from the registry into .venv-hta, the public traces); by hand",
             "bench_multihost": "needs root (hosts are network namespaces) and ~20 min; run by hand"}
 
 
