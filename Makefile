@@ -50,3 +50,11 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# Holistic Trace Analysis, the peer of benchmarks/bench_scan_hta.py only: its own interpreter, with only what its
+# analyses import (its declared dependencies pull a whole Jupyter stack).
+.venv-hta/.installed:
+	$(PY) -m venv .venv-hta
+	.venv-hta/bin/pip install -q --no-deps holistictraceanalysis==0.5.0 'pandas<3' numpy plotly narwhals pydot \
+	  pyparsing python-dateutil six tzdata pytz psutil networkx pyyaml
+	touch $@

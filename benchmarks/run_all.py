@@ -10,6 +10,10 @@ run (in an order where a docs section that quotes another result comes after it)
                                        (benchmarks/gpu_check.sh runs it there)
   gpu_check_ranks                      part of gpu_check; its main prints the plan of rank layouts it checks
   run_all                              this file
+  hta_traces                           downloads the public GPU traces bench_scan_hta and the tests read: no measurement
+  bench_scan_hta                       needs the network, which `make bench` does not assume: its peer HTA in its own
+                                       .venv-hta (`make .venv-hta/.installed`, from the package registry) and the
+                                       public traces (`python -m benchmarks.hta_traces`); run by hand after those two
   bench_multihost                      4 hosts as network namespaces: needs root, and its drills take ~20 min on
                                        2 cores; run by hand (`python -m benchmarks.bench_multihost`)
   bench_scan_scale --cli / --scale-100k  the CLI at 12,288 and at 100,096 ranks: about 3 GB of trace files a job and
@@ -64,7 +68,8 @@ BENCHMARKS: list[tuple[str, ...]] = [
 ]
 EXCLUDED = {"gpu_check": "a pass/fail check of the CUDA paths, not a benchmark; needs a GPU",
             "gpu_check_ranks": "part of gpu_check; its main prints the rank layouts it checks",
-            "run_all": "this file",
+            "run_all": "this file", "hta_traces": "downloads the public GPU traces; no measurement",
+            "bench_scan_hta": "needs the network (HTA from the registry into .venv-hta, the public traces); by hand",
             "bench_multihost": "needs root (hosts are network namespaces) and ~20 min; run by hand"}
 
 

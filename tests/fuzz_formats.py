@@ -33,14 +33,21 @@ def _tmp() -> Path:
 # -- Kineto traces ------------------------------------------------------------------------------------------------
 NAMES = ["ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#" + "9" * 30, "aten::mm", "gloo:all_reduce",
          "nccl:all_gather", "ncclKernel_AllReduce_RING_LL_Sum_float", "Optimizer.step", "DataLoader next",
-         "FSDP::all_gather", "c10d::allreduce_"]
+         "FSDP::all_gather", "c10d::allreduce_", "record_param_comms", "cudaLaunchKernel",
+         "ncclDevKernel_SendRecv", "void gemm<float>(int)"]
 ARGS = {"Seq": numbers, "In msg nelems": numbers, "dtype": scalars, "Process Group Name": scalars,
-        "Process Group Ranks": st.one_of(json_values, st.lists(big_ints, max_size=4).map(json.dumps)),
-        "Input Dims": json_values, "Input type": json_values, "Collective name": scalars}
+        "Process Group Ranks": st.one_of(json_values, st.lists(big_ints, max_size=4).map(json.dumps),
+                                         st.sampled_from(["[0, ..., 1]", "[0, 1, ..., 1099511627775]"])),
+        "Input Dims": json_values, "Input type": json_values, "Collective name": scalars,
+        # a GPU job's: what ties a kernel to its launch and its op, and a transfer to its peer (gpu_kineto.py)
+        "correlation": st.one_of(st.integers(0, 3), numbers), "External id": st.one_of(st.integers(0, 3), numbers),
+        "Src Rank": numbers, "Dst Rank": numbers, "Group size": numbers, "Global rank start": numbers,
+        "Global rank stride": numbers, "Process Group Description": scalars}
 events = st.fixed_dictionaries(
     {"ph": st.sampled_from(["X", "X", "X", "i", "B"]), "name": st.one_of(st.sampled_from(NAMES), scalars),
      "ts": st.one_of(numbers, st.floats(0, 1e4)), "dur": st.one_of(numbers, st.floats(0, 1e3))},
-    optional={"cat": st.sampled_from(["cpu_op", "user_annotation", "kernel", "gpu_memcpy", "python_function"]),
+    optional={"cat": st.sampled_from(["cpu_op", "user_annotation", "kernel", "gpu_memcpy", "python_function",
+                                      "cuda_runtime"]),
               "pid": scalars, "tid": scalars,
               "args": st.one_of(json_values, st.fixed_dictionaries({}, optional=ARGS))})
 infos = st.fixed_dictionaries({"rank": big_ints, "world_size": big_ints},
@@ -54,9 +61,25 @@ BASE = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 10, "dur": 300},
         {"ph": "X", "cat": "user_annotation", "name": "gloo:all_reduce", "pid": 1, "tid": 2, "ts": 400, "dur": 100,
          "args": {"Process Group Name": "0", "Process Group Ranks": "[0, 1]", "In msg nelems": 16}}]
+# the same for a GPU job: a step whose launch, collective op and kernels tie together by correlation and External id
+_COMM = {"Collective name": "allreduce", "Process Group Name": "0", "Process Group Ranks": "[0, 1]",
+         "In msg nelems": 16, "dtype": "Float", "Seq": 0}
+GPU_BASE = [BASE[0],
+            {"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": 1, "tid": 1, "ts": 20, "dur": 30,
+             "args": {**_COMM, "External id": 1}},
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": 25, "dur": 5,
+             "args": {"correlation": 1, "External id": 1}},
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": 35, "dur": 5,
+             "args": {"correlation": 2}},
+            {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "pid": 0, "tid": 7,
+             "ts": 40, "dur": 200, "args": {**_COMM, "correlation": 1, "External id": 1}},
+            {"ph": "X", "cat": "kernel", "name": "void gemm<float>(int)", "pid": 0, "tid": 8, "ts": 45, "dur": 300,
+             "args": {"correlation": 2}}]
 kineto_docs = st.one_of(
     st.fixed_dictionaries({"distributedInfo": st.one_of(good_infos, good_infos, good_infos, infos, json_values),
                            "traceEvents": st.lists(events, max_size=8).map(lambda ev: BASE + ev)}),
+    st.fixed_dictionaries({"distributedInfo": st.one_of(good_infos, good_infos, infos),
+                           "traceEvents": st.lists(events, max_size=8).map(lambda ev: GPU_BASE + ev)}),
     st.fixed_dictionaries({"distributedInfo": st.one_of(infos, json_values),
                            "traceEvents": st.lists(events, max_size=12)}),
     json_values)

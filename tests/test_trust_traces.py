@@ -2,7 +2,8 @@
 trace claiming a world of 10^9 ranks, a 2 MB `.json.gz` expanding to 2 GB and a 50 KB rank file whose summary
 block claims 2,000 iterations of a 2^20-rank world are each refused with a message naming the file, while a real
 gzipped trace still reads; and bad numbers in one Kineto file (NaN, Infinity, 1e17 µs, a 30-digit step, a Seq of
-2^70, nesting past the parser) skip that file or rank, named, never the directory. Timings are printed by the
+2^70, nesting past the parser) skip that file or rank, named, never the directory, on a CPU job's trace and on a
+GPU job's alike. Timings are printed by the
 capped child for the report, never asserted."""
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import pytest
 
 from megatronapp.scan.read import format as fmt
 from megatronapp.scan.read import rank_summary
+from megatronapp.scan.read.kineto_fields import rank_list
 from megatronapp.scan.read.traces import read_traces
+from megatronapp.scan.synth.gpu_kineto import generate
 from tests.memcap import GIB, run_capped
 
 READ = ("from megatronapp.scan.read.traces import read_traces\n"
@@ -143,6 +146,52 @@ def test_bad_numbers_in_one_kineto_file_skip_that_rank_named_not_the_directory(t
     assert [t.rank for t in traces] == [0, 2], problems
     text = "\n".join(problems)
     assert "r1.json" in text and field in text, text
+
+
+def _nccl(e: dict) -> bool:
+    return e.get("cat") == "kernel" and e["name"].startswith("nccl")
+
+
+@pytest.mark.parametrize("which, bad, field", [
+    (_nccl, {"ts": float("nan")}, "'ts' = nan"),
+    (lambda e: e.get("cat") == "kernel" and not _nccl(e), {"dur": float("inf")}, "'dur' = inf"),
+    (lambda e: e.get("cat") == "cuda_runtime", {"ts": 1e17}, "'ts' = 1e+17"),
+    (lambda e: str(e.get("name")).startswith("ProfilerStep#"), {"name": "ProfilerStep#" + "9" * 30}, "step number"),
+    (lambda e: e.get("name") == "record_param_comms", {"args": {"Seq": 2**70}}, "'Seq'"),
+    (_nccl, {"args": {"In msg nelems": 1e30}}, "'In msg nelems'"),
+], ids=["kernel-ts", "kernel-dur", "launch-ts", "step", "seq", "nelems"])
+def test_bad_numbers_in_one_gpu_trace_skip_that_rank_named_as_on_a_cpu_trace(tmp_path, which, bad, field):
+    """The GPU reader (gpu_kineto.py) applies the CPU reader's bounds with the same message."""
+    job = generate(4, 2, iterations=3, seed=1)
+    e = next(e for e in job.docs[1]["traceEvents"] if e.get("ph") == "X" and which(e))
+    e.update({**bad, "args": {**e.get("args", {}), **bad.get("args", {})}})
+    for r, doc in enumerate(job.docs):
+        (tmp_path / f"r{r}.json").write_text(json.dumps(doc, allow_nan=True))
+    traces, problems = read_traces(tmp_path)
+    assert [t.rank for t in traces] == [0, 2, 3], problems
+    text = "\n".join(problems)
+    assert "rank 1: r1.json: an event" in text and field in text, text
+
+
+def test_gpu_group_ranks_and_peers_outside_the_world_are_absent_and_rebuilt_lists_bounded(tmp_path):
+    """Group ranks and peers past the world read as absent (the rank is read); a cut rank list whose start, stride
+    and size claim 2^40 ranks is not built (it was a tuple of 2^40), nor one parsed past the parser's depth."""
+    job = generate(4, 2, iterations=3, seed=1)
+    for e in job.docs[2]["traceEvents"]:
+        a = e.get("args")
+        if isinstance(a, dict) and "Process Group Ranks" in a:
+            a.update({"Process Group Ranks": "[0, 4000000]", "Src Rank": 1 << 30, "Dst Rank": 9})
+    for r, doc in enumerate(job.docs):
+        (tmp_path / f"r{r}.json").write_text(json.dumps(doc))
+    traces, problems = read_traces(tmp_path)
+    assert [t.rank for t in traces] == [0, 1, 2, 3], problems
+    t2 = traces[2]
+    assert (t2.peer < 4).all() and all(max(members) < 4 for _, members in t2.groups)
+    assert rank_list("[0, 1, ..., 1099511627775]", size=1 << 40, start=0, stride=1) is None
+    cut = "[0, 16, 32, ..., 1008]"
+    assert rank_list(cut, size=64, start=0, stride=16, world=1024) == tuple(range(0, 1024, 16))
+    assert rank_list(cut, size=64, start=0, stride=16, world=512) is None
+    assert rank_list("[" * 100_000 + "]" * 100_000) is None
 
 
 def test_deeply_nested_trace_events_are_a_clear_error(tmp_path):

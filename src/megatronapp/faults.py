@@ -1,8 +1,9 @@
 """Fault injection for `--inject`: make a rank slow, a link slow, a rank pause like GC, or a rank hang.
 
 Specs (one per `--inject`):
-  slow-compute=RANK:FACTOR   compute spans on RANK take FACTOR times longer (sleep (FACTOR-1)*elapsed at close),
-                             and so do the layer spans inside them: a slow device is slow at every op it runs;
+  slow-compute=RANK:FACTOR   compute spans on RANK take FACTOR times longer (sleep (FACTOR-1)*work at close, the
+                             span's work being its elapsed time less what its thread waited for a CPU), and so do
+                             the layer spans inside them: a slow device is slow at every op it runs;
                              with --emulate-device, RANK's device time is multiplied by FACTOR instead
   slow-link=A-B:DELAY_MS     each send between A and B, and each collective holding both, waits DELAY_MS on A and B
   pause=RANK:MS:EVERY        RANK pauses MS milliseconds at the start of every EVERY-th iteration
@@ -122,10 +123,22 @@ def parse(spec: str) -> Fault:
 
 
 class _OpenCompute(threading.local):
-    """Per thread: the already-stretched time of each open compute span (innermost last)."""
+    """Per thread: the already-stretched time and the CPU wait of the layers inside each open compute span
+    (innermost last)."""
 
     def __init__(self) -> None:
         self.stack: list[list[float]] = []
+
+
+def _cpu_wait_s() -> float:
+    """Seconds this thread has waited runnable for a CPU so far (Linux schedstat's run-queue delay); 0 unknown.
+    A slow device is slow at its work, not at waiting for a core: sleeping (F-1) x a span's elapsed time on a host
+    where a third of it was that wait made a 2x drill read 2.43x once detection took the wait out."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 class Injector:
@@ -167,17 +180,19 @@ class Injector:
             return None
         inner = None
         if cat == "compute":
-            inner = [0.0]
+            inner = [0.0, 0.0]  # layers' elapsed (stretch included) and CPU wait
             self._open.stack.append(inner)
-        return time.perf_counter(), inner
+        return time.perf_counter(), _cpu_wait_s(), inner
 
     def close(self, token: Any) -> None:
         if token is None:
             return
-        t0, inner = token
+        t0, w0, inner = token
         elapsed = time.perf_counter() - t0
+        waited = _cpu_wait_s() - w0
         own = elapsed - (inner[0] if inner is not None else 0.0)
-        stretch = sum(factor - 1.0 for factor in self._slow) * max(own, 0.0)
+        own_wait = waited - (inner[1] if inner is not None else 0.0)
+        stretch = sum(factor - 1.0 for factor in self._slow) * max(own - max(own_wait, 0.0), 0.0)
         time.sleep(stretch)
         stack = self._open.stack
         if inner is not None:
@@ -185,6 +200,7 @@ class Injector:
                 stack.pop()
         elif stack:  # a layer: its stretched time is already paid inside the enclosing compute span
             stack[-1][0] += elapsed + stretch
+            stack[-1][1] += waited
 
     def step(self, iteration: int, begin: bool) -> None:
         if not begin:

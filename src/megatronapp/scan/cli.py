@@ -70,6 +70,10 @@ def _load(trace_dir: str, align: bool):
     for p in problems:
         print(f"scan: {p}", file=sys.stderr)
     if not traces:
+        if any("no distributedInfo" in p for p in problems):
+            print("scan: a profiler trace without distributedInfo comes from a process outside torch.distributed "
+                  "(a single-GPU job): MegaScan compares the ranks of one job, so profile every rank of a "
+                  "torch.distributed job (its traces record their rank and world size)", file=sys.stderr)
         raise SystemExit(f"scan: no readable rank traces in {trace_dir}")
     offsets = clock = None
     if align:
@@ -186,12 +190,25 @@ def cmd_summary(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from megatronapp.scan.synth.gpu_kineto import generate
     from megatronapp.scan.synth.simulate import simulate
 
+    if args.kineto and args.tp != 1:
+        print("scan simulate --kineto: the GPU-style job has no tensor parallelism (use --tp 1)", file=sys.stderr)
+        return 2
     _tune_memory()  # its big per-stage temporaries too: page faults were a third of its system time at 100,096 ranks
     try:
-        res = simulate(args.out, args.ranks, args.tp, args.pp, args.dp, args.iterations, args.fault or [],
-                       args.seed, args.microbatches)
+        if args.kineto:  # a GPU job's profiler traces (scan/synth/gpu_kineto.py), one file per rank
+            res = generate(args.ranks, args.pp, args.iterations, args.microbatches, faults=args.fault or [],
+                           seed=args.seed)
+            res.write(args.out, compress=True)
+            what = (f"{args.ranks} GPU-style profiler traces to {args.out}: pp={res.pp} dp={res.dp}, "
+                    f"{res.iterations} iterations")
+        else:
+            res = simulate(args.out, args.ranks, args.tp, args.pp, args.dp, args.iterations, args.fault or [],
+                           args.seed, args.microbatches)
+            what = (f"{res.world} rank files ({res.spans} spans) to {res.out_dir}: tp={res.tp} pp={res.pp} "
+                    f"dp={res.dp}, {res.iterations} iterations x {res.microbatches} microbatches")
     except ValueError as e:
         print(f"scan simulate: {e}", file=sys.stderr)
         return 2
@@ -199,8 +216,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"scan simulate: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
         return 1
     faults = "; ".join(f.label() for f in res.faults) or "none"
-    print(f"wrote {res.world} rank files ({res.spans} spans) to {res.out_dir}: tp={res.tp} pp={res.pp} "
-          f"dp={res.dp}, {res.iterations} iterations x {res.microbatches} microbatches; faults: {faults}")
+    print(f"wrote {what}; faults: {faults}")
     return 0
 
 
@@ -269,5 +285,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fault", action="append", metavar="SPEC",
                    help="slow-compute=RANK:FACTOR | slow-link=A-B[:FACTOR] | pause=RANK:MS[:EVERY] | "
                         "late-arrival=RANK:MS (repeatable)")
+    p.add_argument("--kineto", action="store_true",
+                   help="write a GPU job's PyTorch profiler traces instead (NCCL kernels, launches; pp x dp, --tp 1); "
+                        "faults also late-arrival, pause=RANK:MS[:EVERY[:host|device]] and hang=RANK:ITERATION")
     p.add_argument("-o", "--out", required=True, type=Path, help="output trace directory")
     p.set_defaults(func=cmd_simulate)

@@ -6,6 +6,7 @@ import warnings
 import numpy as np
 
 from megatronapp.scan.detect.analysis import Analysis
+from megatronapp.scan.detect.gputime import gpu_breakdown, gpu_table
 
 COLUMNS = ("rank", "DP", "PP", "TP", "iter ms", "compute", "data", "gap", "comm", "waited", "others waited",
            "finding")
@@ -52,6 +53,10 @@ def summary_table(an: Analysis, limit: int | None = 40) -> str:
                  "others waited = waits this rank caused directly)")
     if hidden:
         lines.append(f"{hidden} more ranks not shown (healthy; use --all)")
+    gpu = gpu_table(gpu_breakdown(an.table))
+    if gpu:
+        lines += ["", "On a GPU the waits are inside the NCCL kernels: `waited` is the part of each kernel before the "
+                  "last peer's started.", gpu]
     return "\n".join(lines)
 
 

@@ -26,7 +26,10 @@ from megatronapp.scan.read.format import CAT_INDEX, RankTrace
 
 # Collectives whose members all block until every member arrived (broadcast's root may leave early).
 ANCHOR_OPS = frozenset({"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                        "reduce_scatter_tensor", "barrier", "all_to_all"})
+                        "reduce_scatter_tensor", "barrier", "all_to_all",
+                        # as PyTorch's `Collective name` (and NCCL's kernels) spell them on a GPU trace
+                        "allreduce", "allgather", "_allgather_base", "reducescatter", "_reduce_scatter_base",
+                        "alltoall", "all_to_allv"})
 _MIN_DRIFT_SPAN_NS = 50_000_000  # below this time span a pair's samples cannot tell drift from noise
 _NOISE_FLOOR_NS = 5_000.0
 _MAX_DRIFT = 0.01  # 1%: far beyond any real oscillator; bounds the slope search

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatronapp.scan.detect.contention import cpu_wait_share, starved_note
+from megatronapp.scan.detect.coverage import coverage_notes, shrink_for_few_iterations
 from megatronapp.scan.detect.evidence import floor_findings, posting_stall, stall_link_findings
 from megatronapp.scan.detect.findings import KINDS, Finding, Report, Thresholds
 from megatronapp.scan.detect.fold import (
@@ -44,6 +45,7 @@ from megatronapp.scan.detect.fold import (
 )
 from megatronapp.scan.detect.fold_kinds import beside_a_short_hang, echoes, pauses_of_ranks_slow_throughout
 from megatronapp.scan.detect.hang import hang_findings
+from megatronapp.scan.detect.hostdevice import attribute, host_idle_table
 from megatronapp.scan.detect.layercost import layer_findings, measured_stage_work
 from megatronapp.scan.detect.linkfold import (
     ends_explained_by_link_cost,
@@ -51,6 +53,7 @@ from megatronapp.scan.detect.linkfold import (
     links_within_cpu_waits,
 )
 from megatronapp.scan.detect.links import links_and_waits
+from megatronapp.scan.detect.matching import numbered_by_order, unmatch_disagreeing
 from megatronapp.scan.detect.ranks import rank_findings
 from megatronapp.scan.detect.structure import collective_stall_findings, lone_stage_findings, lone_stage_pauses
 from megatronapp.scan.detect.table import LAYER, STEP, Phases, Table, Waits, exclusive_time, join, phases
@@ -85,7 +88,9 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     hangs = hang_findings(traces, partial)
     if hangs:  # what a hang cut short is no evidence of speed: judge the iterations every rank finished
         traces = _finished_iterations(traces)
+    by_order = numbered_by_order(traces, max([t.world for t in traces] + [t.rank + 1 for t in traces]))
     tb = join(traces, release=release_traces)
+    mismatch = unmatch_disagreeing(tb, by_order)  # profiler traces matched by call order: checked
     ph = phases(tb)
     # Stage costs: the headers' cost model (the engine writes its FLOPs), else measured from per-layer spans (any
     # job traced per layer). A declared model goes first: measured units are noisy by 15-25% per rank on a busy
@@ -119,18 +124,23 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     # nothing else is judged a cause (fold_kinds).
     findings, short_hang = beside_a_short_hang(fold_into_hangs(findings, hangs), hangs, len(ph.iters))
     findings = hangs + findings
+    attribute(findings, tb, ph, host_idle_table(traces, tb.world, ph.iters))  # GPU traces: host or device late
+    few = shrink_for_few_iterations(findings, len(ph.iters))  # the same factor for all: the order stands
     top = np.argsort(-caused_total)[:10]
     waited_for = [{"rank": int(r), "ms": round(float(caused_total[r]), 3), "instances": int(waits.caused_count[r])}
                   for r in top if caused_total[r] > 0]
-    notes = [short_hang] if short_hang else []
+    stage_size = max(int(t.topo[0]) * int(t.topo[2]) for t in traces)
+    notes, nothing_judged = coverage_notes(tb, stage_size, partial)
+    notes += [n for n in (short_hang, few, mismatch) if n]
     if bad_work:
         notes.append(bad_work)
     named = {r for f in findings for r in f.ranks}
     if waited_for and waited_for[0]["rank"] not in named:
         notes.append(f"rank {waited_for[0]['rank']} made others wait most, but nothing it did itself stands out from "
                      "its peers: waits alone follow whichever rank the machine happened to delay, not a fault")
-    lonely = [int(s) for s in np.unique(tb.coords[:, 1]) if (tb.coords[:, 1] == s).sum() < 2]
-    if lonely:
+    stage = tb.coords[tb.present, 1]
+    lonely = [int(s) for s in np.unique(stage) if (stage == s).sum() < 2]
+    if lonely and (tb.present.all() or stage_size < 2):  # by design (peers only missing: coverage_notes says so)
         notes.append(f"stages {lonely} have a single rank (dp*tp == 1): judged through the wait structure against "
                      "the other stages" + (" (scaled by the headers' stage_work)" if declared else
                                            f" (scaled by the stage work measured in per-layer spans: {measured})"
@@ -142,7 +152,8 @@ def analyse(traces: list[RankTrace], offsets: dict[int, int] | None = None,
     if host_note:
         notes.append(host_note)
     step_ms = ph.step_ms
-    report = Report(findings, tb.world, len(ph.iters), round(step_ms, 3), waited_for, notes)
+    report = Report(findings, tb.world, len(ph.iters), round(step_ms, 3), waited_for, notes,
+                    ranks=int(tb.present.sum()), nothing_judged=nothing_judged)
     return Analysis(tb, ph, waits, report)
 
 

@@ -218,7 +218,10 @@ def floor_findings(tb: Table, excl: np.ndarray, iters: np.ndarray, th: Threshold
         lone = peers == 0
         by_op = {tb.names[int(ukind[j]) // 1_000]: round(float(floor[r, j] / ref[r, j]), 3)
                  for j in range(K) if ok[r, j]}
+        top = sorted((j for j in range(K) if ok[r, j]), key=lambda j: -(floor[r, j] - ref[r, j]) * count[r, j])
         ev = {"method": "op floors" + (" against the other stages" if lone else ""), "floor_ratio_by_op": by_op,
+              "top_ops": [[tb.names[int(ukind[j]) // 1_000], round(float(floor[r, j] / ref[r, j]), 3),
+                           round(float((floor[r, j] - ref[r, j]) * count[r, j]), 3)] for j in top[:5]],
               "peers": peers, "iterations": [int(t) for t, h in zip(iters, high[r]) if h],
               "floor_ms_per_iteration": round(float(mine[r]), 3),
               "peer_floor_ms_per_iteration": round(float(theirs[r]), 3)}

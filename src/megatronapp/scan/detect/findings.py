@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from dataclasses import asdict, dataclass, field
 from statistics import NormalDist
 
@@ -96,54 +97,131 @@ class Report:
     step_ms: float  # median iteration time
     waited_for: list[dict]  # top ranks others waited for (victims filtered), ms
     notes: list[str] = field(default_factory=list)
+    ranks: int | None = None  # ranks judged (None: every rank of the world)
+    nothing_judged: str | None = None  # why no rank could be compared with anything (no peer present)
 
     def to_json(self) -> str:
         """Strict JSON (RFC 8259): a value that is not a finite number is written as null, never as the
         `Infinity`/`NaN` Python's json emits by default, which strict readers (jq, JavaScript, Go) refuse."""
-        return json.dumps(_finite({"world": self.world, "iterations": self.iterations, "step_ms": self.step_ms,
+        return json.dumps(_finite({"world": self.world, "ranks": self.world if self.ranks is None else self.ranks,
+                                   "iterations": self.iterations, "step_ms": self.step_ms,
                                    "findings": [{**asdict(f), "link": f.link} for f in self.findings],
                                    "waited_for": self.waited_for, "notes": self.notes}), indent=1, allow_nan=False)
 
     def to_text(self) -> str:
-        lines = [(f"MegaScan detect: {self.world} ranks, {self.iterations} iterations, "
-                 f"median iteration {self.step_ms:.1f} ms")]
+        """The report for a terminal: every line at most TEXT_WIDTH columns, at most TOP_OPS ops a finding, kernel
+        names shortened (the JSON keeps everything)."""
+        ranks = self.world if self.ranks is None else self.ranks
+        lines = [(f"MegaScan detect: {ranks} of {self.world} ranks, {self.iterations} iteration"
+                  f"{'s' if self.iterations != 1 else ''} judged, median iteration {self.step_ms:.1f} ms")]
         if not self.findings:
-            lines.append("no root cause found: every rank and link is within noise of its peers")
+            lines.append(self.nothing_judged or "no root cause found: every rank and link is within noise of its peers")
         for i, f in enumerate(self.findings, 1):
             lines.append(f"{i:>2}. {f.describe()}")
-            ev = f.evidence
-            if "floor_ratio_by_op" in ev:
-                lines.append(f"      fastest repeats vs {ev['peers']} peer(s): {ev['floor_ratio_by_op']}; "
-                             f"iterations {ev['iterations']}")
-            elif "layer_floor_ms" in ev:
-                lines.append(f"      fastest '{ev['layer_kind']}' span per iteration {ev['layer_floor_ms']:.3f} ms vs "
-                             f"the other stages' {ev['other_stages_layer_floor_ms']:.3f} ms; iterations "
-                             f"{ev['iterations']}")
-            elif "iterations" in ev:
-                lines.append(f"      iterations {ev['iterations']}; ops {ev.get('ops', {})}")
-            if ev.get("method") == "ring exit pattern":
-                more = " ..." if len(ev["group"]) > 8 else ""
-                lines.append(f"      in {ev['group_kind']} group {ev['group'][:8]}{more} ({len(ev['group'])} ranks)"
-                             f": exits step {ev['exit_step_ms']:.3f} ms across this link, "
-                             f"the next largest {ev['next_step_ms']:.3f} ms")
-            if ev.get("probe"):
-                lines.append(f"      confirm: {ev['probe']}")
-            if ev.get("others_waited_ms"):
-                lines.append(f"      others waited {ev['others_waited_ms']:.1f} ms for it")
-            if ev.get("method") == "send stalls":
-                lines.append(f"      {ev['transfers']} sends, median posting delay {ev['median_ms']:.3f} ms vs "
-                             f"peer links {ev['peer_median_ms']:.3f} ms")
-            elif "floor_ms" in ev:
-                lines.append(f"      {ev['transfers']} transfers, fastest {ev['floor_ms']:.3f} ms vs "
-                             f"{ev.get('peers', 'peers')} {ev['peer_floor_ms']:.3f} ms")
-            elif "transfers" in ev:
-                lines.append(f"      {ev['transfers']} transfers, median {ev['median_ms']:.3f} ms vs "
-                             f"peers {ev['peer_median_ms']:.3f} ms")
+            lines += _evidence_lines(f.evidence)
         if self.waited_for:
             top = ", ".join(f"rank {w['rank']} {w['ms']:.1f} ms" for w in self.waited_for[:5])
             lines.append(f"who everyone waits for (direct waits caused, victims excluded): {top}")
         lines.extend(f"note: {n}" for n in self.notes)
-        return "\n".join(lines)
+        return "\n".join(w for line in lines for w in _wrap(line))
+
+
+TEXT_WIDTH = 120
+TOP_OPS = 5
+_EV = "      "  # evidence lines' indent
+
+
+def _evidence_lines(ev: dict) -> list[str]:
+    """A finding's evidence as text lines (before wrapping)."""
+    lines = []
+    if "floor_ratio_by_op" in ev:
+        lines.append(f"{_EV}fastest repeats vs {ev['peers']} peer(s); iterations {iteration_list(ev['iterations'])}")
+    elif "layer_floor_ms" in ev:
+        lines.append(f"{_EV}fastest '{short_name(ev['layer_kind'])}' span per iteration {ev['layer_floor_ms']:.3f} "
+                     f"ms vs the other stages' {ev['other_stages_layer_floor_ms']:.3f} ms; iterations "
+                     f"{iteration_list(ev['iterations'])}")
+    elif "iterations" in ev:
+        lines.append(f"{_EV}iterations {iteration_list(ev['iterations'])}")
+    if ev.get("late"):
+        lines.append(f"{_EV}late: {ev['late']}")
+    top = ev.get("top_ops")
+    if top is None and isinstance(ev.get("ops") or ev.get("floor_ratio_by_op"), dict):
+        ops = ev.get("ops") or ev["floor_ratio_by_op"]
+        top = [[k, v, None] for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:TOP_OPS]]
+    if top:
+        n_all = len(ev.get("ops") or ev.get("floor_ratio_by_op") or top)
+        floor = "floor_ratio_by_op" in ev
+        lines.append(f"{_EV}top ops by excess ({'at their fastest, ' if floor else ''}ratio to peers, ms per iteration"
+                     f"{f'; {len(top[:TOP_OPS])} of {n_all}' if n_all > TOP_OPS else ''}):")
+        for name, ratio, excess in top[:TOP_OPS]:
+            ms = f"{excess:+8.2f} ms" if isinstance(excess, (int, float)) else " " * 11
+            lines.append(_fit(f"{_EV}  {ratio:6.2f}x {ms}  ", short_name(str(name))))
+    if ev.get("ops_together") is not None:
+        lines.append(f"{_EV}its ops together read {ev['ops_together']:.2f}x over every iteration; the headline is the "
+                     "median over the iterations it was slow in")
+    if ev.get("method") == "ring exit pattern":
+        more = " ..." if len(ev["group"]) > 8 else ""
+        lines.append(f"{_EV}in {ev['group_kind']} group {ev['group'][:8]}{more} ({len(ev['group'])} ranks)"
+                     f": exits step {ev['exit_step_ms']:.3f} ms across this link, "
+                     f"the next largest {ev['next_step_ms']:.3f} ms")
+    if ev.get("probe"):
+        lines.append(f"{_EV}confirm: {ev['probe']}")
+    if ev.get("others_waited_ms"):
+        lines.append(f"{_EV}others waited {ev['others_waited_ms']:.1f} ms for it")
+    if ev.get("method") == "send stalls":
+        lines.append(f"{_EV}{ev['transfers']} sends, median posting delay {ev['median_ms']:.3f} ms vs "
+                     f"peer links {ev['peer_median_ms']:.3f} ms")
+    elif "floor_ms" in ev:
+        lines.append(f"{_EV}{ev['transfers']} transfers, fastest {ev['floor_ms']:.3f} ms vs "
+                     f"{ev.get('peers', 'peers')} {ev['peer_floor_ms']:.3f} ms")
+    elif "transfers" in ev:
+        lines.append(f"{_EV}{ev['transfers']} transfers, median {ev['median_ms']:.3f} ms vs "
+                     f"peers {ev['peer_median_ms']:.3f} ms")
+    return lines
+
+
+def iteration_list(its: list[int]) -> str:
+    """Iterations as runs: [3, 4, 5, 9] -> '3-5, 9' (a long window's list stays one short line)."""
+    runs: list[list[int]] = []
+    for i in sorted(int(x) for x in its):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs) or "none"
+
+
+def short_name(name: str, width: int = 80) -> str:
+    """An op or kernel name for text: `void ` and template arguments dropped (`flash_fwd_kernel<...>`), cut to
+    `width` columns."""
+    s = name[5:] if name.startswith("void ") else name
+    out, depth = [], 0
+    for ch in s:
+        if ch == "<":
+            if depth == 0:
+                out.append("<...>")
+            depth += 1
+        elif ch == ">" and depth:
+            depth -= 1
+        elif depth == 0:
+            out.append(ch)
+    s = "".join(out)
+    return s if len(s) <= width else s[:width - 3] + "..."
+
+
+def _fit(prefix: str, name: str) -> str:
+    """`prefix` + `name`, the name cut so the line fits TEXT_WIDTH."""
+    room = TEXT_WIDTH - len(prefix)
+    return prefix + (name if len(name) <= room else name[:max(room - 3, 0)] + "...")
+
+
+def _wrap(line: str) -> list[str]:
+    """A line of at most TEXT_WIDTH columns, or several, the rest indented under its start."""
+    if len(line) <= TEXT_WIDTH:
+        return [line]
+    indent = " " * (len(line) - len(line.lstrip()) + 4)
+    return textwrap.wrap(line, TEXT_WIDTH, subsequent_indent=indent, break_long_words=True,
+                         break_on_hyphens=False) or [line[:TEXT_WIDTH]]
 
 
 def _finite(obj: object) -> object:

@@ -9,7 +9,7 @@ from megatronapp.scan.detect.evidence import excursion_noise
 from megatronapp.scan.detect.findings import Finding, Thresholds
 from megatronapp.scan.detect.fold import combine
 from megatronapp.scan.detect.stats import confidence, robust_excess
-from megatronapp.scan.detect.table import COMPUTE, DATA, OPT, Phases, Table, coord
+from megatronapp.scan.detect.table import COMPUTE, DATA, MS, OPT, Phases, Table, coord
 
 
 def rank_findings(tb: Table, ph: Phases, th: Thresholds, warm_up: int = 0) -> list[Finding]:
@@ -102,18 +102,19 @@ def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool
             parts = _parts(ph, r, peers, hit)
             zr = float(np.nanmedian(z[r, hit]))
             ev.update(iterations=[int(ph.iters[i]) for i in hit], z=round(zr, 1),
-                      excess_ms_by_part={k: round(v, 3) for k, v in parts.items()},
-                      ops=op_excess(tb, ph, [int(r)])[int(r)])
+                      excess_ms_by_part={k: round(v, 3) for k, v in parts.items()})
             excess = float(np.nanmedian(exc[r, hit]))
             conf = confidence(zr, frac, zmin) * (0.85 if len(peers) == 1 else 1.0)
             if not host and parts["compute"] >= parts["data"] + parts["gap"]:
                 peer_c = np.nanmedian(ph.compute[peers], axis=0)
                 factor = float(np.nanmedian(ph.compute[r, hit] / peer_c[hit]))
+                ev.update(op_evidence(tb, ph, int(r), factor))
                 out.append(Finding("slow-compute", (int(r),), [coord(tb, r)], f"{factor:.2f}x compute "
                                    f"(+{excess:.1f} ms per iteration)", round(factor, 3), round(excess, 3),
                                    round(conf, 3), ev))
             else:
                 factor = float(np.nanmedian(ph.self_time[r, hit] / np.nanmedian(ph.self_time[peers][:, hit], axis=0)))
+                ev.update(op_evidence(tb, ph, int(r)))
                 out.append(Finding("late-arrival", (int(r),), [coord(tb, r)], f"+{excess:.1f} ms per iteration "
                                    "before reaching the collectives (data / untraced time)", round(factor, 3),
                                    round(excess, 3), round(conf, 3), ev))
@@ -132,8 +133,7 @@ def _rank_view(tb: Table, ph: Phases, th: Thresholds, st: np.ndarray, host: bool
         excess = float(np.nanmedian(exc[r, hb]))
         parts = _parts(ph, r, peers, hb)
         ev.update(iterations=[int(ph.iters[i]) for i in hb], z=round(float(np.nanmedian(z[r, hb])), 1),
-                  excess_ms_by_part={k: round(v, 3) for k, v in parts.items()},
-                  ops=op_excess(tb, ph, [int(r)])[int(r)])
+                  excess_ms_by_part={k: round(v, 3) for k, v in parts.items()}, **op_evidence(tb, ph, int(r)))
         factor = float(np.nanmedian(ph.self_time[r, hb] / np.nanmedian(ph.self_time[peers][:, hb], axis=0)))
         # A single iteration on a busy machine could be the machine; a repeated one is a pattern.
         conf = confidence(float(np.nanmedian(z[r, hb])), 1.0, zmin) * (1.0 if len(hb) > 1 else 0.7)
@@ -149,21 +149,49 @@ def _parts(ph: Phases, r: int, peers: np.ndarray, cols: np.ndarray) -> dict[str,
             for name, arr in (("compute", ph.compute), ("data", ph.data), ("gap", ph.gap))}
 
 
-def op_excess(tb: Table, ph: Phases, ranks: list[int]) -> dict[int, dict[str, float]]:
-    """For the given ranks: ratio of each op's mean exclusive time to the same op on stage peers (evidence)."""
-    out: dict[int, dict[str, float]] = {}
-    work = np.isin(tb.cat, (COMPUTE, OPT, DATA))
-    for r in ranks:
-        peers = np.flatnonzero(tb.coords[:, 1] == tb.coords[r, 1])
-        m = work & np.isin(tb.rank, peers)
-        res = {}
-        for nid in np.unique(tb.name[m & (tb.rank == r)]):
-            mm = m & (tb.name == nid)
-            mine = ph.excl[mm & (tb.rank == r)].mean()
-            per_peer = np.bincount(tb.rank[mm], ph.excl[mm], tb.world)[peers] / np.maximum(
-                np.bincount(tb.rank[mm], minlength=tb.world)[peers], 1)
-            res[tb.names[nid]] = round(float(mine / max(np.median(per_peer), 1.0)), 3)
-        out[int(r)] = res
+TOP_OPS = 5  # ops a finding lists in the text report (all of them stay in the JSON's `ops`)
+
+
+def op_stats(tb: Table, ph: Phases, r: int) -> dict[str, tuple[float, float, float]]:
+    """Per op the rank ran: (ratio of its mean exclusive time to its stage peers' median of theirs, excess ms per
+    iteration, the peers' ms per iteration for as many repeats). The rank itself is no peer of its own (with one
+    peer, a median over both made a 2x rank read 1.33x); no peer with the op: no entry."""
+    peers = np.flatnonzero((tb.coords[:, 1] == tb.coords[r, 1]) & tb.present & (np.arange(tb.world) != r))
+    if not len(peers):
+        return {}
+    work = np.isin(tb.cat, (COMPUTE, OPT, DATA)) & np.isin(tb.it, ph.iters)
+    n_it = max(len(ph.iters), 1)
+    m = work & np.isin(tb.rank, np.r_[peers, r])
+    out = {}
+    for nid in np.unique(tb.name[m & (tb.rank == r)]):
+        mm = m & (tb.name == nid)
+        own = mm & (tb.rank == r)
+        mine = ph.excl[own].mean()
+        n_peer = np.bincount(tb.rank[mm], minlength=tb.world)[peers]
+        per_peer = np.bincount(tb.rank[mm], ph.excl[mm], tb.world)[peers][n_peer > 0] / n_peer[n_peer > 0]
+        if not len(per_peer):
+            continue
+        ref = float(np.median(per_peer))
+        reps = own.sum() / n_it
+        out[tb.names[nid]] = (round(float(mine / max(ref, 1.0)), 3), round(float((mine - ref) * reps / MS), 3),
+                              float(ref * reps / MS))
     return out
 
 
+def top_ops(stats: dict[str, tuple], n: int = TOP_OPS) -> list[list]:
+    """The `n` ops with the most excess time: [[name, ratio, excess ms per iteration], ...]."""
+    return [[k, v[0], v[1]] for k, v in sorted(stats.items(), key=lambda kv: -kv[1][1])[:n]]
+
+
+def op_evidence(tb: Table, ph: Phases, r: int, factor: float | None = None) -> dict:
+    """A finding's op evidence: every op's ratio (`ops`), the top ones by excess time (`top_ops`), and where the
+    ops together read other than the headline `factor` by more than 15% (the headline is a median over the
+    iterations the rank was slow in, the ops a mean over all), what they read (`ops_together`)."""
+    st = op_stats(tb, ph, r)
+    ev: dict = {"ops": {k: v[0] for k, v in st.items()}, "top_ops": top_ops(st)}
+    ref = sum(v[2] for v in st.values())
+    if factor is not None and ref > 0:
+        together = 1 + sum(v[1] for v in st.values()) / ref
+        if abs(together / factor - 1) > 0.15:
+            ev["ops_together"] = round(together, 3)
+    return ev

@@ -40,6 +40,9 @@ class Table:
     chunk: np.ndarray
     clock: np.ndarray | None = None  # [rank] -> shared-clock id (align.clock_domains; -1: own clock, unknown)
     cpu_wait: np.ndarray | None = None  # per span: ns runnable but waiting for a CPU (-1 unknown); None: no span has it
+    # [rank] -> its comm runs beside its work, never inside it (a GPU's NCCL kernels on their own streams, next to
+    # compute kernels): None where no rank's does
+    comm_beside: np.ndarray | None = None
 
     @cached_property
     def end(self) -> np.ndarray:
@@ -59,6 +62,7 @@ class Table:
 # Columns only compared or widened before any arithmetic (category codes, chunk and microbatch numbers) keep a
 # narrow type: 118 MB less at 12,288 ranks. Every other column is int64, so sums and products never overflow.
 _NARROW = {"cat": np.int8, "chunk": np.int16, "mb": np.int32}
+_PER_RANK = ("clock", "comm_beside")  # columns indexed by rank, not by row
 
 
 def _consecutive(arrays: list[np.ndarray]) -> np.ndarray | None:
@@ -124,6 +128,9 @@ def join(traces: list[RankTrace], release: bool = False) -> Table:
     gid = c.pop("gid")
     c["gkey"] = np.where(gid >= 0, groups_at[np.maximum(gid + np.repeat(np.array(goff, np.int64), lens), 0)], -1)
     c["clock"] = clock_domains(traces, world)
+    if any(t.header.get("device") for t in traces):
+        c["comm_beside"] = np.zeros(world, bool)
+        c["comm_beside"][[t.rank for t in traces if t.header.get("device")]] = True
     # Only traces that measured it (format 2, host-timed work spans) carry a column worth its memory at scale.
     if any(len(t.cpu_wait) and t.cpu_wait.max() >= 0 for t in traces):
         c["cpu_wait"] = np.concatenate([np.asarray(t.cpu_wait) for t in traces], dtype=np.int64)
@@ -140,7 +147,7 @@ def join(traces: list[RankTrace], release: bool = False) -> Table:
             or np.all((r[1:] > r[:-1]) | ((r[1:] == r[:-1]) & (ts[1:] >= ts[:-1]))):
         return Table(world, coords, list(names), list(groups), **c)
     order = np.lexsort((ts, r))
-    return Table(world, coords, list(names), list(groups), **{k: (v if k == "clock" else v[order])
+    return Table(world, coords, list(names), list(groups), **{k: (v if k in _PER_RANK else v[order])
                                                               for k, v in c.items()})
 
 
@@ -216,13 +223,14 @@ def exclusive_time(tb: Table, parent: np.ndarray) -> np.ndarray:
     end = tb.end
     for a, b in rank_chunks(tb):  # nesting never crosses ranks: a range of ranks at a time bounds the temporaries
         excl[a:b] = _exclusive_rows(tb.rank[a:b], tb.cat[a:b], tb.ts[a:b], end[a:b], tb.dur[a:b], parent[a:b],
-                                    None if tb.cpu_wait is None else tb.cpu_wait[a:b])
+                                    None if tb.cpu_wait is None else tb.cpu_wait[a:b],
+                                    None if tb.comm_beside is None else tb.comm_beside[tb.rank[a:b]])
     return excl
 
 
 def _exclusive_rows(rank: np.ndarray, cat: np.ndarray, ts: np.ndarray, end: np.ndarray, dur: np.ndarray,
-                    parent: np.ndarray, cpu_wait: np.ndarray | None) -> np.ndarray:
-    comm = cat == COMM
+                    parent: np.ndarray, cpu_wait: np.ndarray | None, beside: np.ndarray | None = None) -> np.ndarray:
+    comm = cat == COMM if beside is None else (cat == COMM) & ~beside
     idx = np.where(parent, np.arange(len(ts)), -1)
     last = np.maximum.accumulate(idx) if len(idx) else idx
     del idx

@@ -281,4 +281,5 @@ def analyse_two_level(trace_dir: str | Path, thresholds=None, workers: int = 2, 
     if sel.truncated:
         note += f"; the selection stopped at its budget of {budget} ranks (a cause outside it is not seen)"
     an.report.notes.insert(0, note)
+    an.report.ranks = present  # every rank was judged by the triage, the selection in full
     return (an, f.problems, f) if with_features else (an, f.problems)

@@ -1,4 +1,5 @@
-"""PyTorch profiler (Kineto) trace files read with bounds: one file's text to a dict (`kineto.py` maps it to spans).
+"""PyTorch profiler (Kineto) trace files read with bounds: one file's text to a dict (`kineto.py` maps it to spans,
+`gpu_kineto.py` a GPU job's). KinetoError, the one error of both readers and of `kineto_fields.py`, lives here.
 
 Sizes are checked before memory is spent. A file is read only up to `max_bytes` of text and to what this process
 can hold once that text is parsed (EXPANSION times it, against `files.memory_budget()`: the address-space limit,
@@ -88,4 +89,5 @@ def load(path: Path, max_bytes: int = MAX_BYTES) -> dict:
 
 
 def is_int(x: object) -> bool:
+    """Whether x is an int read from JSON (a bool is not)."""
     return isinstance(x, int) and not isinstance(x, bool)

@@ -12,20 +12,22 @@ import numpy as np
 
 from megatronapp.scan.read.format import CAT_INDEX, FILE_PATTERN, RankTrace, cells_problem, rank_file, read_dir
 from megatronapp.scan.read.kineto import kineto_files, read_kineto_dir
+from megatronapp.scan.read.kineto_layout import pipeline_layout
 
 _STEP = CAT_INDEX["step"]
 
 
 def read_traces(path: str | Path) -> tuple[list[RankTrace], list[str]]:
-    """Rank traces and problems of a directory: rank*.mst files where there are any, else Kineto JSON traces."""
+    """Rank traces and problems of a directory: rank*.mst files where there are any, else Kineto JSON traces (their
+    pipeline layout read from their point-to-point transfers, where they name their peers)."""
     d = Path(path)
     if not d.is_dir():
         raise FileNotFoundError(f"trace directory {d} does not exist")
     if any(FILE_PATTERN.search(f.name) for f in d.iterdir()) or not kineto_files(d):
-        traces, problems = read_dir(d)
-    else:
-        traces, problems = read_kineto_dir(d)
-    return _within_cells(traces, problems)
+        return _within_cells(*read_dir(d))
+    traces, problems = _within_cells(*read_kineto_dir(d))
+    traces, more = pipeline_layout(traces)  # of the traces kept: their cells are bounded already
+    return traces, problems + more
 
 
 def _within_cells(traces: list[RankTrace], problems: list[str]) -> tuple[list[RankTrace], list[str]]:
