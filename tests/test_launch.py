@@ -114,6 +114,33 @@ def test_forked_ranks_see_the_launchers_environment_of_the_moment_and_start_with
         launch.start_method("gloo")
 
 
+def _say(rank: int, world: int, word: str) -> None:
+    import sys
+
+    print(f"{word} out {rank}", flush=True)
+    print(f"{word} err {rank}", file=sys.stderr, flush=True)
+
+
+def test_forked_ranks_write_to_the_launchers_output_of_the_moment(tmp_path, monkeypatch):
+    """A launcher that redirects its stdout and stderr after the fork server started (a log file per attempt,
+    a notebook, pytest's capture) gets its ranks' output where its own goes now, not where it went then."""
+    monkeypatch.delenv("MEGATRONAPP_START_METHOD", raising=False)
+    spawn(_say, 1, "before")  # the fork server is running from here on (it may have been before)
+    saved = os.dup(1), os.dup(2)
+    try:
+        with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            spawn(_say, 2, "after")
+    finally:
+        for fd, target in zip(saved, (1, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+    assert sorted((tmp_path / "out").read_text().split("\n")[:-1]) == ["after out 0", "after out 1"]
+    assert sorted(line for line in (tmp_path / "err").read_text().splitlines() if line.startswith("after")) == [
+        "after err 0", "after err 1"]
+
+
 def _long_error(rank: int, world: int) -> None:
     raise ValueError("x" * 1_000_000)
 

@@ -15,8 +15,8 @@ torch and the engine once, so a rank starts in tens of milliseconds instead of i
 a rank here: an 8-rank job paid 15 CPU-s before its first step, and a test suite that launches hundreds of ranks
 paid most of its time so). The server imports modules and runs no torch op, so no thread pool exists to be
 broken by the fork. A rank still gets the launching process's environment of the moment it is started, as a
-spawned one does. NCCL jobs, jobs with a prelude (which must run before anything heavy is imported) and
-`MEGATRONAPP_START_METHOD=spawn` start ranks with "spawn" as before.
+spawned one does, and its stdout and stderr of that moment (`_Stdio`). NCCL jobs, jobs with a prelude (which must
+run before anything heavy is imported) and `MEGATRONAPP_START_METHOD=spawn` start ranks with "spawn" as before.
 """
 from __future__ import annotations
 
@@ -114,8 +114,34 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+class _Stdio:
+    """The launcher's stdout and stderr as they are when a rank is started, for a rank forked from the fork server.
+
+    A forked rank inherits the fork server's file descriptors 1 and 2, which are the launcher's of the moment the
+    server started: a launcher that redirects its output later (a log file per attempt, pytest's capture, a
+    notebook) would lose its ranks' output to the old target. Pickled while multiprocessing starts the process,
+    this passes both descriptors along with the process (`reduction.DupFd`, which the fork server sends over its
+    socket); unpickled in the rank, they become `_ChildStdio`, which `_entry` installs as 1 and 2 first thing."""
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction
+        return (_ChildStdio, (reduction.DupFd(1), reduction.DupFd(2)))
+
+
+class _ChildStdio:
+    def __init__(self, out: Any, err: Any) -> None:
+        self.fds = (out.detach(), err.detach())
+
+    def install(self) -> None:
+        for target, fd in zip((1, 2), self.fds):
+            os.dup2(fd, target)
+            os.close(fd)
+
+
 def _entry(rank: int, world: int, rundir: str, port: int, backend: str, threads: int, fn: Callable | str,
-           args: tuple, env: dict[str, str]) -> None:
+           args: tuple, env: dict[str, str], stdio: _ChildStdio | None = None) -> None:
+    if stdio is not None:
+        stdio.install()
     if env.get(_FULL_ENV):  # a forked rank: the launcher's environment now, not the fork server's at its start
         os.environ.clear()
     os.environ.update(env)
@@ -296,7 +322,8 @@ def start(fn: Callable, nproc: int, *args: Any, backend: str = "gloo", threads: 
     for rank in range(nproc):
         common = (nproc, str(rundir), port, backend, threads)
         if prelude is None:
-            p = ctx.Process(target=_entry, args=(rank, *common, fn, args, full_env), name=f"rank{rank}")
+            stdio = (_Stdio(),) if method == "forkserver" else ()  # spawned ranks inherit the launcher's own
+            p = ctx.Process(target=_entry, args=(rank, *common, fn, args, full_env, *stdio), name=f"rank{rank}")
         else:  # only strings and plain data to unpickle: nothing heavy is imported before the prelude
             p = ctx.Process(target=startup.entry, name=f"rank{rank}", args=(
                 prelude, rank, full_env, startup.ref_of(_entry), *common, startup.ref_of(fn), args, full_env))
