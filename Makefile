@@ -25,8 +25,12 @@ browser:
 	    echo "warning: could not install chromium; the browser test will be skipped"; \
 	  else echo "warning: chromium missing and not root; the browser test will be skipped"; fi; }
 
+# Three pytest workers (pytest-xdist) on 2 cores: most of a distributed test's wall time is waiting (rendezvous,
+# heartbeats, hang timeouts, a host's link down), which another worker's test fills. Every test passes beside
+# other load (no timing threshold in a test), so a neighbour worker is just load. TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 3
 test: $(STAMP) browser
-	$(BIN)/python -m pytest tests -ra --durations=25
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist worksteal -ra --durations=25
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not slow" -ra --durations=10
