@@ -2,6 +2,10 @@
 
 A config comes from defaults, then a YAML file, then CLI flags. `validate()` refuses impossible
 combinations before any process starts, naming the field and the fix.
+
+Over 400 lines on purpose: the whole schema and the rules that tie its fields together are read in one place
+(a field's checks next to its definition); the grammars and models the rules use live below it (device_spec.py,
+flops.py, partition.py).
 """
 from __future__ import annotations
 

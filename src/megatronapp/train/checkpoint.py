@@ -14,6 +14,10 @@ Files hold tensors and plain values only and are read with `torch.load(weights_o
 from someone else never runs code (the RNG states are stored as tensors and ints for this reason). Each file is
 checked against the checksum in `meta.json`; `resolve(..., verify=True)` falls back from a torn or corrupt
 newest checkpoint to the previous complete one and says so. `OutLock` refuses two jobs writing one run directory.
+
+Over 400 lines on purpose: the save is one transaction (temporary directory, per-file checksums, marker, rename,
+the attempt id), kept in one file so that its crash safety can be checked by reading one place; reading and
+verifying a saved step is checkpoint_read.py.
 """
 from __future__ import annotations
 
