@@ -193,6 +193,20 @@ def build(tp: int, pp: int, dp: int, rank: int | None = None) -> Topology:
     return topo
 
 
+def adopt(topo: Topology, fresh: Topology) -> None:
+    """Give `topo`'s groups the process groups of `fresh`, a topology of the same layout and rank built in a new
+    generation (resilience's in-place recovery): every object holding one of `topo`'s `Group`s (layers, reducer,
+    optimizer, pipeline links) then talks over the new generation's groups."""
+    if (fresh.tp, fresh.pp, fresh.dp, fresh.rank) != (topo.tp, topo.pp, topo.dp, topo.rank) \
+            or fresh.groups.keys() != topo.groups.keys() or fresh.links.keys() != topo.links.keys():
+        raise ValueError("a new generation's topology must have this rank's layout and groups")
+    for mine, new in [*((topo.groups[k], g) for k, g in fresh.groups.items()),
+                      *((topo.links[k], g) for k, g in fresh.links.items())]:
+        if mine.ranks != new.ranks:
+            raise ValueError(f"group {mine.name}: members {new.ranks} in the new generation, {mine.ranks} before")
+        mine.pg = new.pg
+
+
 def make_links(topo: Topology, new_group: Callable[[tuple[int, ...]], Any], warm: bool,
                every_rank: bool = False) -> None:
     """Create this rank's pipeline links round by round, then warm each up (one tiny message) in the same order,
