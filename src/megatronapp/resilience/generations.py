@@ -130,6 +130,9 @@ class GenerationJob:
         self.ranks = {r: self._start_rank(r) for r in range(self.world)}
         for _ in range(self.opts.spares):
             self._start_spare()
+        self._event({"event": "generation", "generation": 0, "source": "start", "step": self.step,
+                     "newcomers": list(range(self.world)), "replaced": {},
+                     "pids": {r: p.pid for r, p in self.ranks.items()}})
         try:
             return self._watch()
         finally:
@@ -298,11 +301,11 @@ class GenerationJob:
         codes = {r: p.exitcode for r, p in self.ranks.items() if p.exitcode is not None}
         if any(c == 0 for c in codes.values()):
             return self._fallback(failure, "a rank had already finished the run")
-        if len(self.recoveries) + 1 > self.opts.max_restarts:
+        if len(self.failures) > self.opts.max_restarts:
             raise SupervisorGaveUp(f"gave up after {self.opts.max_restarts} in-place recoveries; last failure: "
                                    f"rank {failure.rank} ({failure.label}): {failure.message}")
         lost = sorted(codes)
-        newcomers = sorted(set(lost) | self.pending)
+        newcomers = sorted(set(lost) | (self.pending - self.established))  # a survivor's state is good
         if self.commits == 0 and not all(r in self.established for r in range(self.world) if r not in lost):
             source = "start"
         elif self._peer_possible(newcomers):

@@ -12,8 +12,10 @@ never a pipe) and end through `launch.exit_rank`.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
 import os
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -76,6 +78,7 @@ def _process(rank: int, rundir: str, threads: int, env: dict[str, str], body: An
     """The common frame of a rank or spare process: environment, threads, error file, exit."""
     os.environ.update(env)
     torch.set_num_threads(threads)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack on stderr
     code = 0
     try:
         body()

@@ -185,9 +185,8 @@ class Trainer:
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.dtype == "bf16"
                          else nullcontext())
         self.load_s = 0.0  # seconds the resume load took (the recovery benchmark splits a restart with it)
-        # A plug-in's commit point, called with the step's index once every collective of the step before the
-        # update has completed and right before the update (resilience's step transaction). It returns to apply
-        # the update and raises to leave the step unapplied; None: no commit point.
+        # a plug-in's commit point (resilience's step transaction): called with the step's index right before the
+        # update, every collective of the step done; returns to apply the update, raises to leave it unapplied
         self.commit: Callable[[int], None] | None = None
         if t.resume:
             startup.phase("resume")
@@ -229,10 +228,9 @@ class Trainer:
             self.commit(self.step)
 
     def drop_step(self) -> int | None:
-        """Forget a step that will not finish because its generation of process groups failed (resilience's
-        in-place recovery): the reducer's and the pipeline's in-flight state, the save attempt id (the next save
-        agrees a new one) and a background save that can no longer complete. The model, optimizer, RNG and data
-        position are untouched: the step's update was not applied. Returns the abandoned save's step, or None."""
+        """Forget a step its failed generation of process groups cannot finish (in-place recovery): reducer and
+        pipeline state in flight, the save attempt id, a background save that cannot complete (its step is
+        returned, or None). Model, optimizer, RNG and data position are untouched."""
         self.reducer.reset()
         self.executor.reset()
         self.attempt = None
