@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean browser
+.PHONY: demo test bench lint clean browser gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,17 @@ test: $(STAMP) browser
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run_all
+
+# Wheels of MegaScope's server packages for a GPU machine without a package registry (docs/install-gpu.md):
+# the versions of this .venv, built for CPython $(GPU_PY) on x86-64 Linux, into the git-ignored .whl/.
+GPU_PY ?= 3.12
+GPU_WHEELS := fastapi starlette uvicorn pydantic pydantic-core annotated-types annotated-doc typing-inspection \
+	typing-extensions websockets
+gpu-wheels: $(STAMP)
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  --platform manylinux1_x86_64 -d .whl \
+	  $$(for p in $(GPU_WHEELS); do echo "$$p==$$($(BIN)/pip show $$p | sed -n 's/^Version: //p')"; done)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -27,21 +27,16 @@ What the emulation can judge, and what not:
 """
 from __future__ import annotations
 
-import copy
-import json
 import os
-import statistics
-import tempfile
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks import stats
-from megatronapp.config import RunConfig
-from megatronapp.launch import spawn
+from benchmarks import harness, stats
+from benchmarks.ablation_rows import LAYOUTS, ROWS, build_trainers, rotated_steps, row_configs, row_records
 
+RESULTS = harness.results_path("ablation_emulated")
+SECTION = "## Ablation on emulated devices: MegaScale's techniques where the step runs on the device"
 # A device slow enough that the host compute of a task stays a small share of its device time on this loaded
 # 2-core machine (the run reports that share per row; a share above 0.5 leaves the accelerator regime).
 SPEC = "tflops=0.001"
@@ -83,14 +78,10 @@ def emulated_rows(cpu_rows: list[tuple[str, str, dict]]) -> list[tuple[str, str,
     return out
 
 
-def _fenced_step(trainer) -> float:
-    import torch.distributed as dist
-
-    dist.barrier()  # train_step puts its own device in charge (tasks and optimizer step): parallel/emulation.py
-    t0 = time.perf_counter()
-    trainer.train_step()
-    dist.barrier()
-    return time.perf_counter() - t0
+def emulated_step(trainer) -> float:
+    """One fenced step of `trainer` on its emulated device (train_step puts its own device in charge, the
+    optimizer step included: parallel/emulation.py): its wall seconds."""
+    return harness.fenced(trainer.train_step)[0]
 
 
 def _host_share(trainer) -> tuple[float, float]:
@@ -104,21 +95,13 @@ def worker(rank: int, world: int, configs: list[dict[str, Any]], links: dict[str
     """Spawned entry: every row's trainer in these 4 processes, the link model hooked once, rotated steps."""
     import torch.distributed as dist
 
-    from benchmarks.bench_ablation import build_trainers
     from megatronapp.parallel.distributed_optimizer import optimizer_state_bytes
     from megatronapp.parallel.link_model import LinkModel
 
     trainers = build_trainers(configs, world, rank)
     wire = LinkModel(links).install()
-    n = len(trainers)
-    times: list[list[float]] = [[] for _ in range(n)]
     try:
-        for rep in range(warmup + reps):
-            for k in range(n):
-                i = (k + rep) % n
-                dt = _fenced_step(trainers[i])
-                if rep >= warmup:
-                    times[i].append(dt)
+        times = rotated_steps(trainers, warmup, reps)
         per_row = []
         for tr in trainers:
             host, device = _host_share(tr)
@@ -131,13 +114,13 @@ def worker(rank: int, world: int, configs: list[dict[str, Any]], links: dict[str
         for tr in trainers:
             tr.close()
     if rank == 0:
-        Path(outdir, "times.json").write_text(json.dumps({
-            "times": times, "host_share": [r[0] for r in per_row],
-            "optimizer_state_bytes": [int(r[1]) for r in per_row], "wire_busy_s_rank0": wire.busy_s}))
+        harness.report(outdir, rank, {"times": times, "host_share": [r[0] for r in per_row],
+                                      "optimizer_state_bytes": [int(r[1]) for r in per_row],
+                                      "wire_busy_s_rank0": wire.busy_s})
 
 
-def emulated_configs(rows, layout: dict[str, Any], size: dict[str, Any], spec: str,
-                     row_configs) -> list[tuple[tuple[str, str, dict], dict]]:
+def emulated_configs(rows: list[tuple[str, str, dict]], layout: dict[str, Any], size: dict[str, Any],
+                     spec: str) -> list[tuple[tuple[str, str, dict], dict]]:
     """(row, run config) of every row of `rows` that changes something on this layout, on emulated devices."""
     out: list[tuple[tuple[str, str, dict], dict]] = []
     for row, c in zip(rows, row_configs(layout, size, rows)):
@@ -154,21 +137,8 @@ def summarise(pairs: list[tuple[tuple[str, str, dict], dict]], layout: str, rec:
     from megatronapp.parallel.device_emulation import parse_spec
 
     peak = parse_spec(spec).rate * world
-    out = []
-    for i, ((name, gain, _), c) in enumerate(pairs):
-        cfg = RunConfig.from_dict(copy.deepcopy(c))
-        tokens = cfg.train.global_batch_size * cfg.train.seq_len
-        tps = [tokens / t for t in rec["times"][i]]
-        row = {"row": name, "megascale_mfu_gain": gain, "tokens_per_step": tokens,
-               "median_step_s": statistics.median(rec["times"][i]), "tokens_per_s": statistics.median(tps),
-               "mfu": statistics.median(tps) * cfg.model.flops_per_token(cfg.train.seq_len) / peak,
-               "host_share": rec["host_share"][i], "optimizer_state_bytes": rec["optimizer_state_bytes"][i],
-               "step_times_s": rec["times"][i]}
-        if i:
-            prev = out[-1]
-            prev_tps = [prev["tokens_per_step"] / t for t in rec["times"][i - 1]]
-            row["vs_previous"] = stats.summarize_ratios(stats.paired_ratios(tps, prev_tps), lower_is_better=False)
-        out.append(row)
+    out = row_records([r for r, _ in pairs], [c for _, c in pairs], rec["times"], peak,
+                      host_share=rec["host_share"], optimizer_state_bytes=rec["optimizer_state_bytes"])
     names = [r["row"] for r in out]
     overlap = [i for i, n in enumerate(names) if n in OVERLAP_ROWS]
     if NO_OVERLAP in names and overlap:  # every overlap of this layout together over none, paired per repetition
@@ -180,34 +150,31 @@ def summarise(pairs: list[tuple[tuple[str, str, dict], dict]], layout: str, rec:
             "wire_busy_s_rank0": rec.get("wire_busy_s_rank0", {})}
 
 
-def run(rows, layouts: dict[str, dict], row_configs, spec: str, quick: bool,
-        reps: int | None = None, only_layout: str | None = None) -> dict[str, Any]:
+def run(spec: str, quick: bool, reps: int | None = None, only_layout: str | None = None) -> dict[str, Any]:
     size = dict(EMU_QUICK if quick else EMU_FULL)
     if reps is not None:
         size["reps"] = reps
-    chosen = {"pp=2 x dp=2": layouts["pp=2 x dp=2"]} if quick else layouts
+    chosen = {"pp=2 x dp=2": LAYOUTS["pp=2 x dp=2"]} if quick else LAYOUTS
     if only_layout is not None:
-        chosen = {k: v for k, v in layouts.items() if k.startswith(only_layout)}
-    t0 = time.perf_counter()
+        chosen = {k: v for k, v in LAYOUTS.items() if k.startswith(only_layout)}
+    clock = harness.Clock()
     out = []
     for name, layout in chosen.items():
         lay_spec, links = slowed(spec, LINKS_GBPS, SLOWER.get(name, 1.0))
-        pairs = emulated_configs(emulated_rows(rows), layout, size, lay_spec, row_configs)
+        pairs = emulated_configs(emulated_rows(ROWS), layout, size, lay_spec)
         if quick:
             pairs = [(r, c) for r, c in pairs if r[0] in QUICK_ROWS]
-        load0 = os.getloadavg()
-        with tempfile.TemporaryDirectory() as tmp:
-            spawn(worker, 4, [c for _, c in pairs], links, size["warmup"], size["reps"], tmp, backend="gloo",
-                  threads=1)
-            rec = json.loads(Path(tmp, "times.json").read_text())
+        lay_clock = harness.Clock()
+        (rec,) = harness.launch(worker, 4, [c for _, c in pairs], links, size["warmup"], size["reps"])
         out.append(summarise(pairs, name, rec, lay_spec, 4))
         out[-1].update(spec=lay_spec, links_gbps=links, slower=SLOWER.get(name, 1.0),
-                       recorded=time.strftime("%Y-%m-%dT%H:%M:%S%z"), load_avg_at_start=load0,
+                       recorded=lay_clock.timestamp, load_avg_at_start=lay_clock.load,
                        load_avg_at_end=os.getloadavg())
+    worst = max(r["host_share"] for lay in out for r in lay["rows"])
     return {"benchmark": "ablation of MegaScale's techniques on emulated devices with modelled wires",
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": round(time.perf_counter() - t0, 1),
-            "spec": spec, "links_gbps": LINKS_GBPS, "size": size, "load_avg_at_end": os.getloadavg(),
-            "torch": torch.__version__, "layouts": out}
+            "timestamp": clock.timestamp, "wall_s": clock.wall_s(), "spec": spec, "links_gbps": LINKS_GBPS,
+            "size": size, "machine": harness.machine(clock, emulated=True, host_share=worst, ranks=4,
+                                                     threads_per_rank=1, backend="gloo"), "layouts": out}
 
 
 def quick_line(result: dict[str, Any]) -> dict[str, Any]:
@@ -258,8 +225,8 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-TRACE = Path(__file__).resolve().parent / "results" / "overlap_trace_emulated.json"
-OVERLAP = Path(__file__).resolve().parent / "results" / "ablation_emulated_overlap.json"
+TRACE = harness.results_path("overlap_trace_emulated")
+OVERLAP = harness.results_path("ablation_emulated_overlap")
 OVERLAP_REPS = 36  # `--overlap`: the quick mode's three rows, with this many repetitions
 
 
@@ -267,7 +234,7 @@ def overlap_note() -> str:
     """DP and PP overlap measured on their own (`bench_ablation --emulated --overlap`), if that was run."""
     if not OVERLAP.is_file():
         return "(`python -m benchmarks.bench_ablation --emulated --overlap` not run.)"
-    res = json.loads(OVERLAP.read_text())
+    res = harness.read_result(OVERLAP)
     lay = res["layouts"][0]
     rows = {r["row"]: r for r in lay["rows"]}
     line = quick_line(res)
@@ -294,7 +261,7 @@ def earlier_overlap() -> str:
     f = OVERLAP.with_name("ablation_emulated_overlap_loaded.json")
     if not f.is_file():
         return ""
-    res = json.loads(f.read_text())
+    res = harness.read_result(f)
     lay = res["layouts"][0]
     rows = {r["row"]: r for r in lay["rows"]}
     return (f" An earlier run of the same rows ({lay['recorded']}, load average {lay['load_avg_at_start'][0]:.0f} "
@@ -308,7 +275,8 @@ def trace_note() -> str:
     """Where the DP time goes, from `benchmarks/overlap_trace_emulated.py`'s spans (if it was run)."""
     if not TRACE.is_file():
         return "(`python -m benchmarks.overlap_trace_emulated` not run: no trace summary.)"
-    t = json.loads(TRACE.read_text())
+    t = harness.read_result(TRACE)
+    load = harness.machine_of(t)["load_avg_at_end"][0]
     parts, pp = [], []
     for r, v in sorted(t["ranks"].items(), key=lambda x: int(x[0])):
         off, on = v["overlap off"], v["overlap on"]
@@ -323,7 +291,7 @@ def trace_note() -> str:
                       f"{1e3 * on['median_step_span_s']:.0f} ms)")
     return ("Where the time goes (`python -m benchmarks.overlap_trace_emulated`: the engine's own spans, as "
             f"MegaScan records them, of {t['steps']} steps of each of the pp=2 x dp=2 rows none / DP / DP + PP, load "
-            f"{t['load_avg'][0]:.0f}): " + "; ".join(parts) + ". With overlap every DP gradient all-reduce is "
+            f"{load:.0f}): " + "; ".join(parts) + ". With overlap every DP gradient all-reduce is "
             "issued while a backward task is on its device, and the gap from the last backward to the optimizer "
             "shrinks; it does not vanish because a stage's gradients are reduced only after its *final* "
             "microbatch's backward (they accumulate over microbatches, as in Megatron), and at these link speeds "
@@ -336,7 +304,7 @@ def trace_note() -> str:
 
 
 def docs_body(result: dict[str, Any]) -> str:
-    s = result["size"]
+    s, m = result["size"], harness.machine_of(result)
     return "\n".join([
         ("`python -m benchmarks.bench_ablation --emulated` runs the same cumulative rows as the CPU-bound table "
          "above on emulated devices: each of the 4 ranks has a modelled accelerator (`--emulate-device "
@@ -375,7 +343,7 @@ def docs_body(result: dict[str, Any]) -> str:
          "emulated device, set the pace, so their ratios mean nothing for the accelerator regime. This 2-core "
          "machine is shared with other jobs (the load averages above): re-measure one layout with `--layout tp` "
          "(or `pp`), which replaces only that layout's record."), "",
-        (f"Recorded {result['timestamp']}, torch {result['torch']}, load average at the end "
-         f"{tuple(round(x, 2) for x in result['load_avg_at_end'])} (2 cores shared with other jobs), "
+        (f"Recorded {result['timestamp']}, torch {m['torch']}, load average at the end "
+         f"{tuple(round(x, 2) for x in m['load_avg_at_end'])} (2 cores shared with other jobs), "
          f"{result['wall_s']} s. Raw step times: `benchmarks/results/ablation_emulated.json`."),
     ])

@@ -17,6 +17,7 @@ random order each round; the first round warms up and is not counted. Also recor
 alone and the training thread's CPU time in it (the earlier, narrower definition of the stall).
 
     python -m benchmarks.bench_checkpoint_stall [--mib 256] [--rounds 12] [--steps 2] [--step-s 0.5]
+    python -m benchmarks.bench_checkpoint_stall --quick   (64 MiB, 6 rounds; writes nothing)
     python -m benchmarks.bench_checkpoint_stall --emulated [--quick]   (24 rounds, 1 s steps; see
                                                   checkpoint_stall_emulated.py)
 """
@@ -32,7 +33,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse
 import json
 import math
-import platform
 import random
 import shutil
 import statistics
@@ -44,12 +44,11 @@ from typing import Any
 
 import torch
 
-from benchmarks import stats
+from benchmarks import harness, stats
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.async_checkpoint import AsyncSaver
 
-RESULTS = Path(__file__).resolve().parent / "results" / "checkpoint_stall.json"
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("checkpoint_stall")
 BLOCK = "checkpoint-stall"
 EMULATED_HOST_SHARE = 0.02  # the host's work in an emulated step, as a share of its device time
 TARGET = 20.0  # the issue's target: at least 20x less stall than the synchronous save
@@ -217,7 +216,8 @@ def run(mib: int, rounds: int, steps: int, step_s: float, emulated: bool = False
     keys = ("stall_s", "plain_step_s", "call_s", "call_thread_cpu_s", "left_after_cycle_s", "cycle_steps",
             "blocked_s")
     rec: dict[str, dict[str, list[float]]] = {m.name: {k: [] for k in keys} for m in methods}
-    loads = [os.getloadavg()[0]]
+    clock = harness.Clock()
+    loads = [clock.load[0]]
 
     try:
         with warnings.catch_warnings():
@@ -264,8 +264,9 @@ def run(mib: int, rounds: int, steps: int, step_s: float, emulated: bool = False
     # median per-round difference (peer - ours) instead
     vs_dcp, vs_inline = (_diff(rec[p.name]["stall_s"], ours) for p in (Dcp, OursInline))
     lo, hi = vs_sync["ci95"]
+    host_share = statistics.median(host_s) / step_s if emulated else None
     return {"emulated": emulated,
-            "host_share": {"median": statistics.median(host_s) / step_s,
+            "host_share": {"median": host_share,
                            "p90": sorted(host_s)[int(0.9 * (len(host_s) - 1))] / step_s,
                            "over_1": sum(h > step_s for h in host_s), "steps": len(host_s)} if emulated else None,
             # ours' stall can be near 0, where a ratio over it is unstable: the ratios are formed ours over peer and
@@ -281,8 +282,7 @@ def run(mib: int, rounds: int, steps: int, step_s: float, emulated: bool = False
             "summary": summary, "ours_over_sync": vs_sync, "ours_blocked_over_sync": blocked_vs_sync,
             "ours_over_dcp": vs_dcp, "ours_over_inline": vs_inline,
             "claim_20x": stats.claim(lo, hi, 1 / TARGET), "load_average_per_round": loads,
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "machine": {"cpus": os.cpu_count(), "processor": platform.machine(), "torch": torch.__version__}}
+            "timestamp": clock.timestamp, "machine": harness.machine(clock, emulated=emulated, host_share=host_share)}
 
 
 def _ratio_of_medians(ours: list[float], peer: list[float]) -> dict[str, Any]:
@@ -377,7 +377,7 @@ def _size(args: argparse.Namespace, defaults: dict[str, Any]) -> dict[str, Any]:
     """The defaults of this mode, overridden by what the command line gave."""
     given = {"mib": args.mib, "rounds": args.rounds, "steps": args.steps, "step_s": args.step_s}
     return {k: defaults[k] if v is None else v for k, v in given.items()}
-EMU_RESULTS = RESULTS.with_name("checkpoint_stall_emulated.json")
+EMU_RESULTS = harness.results_path("checkpoint_stall_emulated")
 EMU_BLOCK = "checkpoint-stall-emulated"
 
 
@@ -388,7 +388,7 @@ def emulated_main(args: argparse.Namespace) -> None:
     from benchmarks.checkpoint_stall_emulated import table as emu_table
 
     if args.from_json:
-        stats.write_block(DOCS, EMU_BLOCK, emu_docs(json.loads(EMU_RESULTS.read_text())))
+        harness.rerender(EMU_RESULTS, emu_docs, block=EMU_BLOCK)
         return
     torch.set_num_threads(os.cpu_count() or 1)
     size = QUICK if args.quick else _size(args, EMU_FULL)
@@ -398,12 +398,12 @@ def emulated_main(args: argparse.Namespace) -> None:
         print(json.dumps(quick_line(res)))
         return
     if not args.no_docs:
-        EMU_RESULTS.write_text(json.dumps(res, indent=1) + "\n")
-        stats.write_block(DOCS, EMU_BLOCK, emu_docs(res))
+        harness.save(res, EMU_RESULTS, emu_docs(res), block=EMU_BLOCK)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = harness.parser(__doc__, f"{QUICK['mib']} MiB, {QUICK['rounds']} rounds (with --emulated: also one JSON line "
+                        "last); writes nothing", from_json=True)
     ap.add_argument("--mib", type=int, default=None, help=f"checkpoint state size per rank ({FULL['mib']})")
     ap.add_argument("--rounds", type=int, default=None,
                     help=f"saves per method ({FULL['rounds']}; --emulated {EMU_FULL['rounds']})")
@@ -411,31 +411,25 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=None,
                     help=f"compute per step, calibrated at start ({FULL['step_s']}; --emulated {EMU_FULL['step_s']})")
     ap.add_argument("--no-docs", action="store_true", help="print only; leave the JSON and the docs alone")
-    ap.add_argument("--from-json", action="store_true", help="rewrite the docs section from the saved result")
     ap.add_argument("--emulated", action="store_true",
                     help="steps on an emulated accelerator (host launches, then sleeps out the device time)")
-    ap.add_argument("--quick", action="store_true",
-                    help=f"with --emulated: {QUICK['mib']} MiB, {QUICK['rounds']} rounds; prints one JSON line "
-                         "last, writes nothing")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.emulated:
         emulated_main(args)
         return
     if args.from_json:
-        stats.write_block(DOCS, BLOCK, docs_body(json.loads(RESULTS.read_text())))
+        harness.rerender(RESULTS, docs_body, block=BLOCK)
         return
     torch.set_num_threads(os.cpu_count() or 1)
-    size = _size(args, FULL)
+    size = QUICK if args.quick else _size(args, FULL)
     res = run(size["mib"], size["rounds"], size["steps"], size["step_s"])
     print(table(res))
     print(f"ours vs sync {_less(res['ours_over_sync'])} less stall ({res['claim_20x']} vs {TARGET:.0f}x), "
           f"blocked time {_less(res['ours_blocked_over_sync'])} less, "
           f"saved vs DCP {_saved(res['ours_over_dcp'])}, vs inline copy {_saved(res['ours_over_inline'])}; "
           f"load {res['load_average_per_round']}")
-    if not args.no_docs:
-        RESULTS.parent.mkdir(exist_ok=True)
-        RESULTS.write_text(json.dumps(res, indent=1) + "\n")
-        stats.write_block(DOCS, BLOCK, docs_body(res))
+    if not args.quick and not args.no_docs:
+        harness.save(res, RESULTS, docs_body(res), block=BLOCK)
 
 
 if __name__ == "__main__":

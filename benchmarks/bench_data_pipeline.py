@@ -17,27 +17,16 @@ Run: python -m benchmarks.bench_data_pipeline          (writes benchmarks/result
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from benchmarks import stats
+from benchmarks import harness, stats
 from megatronapp.config import ParallelConfig, RunConfig, preset
 from megatronapp.demo import demo_recipe
-from megatronapp.launch import spawn
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "data_pipeline.json"
-DOCS = ROOT / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("data_pipeline")
 SECTION = "## Data pipeline: prefetch on vs off"
 SLOW_READ_S = 0.02
 FULL = {"reps": 8, "block": 5, "warmup": 2}
@@ -68,6 +57,9 @@ def _timed(read, into: list[float]):
 
 
 def worker(rank: int, world: int, size: dict[str, int], outdir: str) -> None:
+    """Spawned entry: per reader, both trainers taking turns in blocks of steps; every rank reports its steps."""
+    import torch.distributed as dist
+
     from megatronapp.train.trainer import Trainer
 
     result: dict[str, Any] = {}
@@ -87,7 +79,7 @@ def worker(rank: int, world: int, size: dict[str, int], outdir: str) -> None:
         for side in got:
             got[side].clear()
         for rep in range(size["reps"]):
-            for side in (("on", "off") if rep % 2 == 0 else ("off", "on")):
+            for side in harness.rotation(["on", "off"], rep):
                 dist.barrier()
                 block = [trainers[side].train_step() for _ in range(size["block"])]
                 for r, g in zip(block, got[side][-size["block"]:] if got[side] else [0.0] * size["block"]):
@@ -98,7 +90,7 @@ def worker(rank: int, world: int, size: dict[str, int], outdir: str) -> None:
         result[case] = {side: [[{"data_s": r["data_s"], "get_s": r["get_s"], "step_time": r["step_time"],
                                  "loss": r["loss"]}
                                 for r in block] for block in blocks] for side, blocks in recs.items()}
-    (Path(outdir) / f"rank{rank}.json").write_text(json.dumps(result))
+    harness.report(outdir, rank, result)
 
 
 def _median(blocks: list[list[dict[str, float]]], key: str) -> float:
@@ -107,9 +99,8 @@ def _median(blocks: list[list[dict[str, float]]], key: str) -> float:
 
 def run(quick: bool = False) -> dict[str, Any]:
     size = QUICK if quick else FULL
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn(worker, 4, size, tmp, threads=1)
-        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(4)]
+    clock = harness.Clock()
+    ranks = harness.launch(worker, 4, size)
     cases = {}
     for case in ranks[0]:
         reader, peer = ranks[0][case], ranks[1][case]
@@ -130,8 +121,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         }
     return {"config": "gpt2-tiny, tp=2 x pp=2, 4 microbatches, global batch 16 x 64 tokens, 4 CPU ranks (gloo), "
                       "1 thread each", "size": size, "slow_read_s": SLOW_READ_S, "cases": cases,
-            "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg(), "torch": torch.__version__,
-                        "python": platform.python_version()}}
+            "machine": harness.machine(clock, ranks=4, threads_per_rank=1, backend="gloo")}
 
 
 def _ms(x: float) -> str:
@@ -158,20 +148,16 @@ def report(result: dict[str, Any]) -> str:
         f"time to obtain its batch (build it, or take it from the prefetch queue). data_s: the time a step waited for "
         f"its batch (get, host-to-device copy, TP broadcast); at the broadcast the two TP ranks wait for each other, "
         f"so data_s also measures rank skew, which prefetching cannot remove. "
-        f"Machine: {m['cpus']} CPUs, load {m['load_avg'][0]:.1f}, torch {m['torch']}. "
+        f"Machine: {m['cpus']} CPUs, load {m['load_avg_at_end'][0]:.1f}, torch {m['torch']}. "
         f"Raw: `benchmarks/results/data_pipeline.json` (`python -m benchmarks.bench_data_pipeline`).")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = harness.parser(__doc__, "few steps; writes nothing").parse_args(argv)
     result = run(args.quick)
     print(report(result))
     if not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-        stats.write_section(DOCS, SECTION, report(result))
+        harness.save(result, RESULTS, report(result), section=SECTION)
 
 
 if __name__ == "__main__":

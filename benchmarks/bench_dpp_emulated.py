@@ -24,30 +24,22 @@ Run: python -m benchmarks.bench_dpp_emulated            (writes benchmarks/resul
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import stats
-from benchmarks.bench_dpp_real import link_model
+from benchmarks import harness, stats
+from benchmarks.dpp_runs import dpp_cap, link_model, time_executor, wire_gbps
 from megatronapp.config import RunConfig
-from megatronapp.dpp.policies import default_target
-from megatronapp.launch import spawn
 from megatronapp.parallel import device_emulation as emu
-from megatronapp.pipeline.tasks import StageView
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "dpp_emulated.json"
-DOCS = ROOT / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("dpp_emulated")
 BLOCK = "intervals:bench_dpp_emulated"
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "dpp-adaptive", "dpp-zb")
 ONE_CHUNK = ("1f1b", "zb-h1")
@@ -72,11 +64,6 @@ SIZES = {"pp4": {"pp": 4, "vpp": 2, "layers": 8, "microbatches": 16},
 QUICK = {"pp2": {"pp": 2, "vpp": 2, "layers": 4, "microbatches": 4}}
 MODEL = {"family": "gpt2", "vocab_size": 256, "hidden_size": 128, "num_heads": 4, "max_seq_len": 128}  # gpt2-tiny
 SEQ = 64
-
-
-def dpp_cap(size: dict[str, int]) -> int:
-    """Interleaved 1F1B's peak activations (stage 0): the dynamic policies get the same memory."""
-    return default_target(StageView(stage=0, pp=size["pp"], vpp=size["vpp"], microbatches=size["microbatches"]))
 
 
 def base_config(schedule: str, size: dict[str, int]) -> dict[str, Any]:
@@ -111,48 +98,36 @@ def run_config(schedule: str, size: dict[str, int], scenario: str) -> dict[str, 
 
 
 def wire_size(size: dict[str, int]) -> dict[str, Any]:
-    """bench_dpp_real's link model inputs: a modelled activation takes WIRE_FRACTION of a chunk's forward."""
-    return {"pp": size["pp"], "wire_ms": WIRE_FRACTION * forward_s(size) * 1e3}
+    """The link model's inputs (dpp_runs): a modelled activation (one sample of SEQ tokens) takes WIRE_FRACTION of
+    a chunk's forward."""
+    return {"pp": size["pp"], "wire_ms": WIRE_FRACTION * forward_s(size) * 1e3, "seq": SEQ,
+            "hidden": MODEL["hidden_size"]}
 
 
 def worker(rank: int, world: int, size: dict[str, int], scenarios: list[str], reps: int, warmup: int,
            outdir: str) -> None:
     """Spawned entry: per scenario, one Trainer per schedule taking turns; each rank saves its records."""
-    import torch.distributed as dist
-
     from megatronapp import faults
     from megatronapp.parallel import comm
     from megatronapp.train.trainer import Trainer
 
-    act_bytes = SEQ * MODEL["hidden_size"] * 4 + 16
-    faults.WIRE_GBPS = act_bytes / (wire_size(size)["wire_ms"] / 1e3) / 1e9
+    faults.WIRE_GBPS = wire_gbps(wire_size(size))
     out: dict[str, Any] = {}
     for scenario in scenarios:
         comm.reset()
         trainers = {s: Trainer(RunConfig.from_dict(copy.deepcopy(run_config(s, size, scenario))), rank)
                     for s in SCHEDULES}
         first = trainers[SCHEDULES[0]]
-        windows: list[float] = []
-        for tr in trainers.values():  # the executor's own window: the pipeline part of the step
-            def timed(*a: Any, _inner: Any = tr.executor.step, _out: list = windows, **k: Any) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return _inner(*a, **k)
-                finally:
-                    _out.append(time.perf_counter() - t0)
-            tr.executor.step = timed
+        windows: list[float] = []  # the executor's own window: the pipeline part of the step
+        time_executor(trainers.values(), windows)
         injector = faults.install(SCENARIOS[scenario][1], first.topo) if SCENARIOS[scenario][1] else None
         recs: dict[str, list] = {s: [] for s in SCHEDULES}
-        n = len(SCHEDULES)
         for rep in range(warmup + reps):
-            for sched in SCHEDULES[rep % n:] + SCHEDULES[:rep % n]:
-                dist.barrier()
+            for sched in harness.rotation(list(SCHEDULES), rep):
                 windows.clear()
-                t0 = time.perf_counter()
-                rec = trainers[sched].train_step()
-                dist.barrier()
+                wall, rec = harness.fenced(trainers[sched].train_step)
                 if rep >= warmup:
-                    recs[sched].append({"step": trainers[sched].step - 1, "wall": time.perf_counter() - t0,
+                    recs[sched].append({"step": trainers[sched].step - 1, "wall": wall,
                                         "pipeline": windows[0], "peak_inflight": rec["peak_inflight"]})
         if injector is not None:
             injector.remove()
@@ -161,7 +136,7 @@ def worker(rank: int, world: int, size: dict[str, int], scenarios: list[str], re
                          "emulation": {s: tr.emulation.record() for s, tr in trainers.items()}}
         for tr in trainers.values():
             tr.close()
-    (Path(outdir) / f"rank{rank}.json").write_text(json.dumps(out))
+    harness.report(outdir, rank, out)
 
 
 def predicted_step(schedule: str, size: dict[str, int], scenario: str, step: int,
@@ -234,26 +209,24 @@ def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def run(sizes: dict[str, dict[str, int]], scenarios: dict[str, list[str]], reps: int, warmup: int,
         blocks: int) -> dict[str, Any]:
     """Every size x its scenarios, in `blocks` launches of fresh processes each."""
-    t0 = time.perf_counter()
-    result: dict[str, Any] = {"sizes": {}, "load_avg_at_start": os.getloadavg()}
+    clock = harness.Clock()
+    result: dict[str, Any] = {"sizes": {}, "load_avg_at_start": list(clock.load)}
     for name, size in sizes.items():
         launches = []
         for _ in range(blocks):
-            with tempfile.TemporaryDirectory() as tmp:
-                spawn(worker, size["pp"], size, scenarios[name], reps, warmup, tmp)
-                per_rank = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(size["pp"])]
+            per_rank = harness.launch(worker, size["pp"], size, scenarios[name], reps, warmup)
             launches.append([summarise(per_rank, size, sc) for sc in scenarios[name]])
         result["sizes"][name] = {"size": size, "tflops": tflops_for(size), "forward_s": forward_s(size),
                                  "dpp_max_inflight": dpp_cap(size),
                                  "scenarios": [pooled([launch[i] for launch in launches])
                                                for i in range(len(scenarios[name]))]}
         result["sizes"][name]["load_avg_at_end"] = os.getloadavg()
-        print(f"{name} done at {time.perf_counter() - t0:.0f} s, load {os.getloadavg()}", flush=True)
-    result.update(benchmark="MegaDPP on emulated devices", timestamp=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                  wall_s=round(time.perf_counter() - t0, 1), blocks=blocks, reps=reps, warmup=warmup,
-                  forward_s=FORWARD_S,
-                  machine={"platform": platform.platform(), "cpus": os.cpu_count(),
-                           "load_avg_at_end": os.getloadavg(), "python": platform.python_version()})
+        print(f"{name} done at {clock.wall_s():.0f} s, load {os.getloadavg()}", flush=True)
+    worst = max(max(sc["host_share"].values()) for sz in result["sizes"].values() for sc in sz["scenarios"])
+    result.update(benchmark="MegaDPP on emulated devices", timestamp=clock.timestamp, wall_s=clock.wall_s(),
+                  blocks=blocks, reps=reps, warmup=warmup, forward_s=FORWARD_S,
+                  machine=harness.machine(clock, emulated=True, host_share=worst, threads_per_rank=1,
+                                          backend="gloo"))
     return result
 
 
@@ -273,7 +246,7 @@ def cli_check(steps: int = 6) -> dict[str, Any]:
                    "--microbatches", "16", "--global-batch", "16", "--steps", str(steps), "--no-progress",
                    "--out", str(d), "--emulate-device", spec, *flags]
             subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                [str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])})
+                [str(harness.ROOT / "src"), str(harness.ROOT), os.environ.get("PYTHONPATH", "")])})
             recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
             out["median_step_s"][name] = statistics.median(r["step_time"] for r in recs[1:])
             out["host_share"][name] = json.loads((d / "summary.json").read_text())["emulation"]["host_share"]
@@ -330,7 +303,7 @@ def docs_block(result: dict[str, Any]) -> str:
              f"{stats.blocks_label(result['blocks'])}; worst sim error: the schedule whose median (simulated / "
              f"emulated step - 1) is largest; host share: host time over device time, worst rank and schedule; "
              f"load average (1, 5, 15 min) at the start {_load(result.get('load_avg_at_start'))}, after each size "
-             f"{after}, at the end {_load(result['machine']['load_avg_at_end'])}.")
+             f"{after}, at the end {_load(harness.machine_of(result)['load_avg_at_end'])}.")
     for cli in [result.get("cli")] + result.get("cli_reruns", []):
         if not cli:
             continue
@@ -344,10 +317,8 @@ def docs_block(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="pp 2, 2 steps, one scenario; writes nothing")
+    ap = harness.parser(__doc__, "pp 2, 2 steps, one scenario; writes nothing", from_json=True, blocks=2)
     ap.add_argument("--reps", type=int, default=6, help="measured steps per schedule and launch")
-    ap.add_argument("--blocks", type=int, default=2, help="launches of fresh rank processes, pooled")
     ap.add_argument("--sizes", default="pp4,pp8")
     ap.add_argument("--pp8-scenarios", default="jitter lognormal 0.5,no jitter",
                     help="scenarios run at pp 8 (comma-separated names; all four at pp 4)")
@@ -358,13 +329,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cli-only", action="store_true", help="run the CLI check again into the stored result")
     ap.add_argument("--append", action="store_true",
                     help="add the scenarios run now to the stored result's latest run (their load recorded)")
-    ap.add_argument("--from-json", action="store_true", help="re-render the docs blocks from the stored result")
     args = ap.parse_args(argv)
     if args.from_json or args.cli_only:
-        stored = json.loads(RESULTS.read_text())
+        stored = harness.read_result(RESULTS)
         if args.cli_only:
             stored.setdefault("cli_reruns", []).append(cli_check())
-            RESULTS.write_text(json.dumps(stored, indent=1) + "\n")
+            harness.write_result(stored, RESULTS)
         write_docs(stored)
         return
     if args.quick:
@@ -375,10 +345,10 @@ def main(argv: list[str] | None = None) -> None:
     sizes = {k: SIZES[k] for k in args.sizes.split(",")}
     scenarios = {"pp4": [s for s in args.pp4_scenarios.split(",") if s],
                  "pp8": [s for s in args.pp8_scenarios.split(",") if s]}
-    earlier = json.loads(RESULTS.read_text()) if args.keep_earlier and RESULTS.exists() else None
+    earlier = harness.read_result(RESULTS) if args.keep_earlier and RESULTS.exists() else None
     result = run(sizes, scenarios, reps=args.reps, warmup=2, blocks=args.blocks)
     if args.append:
-        stored = json.loads(RESULTS.read_text())
+        stored = harness.read_result(RESULTS)
         for name, sz in result["sizes"].items():
             for sc in sz["scenarios"]:
                 sc["appended"] = {"timestamp": result["timestamp"], "load_avg_at_start": result["load_avg_at_start"],
@@ -391,10 +361,9 @@ def main(argv: list[str] | None = None) -> None:
         earlier.pop("earlier_run", None)
         result["earlier_run"] = earlier
     print(docs_block(result))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    harness.write_result(result, RESULTS)
     write_docs(result)
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    print(f"wrote {harness.shown(RESULTS)}")
 
 
 def write_docs(result: dict[str, Any]) -> None:
@@ -410,9 +379,9 @@ def write_docs(result: dict[str, Any]) -> None:
                 f"Earlier run ({e['timestamp']}, {_forward_ms(e)}):\n\n{docs_block(e)}")
     if result.get("not_measured"):
         text += "\n\nNot measured: " + result["not_measured"] + "."
-    for doc in (DOCS, ROOT / "docs" / "megadpp.md"):
+    for doc in (harness.DOCS, harness.ROOT / "docs" / "megadpp.md"):
         try:
-            stats.write_block(doc, BLOCK, text)
+            harness.write_block(doc, BLOCK, text)
         except ValueError as e:
             print(e)
 

@@ -34,13 +34,9 @@ Run: python -m benchmarks.bench_dpp_real           (writes benchmarks/results/dp
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import gc
-import json
-import os
-import platform
 import random
 import statistics
 import tempfile
@@ -51,17 +47,13 @@ from typing import Any
 
 import torch
 
-from benchmarks import stats
+from benchmarks import harness, stats
+from benchmarks.dpp_runs import act_bytes, dpp_cap, link_model, time_executor, wire_gbps
 from megatronapp.config import RunConfig
 from megatronapp.dpp.calibrate import StepTimings, TaskTiming, calibrate
-from megatronapp.dpp.policies import default_target
 from megatronapp.dpp.simulator import SimConfig, simulate
-from megatronapp.launch import spawn
-from megatronapp.pipeline.tasks import StageView
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "dpp_real.json"
-DOCS = ROOT / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("dpp_real")
 BLOCK = "intervals:bench_dpp_real"
 TARGET_SIM_ERROR = 0.15  # the issue's bar: simulator within 15% of the measured step
 
@@ -95,21 +87,6 @@ def pair_name(a: str, b: str) -> str:
     return f"{a}/{b}"
 
 
-def dpp_cap(size: dict[str, int]) -> int:
-    """Interleaved 1F1B's peak activations (stage 0): the dynamic policies get the same memory."""
-    return default_target(StageView(stage=0, pp=size["pp"], vpp=size["vpp"], microbatches=size["microbatches"]))
-
-
-def act_bytes(size: dict[str, Any]) -> int:
-    """Bytes of one pipeline message: a microbatch of one sample's activation (fp32) and the 16-byte header."""
-    return size["seq"] * size["hidden"] * 4 + 16
-
-
-def wire_gbps(size: dict[str, Any]) -> float:
-    """The modelled wire speed at which one activation takes `wire_ms`."""
-    return act_bytes(size) / (size["wire_ms"] / 1e3) / 1e9
-
-
 def run_config(schedule: str, size: dict[str, int]) -> dict[str, Any]:
     """The run config of one schedule: a small untied GPT-2, one sample per microbatch (ZB-H1: one chunk a stage)."""
     parallel = {"tp": 1, "pp": size["pp"], "dp": 1, "vpp": 1 if schedule == "zb-h1" else size["vpp"],
@@ -124,28 +101,6 @@ def run_config(schedule: str, size: dict[str, int]) -> dict[str, Any]:
                   "warmup_steps": 0, "grad_clip": 1.0, "seed": 5, "progress": False, "peak_tflops": 1.0,
                   "out": str(Path(tempfile.gettempdir()) / "megatronapp-bench-dpp-real")},
     }
-
-
-def link_model(specs: list[str], size: dict[str, Any]) -> dict[str, Any]:
-    """The injected wire faults as SimConfig fields: per-link late delivery (entry s: stages s and s+1) and link
-    jitter; {} when the case has none. Ranks are stages here (tp = dp = 1)."""
-    from megatronapp import faults
-
-    pp, nominal = size["pp"], size["wire_ms"] / 1e3
-    extra, sigma = [0.0] * pp, None
-    for f in map(faults.parse, specs):
-        if f.kind not in ("slow-wire", "jitter"):
-            continue
-        a, b = f.ranks
-        link = a if b == (a + 1) % pp else b
-        if f.kind == "slow-wire":
-            extra[link] += (f.factor - 1.0) * nominal
-        else:
-            extra[link] += nominal
-            sigma = f.sigma  # the simulator has one link-jitter law: these cases jitter every link alike
-    if not any(extra):
-        return {}
-    return {"link_latency": extra, "latency": 0.0, "link_jitter": f"lognormal:{sigma}" if sigma else "none"}
 
 
 KIND = {"forward": "F", "backward": "B", "weight_grad": "W"}  # the executor's compute spans
@@ -206,8 +161,6 @@ class LinkSpikes:
 
 def worker(rank: int, world: int, size: dict[str, Any], cases: dict[str, tuple], outdir: str) -> None:
     """Spawned entry: every schedule's Trainer, every case taking turns; each rank saves its records."""
-    import torch.distributed as dist
-
     from megatronapp import faults, tracing
     from megatronapp.parallel import comm
     from megatronapp.train.trainer import Trainer
@@ -218,22 +171,12 @@ def worker(rank: int, world: int, size: dict[str, Any], cases: dict[str, tuple],
     for sched in SCHEDULES:
         torch.manual_seed(5)
         trainers[sched] = Trainer(RunConfig.from_dict(copy.deepcopy(run_config(sched, size))), rank)
-    windows: list[float] = []
-    for tr in trainers.values():  # the executor's own window, for the per-task overhead
-        inner = tr.executor.step
-
-        def timed_step(*a: Any, _inner: Any = inner, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return _inner(*a, **k)
-            finally:
-                windows.append(time.perf_counter() - t0)
-        tr.executor.step = timed_step
+    windows: list[float] = []  # the executor's own window, for the per-task overhead
+    time_executor(trainers.values(), windows)
     recorder = TaskRecorder()
     tracing.install(recorder)
     topo = trainers["interleaved-1f1b"].topo
     out: dict[str, Any] = {"stage": topo.coord.pp, "cases": {}}
-    n = len(SCHEDULES)
     try:
         for case, (specs, spike_links, p, ms) in cases.items():
             injector = faults.install(specs, topo) if specs else None
@@ -246,14 +189,10 @@ def worker(rank: int, world: int, size: dict[str, Any], cases: dict[str, tuple],
             for rep in range(warmup + size["steps"]):
                 if spikes is not None:
                     spikes.rep = rep
-                for sched in SCHEDULES[rep % n:] + SCHEDULES[:rep % n]:  # each goes first as often as the others
-                    dist.barrier()
+                for sched in harness.rotation(list(SCHEDULES), rep):  # each goes first as often as the others
                     recorder.take()
                     windows.clear()
-                    t0 = time.perf_counter()
-                    rec = trainers[sched].train_step()
-                    dist.barrier()
-                    wall = time.perf_counter() - t0
+                    wall, rec = harness.fenced(trainers[sched].train_step)
                     if rep >= warmup:
                         recs[sched].append({"wall": wall, "step_time": rec["step_time"], "wait_s": rec["wait_s"],
                                             "executor_s": windows[0], "peak_inflight": rec["peak_inflight"],
@@ -266,7 +205,7 @@ def worker(rank: int, world: int, size: dict[str, Any], cases: dict[str, tuple],
             gc.collect()
     finally:
         tracing.uninstall(recorder)
-    (Path(outdir) / f"rank{rank}.json").write_text(json.dumps(out))
+    harness.report(outdir, rank, out)
 
 
 def step_timings(per_rank: list[dict], case: str, sched: str, i: int, size: dict[str, Any]) -> StepTimings:
@@ -358,6 +297,11 @@ def intervals(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _with_intervals(result: dict[str, Any]) -> None:
+    for row in result["cases"]:
+        row["intervals"] = intervals(row)
+
+
 def docs_block(result: dict[str, Any]) -> str:
     """The interval table of docs/benchmarks.md: every case x the four paired ratios."""
     order = (PAIRS[1], PAIRS[2], PAIRS[3], PAIRS[0])
@@ -390,12 +334,10 @@ def run(quick: bool = False, steps: int | None = None, blocks: int = 1) -> dict[
     size, cases = (dict(QUICK), QUICK_CASES) if quick else (dict(FULL), FULL_CASES)
     if steps is not None:
         size["steps"] = steps
-    t0 = time.perf_counter()
+    clock = harness.Clock()
     runs = []
     for _ in range(blocks):
-        with tempfile.TemporaryDirectory() as tmp:
-            spawn(worker, size["pp"], size, cases, tmp)
-            per_rank = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(size["pp"])]
+        per_rank = harness.launch(worker, size["pp"], size, cases)
         runs.append([summarise(per_rank, c, size, cases[c][0]) for c in cases])
     rows = runs[0] if blocks == 1 else _pool_blocks(runs)
     for row in rows:
@@ -404,10 +346,8 @@ def run(quick: bool = False, steps: int | None = None, blocks: int = 1) -> dict[
     return {
         "benchmark": "MegaDPP on real ranks: dpp-zb and dpp-adaptive vs interleaved 1F1B and ZB-H1, simulator "
                      "calibrated and checked",
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": round(time.perf_counter() - t0, 1),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg(),
-                    "python": platform.python_version(), "torch": torch.__version__, "threads_per_rank": 1,
-                    "backend": "gloo"},
+        "timestamp": clock.timestamp, "wall_s": clock.wall_s(),
+        "machine": harness.machine(clock, threads_per_rank=1, backend="gloo"),
         "config": {"size": size, "dpp_max_inflight": dpp_cap(size), "params": cfg.model.num_params(),
                    "message_bytes": act_bytes(size), "wire_gbps": wire_gbps(size),
                    "cases": {c: {"inject": v[0], "spike_links": v[1], "spike_p": v[2], "spike_ms": v[3]}
@@ -444,31 +384,18 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model on 2 ranks, 1 measured step; writes nothing")
+    ap = harness.parser(__doc__, "tiny model on 2 ranks, 1 measured step; writes nothing", from_json=True, blocks=1)
     ap.add_argument("--steps", type=int, default=None, help="measured steps per schedule (after warm-up)")
-    ap.add_argument("--blocks", type=int, default=1, help="independent launches of fresh rank processes, pooled")
-    ap.add_argument("--from-json", action="store_true", help="re-render the docs intervals from the stored result")
     args = ap.parse_args(argv)
     if args.from_json:
-        stored = json.loads(RESULTS.read_text())
-        for row in stored["cases"]:
-            row["intervals"] = intervals(row)
-        RESULTS.write_text(json.dumps(stored, indent=1) + "\n")
-        stats.write_block(DOCS, BLOCK, docs_block(stored))
+        stored = harness.rerender(RESULTS, docs_block, block=BLOCK, refresh=_with_intervals)
         print(docs_block(stored))
         return
-    if args.blocks < 1:
-        raise SystemExit("--blocks must be >= 1")
     result = run(quick=args.quick, steps=args.steps, blocks=args.blocks)
     print(table(result))
     print(f"wall {result['wall_s']} s, load average at end {result['machine']['load_avg_at_end']}")
-    if args.quick:
-        return
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    stats.write_block(DOCS, BLOCK, docs_block(result))
-    print(f"wrote {RESULTS.relative_to(ROOT)} and the interval block of {DOCS.relative_to(ROOT)}")
+    if not args.quick:
+        harness.save(result, RESULTS, docs_block(result), block=BLOCK)
 
 
 if __name__ == "__main__":

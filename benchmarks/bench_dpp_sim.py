@@ -9,20 +9,19 @@ writes benchmarks/results/dpp_sim.json and the interval block of docs/benchmarks
 
 Intervals: every schedule of a seed meets the same jitter draws, so seeds pair; the 95% interval of a ratio of mean
 step times comes from a bootstrap over seeds. Without jitter the simulation is deterministic (no interval needed).
-`--from-json` re-renders the intervals from the stored per-seed step times without simulating.
+`--from-json` re-renders the intervals from the stored per-seed step times without simulating; `--quick` simulates
+pp 4 with 16 microbatches only, 2 seeds, and writes nothing.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from pathlib import Path
 from statistics import mean
 
-from benchmarks import stats
+from benchmarks import harness, stats
 from megatronapp.dpp.simulator import SimConfig, simulate
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("dpp_sim")
 BLOCK = "intervals:bench_dpp_sim"
 
 JITTER = {  # (compute, link)
@@ -155,21 +154,21 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, "pp 4, 16 microbatches, 2 seeds; writes nothing", from_json=True)
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--out", default="benchmarks/results/dpp_sim.json")
-    ap.add_argument("--from-json", action="store_true",
-                    help="re-render the docs intervals from the stored result; simulate nothing")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     if args.from_json:
-        result = json.loads(Path(args.out).read_text())
-        result["intervals"] = intervals(result)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        stats.write_block(DOCS, BLOCK, docs_block(result))
+        result = harness.rerender(args.out, docs_block, block=BLOCK,
+                                  refresh=lambda r: r.update(intervals=intervals(r)))
         print(stats.interval_table(result["intervals"]))
         return 0
+    if args.quick:
+        rows = [run_case(4, 16, level, [0, 1]) for level in JITTER]
+        print(table(rows))
+        return 0
     seeds = list(range(args.seeds))
-    t0 = time.perf_counter()
+    clock = harness.Clock()
     rows = [run_case(pp, m, level, seeds) for pp, m in GRID for level in JITTER]
     print(f"step-time ratios (< 1: faster), mean of {len(seeds)} seeds; peak = activations on the busiest stage in "
           f"whole-stage units; dzb = dpp-zb capped at interleaved's peak, dzb@zbmem at ZB-H1's; ada = dpp-adaptive "
@@ -191,17 +190,17 @@ def main(argv: list[str] | None = None) -> int:
           f"(target <= 1: {say(v['dpp_zb_memory_met'])})")
     scale = scale_check()
     print(f"pp=64, 512 microbatches, CPU seconds per simulated step: {scale}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     result = {"base": BASE, "jitter": JITTER, "seeds": seeds, "targets": TARGETS,
               "dynamic": {k: {"schedule": s, "cap": c} for k, (s, c) in DYNAMIC.items()},
-              "verdict": v, "scale_cpu_s": scale, "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}
+              "verdict": v, "scale_cpu_s": scale, "wall_s": clock.wall_s(), "machine": harness.machine(clock),
+              "rows": rows}
     result["intervals"] = intervals(result)
     print(stats.interval_table(result["intervals"]))
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    if out.resolve() == (Path(__file__).resolve().parent / "results" / "dpp_sim.json"):
-        stats.write_block(DOCS, BLOCK, docs_block(result))
-    print(f"wrote {out}")
+    if args.out.resolve() == RESULTS.resolve():
+        harness.save(result, args.out, docs_block(result), block=BLOCK)
+    else:
+        harness.write_result(result, args.out)
+        print(f"wrote {harness.shown(args.out)}")
     return 0
 
 

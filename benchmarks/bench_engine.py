@@ -20,32 +20,24 @@ Run: python -m benchmarks.bench_engine            (writes benchmarks/results/eng
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import cProfile
 import gc
 import io
-import json
 import math
-import os
-import platform
 import pstats
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks import stats
+from benchmarks import harness, stats
 from benchmarks.engine_peers import PEERS
 from megatronapp.config import RunConfig
-from megatronapp.launch import spawn
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "engine.json"
-DOCS = ROOT / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("engine")
 SECTION = "## Engine vs PyTorch peers"
 TARGET = 1.05  # the issue's bar: ours/peer <= 1.05
 
@@ -85,20 +77,17 @@ def _timed(fn, profiler: cProfile.Profile | None) -> tuple[float, float, float]:
 
     CPU time (every thread of every rank) is the work done; unlike wall time it hardly grows when other jobs
     take the cores, so it shows overheads that the noise of a shared machine hides."""
-    import torch.distributed as dist
+    if profiler is None:
+        return harness.fenced_cpu(fn)
 
-    dist.barrier()
-    c0, t0 = time.process_time(), time.perf_counter()
-    if profiler is not None:
+    def profiled() -> float:
         profiler.enable()
-    loss = fn()
-    if profiler is not None:
-        profiler.disable()
-    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
-    dist.barrier()
-    wall = time.perf_counter() - t0
-    dist.all_reduce(cpu)  # outside the timed span
-    return wall, float(cpu), loss
+        try:
+            return fn()
+        finally:
+            profiler.disable()
+
+    return harness.fenced_cpu(profiled)
 
 
 def run_case(cfg_dict: dict[str, Any], kind: str, rank: int, warmup: int, steps: int,
@@ -150,13 +139,14 @@ def _profile_text(p: cProfile.Profile, top: int = 30) -> str:
     return buf.getvalue()
 
 
-def worker(rank: int, world: int, cases: list[tuple], size: dict[str, int], outdir: str, profile: bool) -> None:
-    """Spawned entry: run every case; rank 0 saves one JSON record per case."""
-    for i, (_name, kind, _label, parallel) in enumerate(cases):
-        rec = run_case(case_config(parallel, size), kind, rank, size["warmup"], size["steps"], profile)
-        if rank == 0:
-            (Path(outdir) / f"case{i}.json").write_text(json.dumps(rec))
+def worker(rank: int, world: int, cases: list[tuple], size: dict[str, int], profile: bool, outdir: str) -> None:
+    """Spawned entry: run every case; rank 0 reports one record per case."""
+    recs = []
+    for _name, kind, _label, parallel in cases:
+        recs.append(run_case(case_config(parallel, size), kind, rank, size["warmup"], size["steps"], profile))
         gc.collect()
+    if rank == 0:
+        harness.report(outdir, rank, recs)
 
 
 def _world(parallel: dict[str, Any]) -> int:
@@ -192,6 +182,11 @@ def ratio_intervals(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _with_intervals(result: dict[str, Any]) -> None:
+    for r in result["cases"]:
+        r["intervals"] = ratio_intervals(r)
+
+
 def _pool(recs: list[dict[str, Any]]) -> dict[str, Any]:
     """One record of several launches: times and CPU concatenated, losses and buffers of the first launch."""
     if len(recs) == 1:
@@ -211,14 +206,13 @@ def run(quick: bool = False, pp4: bool = False, profile: bool = False,
     for case in CASES + ([PP4_CASE] if pp4 else []):
         groups.setdefault(_world(case[3]), []).append(case)
     rows, profiles = [], {}
-    t0 = time.perf_counter()
+    clock = harness.Clock()
     for world, cases in groups.items():
         recs: list[list[dict[str, Any]]] = [[] for _ in cases]
         for _ in range(blocks):  # every block a fresh launch of the rank processes
-            with tempfile.TemporaryDirectory() as tmp:
-                spawn(worker, world, cases, size, tmp, profile)
-                for i in range(len(cases)):
-                    recs[i].append(json.loads((Path(tmp) / f"case{i}.json").read_text()))
+            (launch,) = harness.launch(worker, world, cases, size, profile)
+            for i, rec in enumerate(launch):
+                recs[i].append(rec)
         for i, (name, _kind, label, parallel) in enumerate(cases):
             rec = _pool(recs[i])
             rows.append(summarise(name, label, parallel, rec, recs[i] if blocks > 1 else None))
@@ -228,11 +222,9 @@ def run(quick: bool = False, pp4: bool = False, profile: bool = False,
     cfg = RunConfig.from_dict(case_config({}, size))
     return {
         "benchmark": "engine step time vs PyTorch-native peers",
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg(), "python": platform.python_version(),
-                    "torch": torch.__version__, "threads_per_rank": 1, "backend": "gloo"},
+        "timestamp": clock.timestamp,
+        "wall_s": clock.wall_s(),
+        "machine": harness.machine(clock, threads_per_rank=1, backend="gloo"),
         "config": {"size": size, "model": cfg.to_dict()["model"], "train": cfg.to_dict()["train"],
                    "params": cfg.model.num_params(), "protocol": "both sides in the same rank processes, "
                    "alternating step by step, barrier-fenced; medians over the measured steps after warm-up"},
@@ -261,11 +253,10 @@ def _buffers(b: dict[str, int] | None) -> str:
     return "-" if not b or not b["before"] else f"{b['before']} -> {b['after']}"
 
 
-def docs_section(result: dict[str, Any]) -> str:
-    """The Markdown section of docs/benchmarks.md for this benchmark."""
+def docs_body(result: dict[str, Any]) -> str:
+    """This benchmark's section of docs/benchmarks.md, below its title."""
     s, m = result["config"]["size"], result["machine"]
     return "\n".join([
-        SECTION, "",
         ("`python -m benchmarks.bench_engine` trains the same untied GPT-2 "
         f"(hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads, seq {s['seq']}, global batch "
         f"{s['global_batch']}, {s['microbatches']} microbatches per replica, AdamW, global-norm clipping 1.0) with "
@@ -285,35 +276,24 @@ def docs_section(result: dict[str, Any]) -> str:
          "ranks, which oversubscribes 2 cores; `--quick` is the smoke run."), "",
         (f"Recorded {result['timestamp']} on {m['cpus']} CPUs ({m['processor']}), torch {m['torch']}; load average "
         f"at the end {tuple(round(x, 2) for x in m['load_avg_at_end'])}. Raw times: `benchmarks/results/engine.json`."),
-        "",
     ])
 
 
-def write_docs(result: dict[str, Any], path: Path = DOCS) -> None:
+def write_docs(result: dict[str, Any], path: Path = harness.DOCS) -> None:
     """Replace (or append) this benchmark's section of docs/benchmarks.md, leaving other sections alone."""
-    stats.replace_section(path, docs_section(result))
+    harness.write_section(path, SECTION, docs_body(result))
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model, 2 measured steps; writes nothing")
+    ap = harness.parser(__doc__, "tiny model, 2 measured steps; writes nothing", from_json=True, blocks=1)
     ap.add_argument("--pp4", action="store_true", help="also pp=4 1F1B on 4 ranks (oversubscribes 2 cores)")
     ap.add_argument("--profile", action="store_true", help="cProfile both sides on rank 0; writes nothing")
     ap.add_argument("--steps", type=int, default=None, help="measured steps per side (after warm-up)")
-    ap.add_argument("--blocks", type=int, default=1, help="independent launches of fresh rank processes, pooled")
-    ap.add_argument("--from-json", action="store_true",
-                    help="re-render the docs section (with intervals) from the stored result; measure nothing")
     args = ap.parse_args(argv)
     if args.from_json:
-        stored = json.loads(RESULTS.read_text())
-        for r in stored["cases"]:
-            r["intervals"] = ratio_intervals(r)
-        RESULTS.write_text(json.dumps(stored, indent=1) + "\n")
-        write_docs(stored)
+        stored = harness.rerender(RESULTS, docs_body, section=SECTION, refresh=_with_intervals)
         print(table(stored))
         return
-    if args.blocks < 1:
-        raise SystemExit("--blocks must be >= 1")
     result = run(quick=args.quick, pp4=args.pp4, profile=args.profile, steps=args.steps, blocks=args.blocks)
     for r in result["cases"]:
         print(f"{r['case']:<30} first losses ours {r['losses']['ours'][:2]} peer {r['losses']['peer'][:2]}")
@@ -326,10 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if any(not math.isfinite(r["ratio"]) for r in result["cases"]):
         raise SystemExit("a case produced no valid timing; nothing written")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    write_docs(result)
-    print(f"wrote {RESULTS.relative_to(ROOT)} and {DOCS.relative_to(ROOT)}")
+    harness.save(result, RESULTS, docs_body(result), section=SECTION)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Run: python -m benchmarks.bench_lamb_batch          (writes results/lamb_batch.j
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -29,15 +28,13 @@ from typing import Any
 
 import torch
 
-from benchmarks import stats
+from benchmarks import harness
 from megatronapp.config import RunConfig, TrainConfig, preset
 from megatronapp.data import corpus
 from megatronapp.data.tokenizer import ByteTokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "lamb_batch.json"
-PNG = ROOT / "docs" / "img" / "lamb_batch.png"
-DOCS = ROOT / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("lamb_batch")
+PNG = harness.ROOT / "docs" / "img" / "lamb_batch.png"
 SECTION = "## LAMB at 4x the batch"
 BATCH, SEQ = 8, 64
 TOKENS = 163_840  # 40% of a pass over the ~400 KB embedded corpus: AdamW 320 steps at B=8, LAMB 80 at 4B=32
@@ -150,7 +147,7 @@ def summarise(runs: list[dict[str, Any]], tokens: int, eval_tokens: int) -> dict
             "warmup_fraction": WARMUP_FRACTION, "held_out_seed": HELD_OUT_SEED, "eval_tokens": eval_tokens,
             "runs": runs, "best": best,
             "lamb_minus_adamw_eval": best["lamb"]["final_eval"] - best["adamw"]["final_eval"],
-            "load_avg": os.getloadavg()[0]}
+            "machine": harness.machine()}
 
 
 def plot(result: dict[str, Any], png: Path = PNG) -> Path:
@@ -206,9 +203,9 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def docs_section(result: dict[str, Any], verdict: str) -> str:
+def docs_body(result: dict[str, Any], verdict: str) -> str:
+    """This benchmark's section of docs/benchmarks.md, below its title."""
     return "\n".join([
-        SECTION, "",
         "`python -m benchmarks.bench_lamb_batch`; raw: `benchmarks/results/lamb_batch.json`. The embedded default "
         f"model (gpt2-tiny) trained in one process by the engine's Trainer for {result['tokens']:,} tokens (40% of a "
         f"pass over the embedded corpus, sequences of {result['seq_len']}): AdamW at batch {result['batch']['adamw']}, "
@@ -224,7 +221,7 @@ def docs_section(result: dict[str, Any], verdict: str) -> str:
         "two runs at a time on 2 cores shared with other jobs.", "",
         table(result), "",
         "![AdamW at B vs LAMB at 4B](img/lamb_batch.png)", "",
-        verdict + edges(result), ""])
+        verdict + edges(result)])
 
 
 def edges(result: dict[str, Any]) -> str:
@@ -239,9 +236,9 @@ def edges(result: dict[str, Any]) -> str:
     return (" Best at the end of its grid, so a better lr may lie beyond: " + "; ".join(out) + ".") if out else ""
 
 
-def write_docs(result: dict[str, Any], verdict: str, path: Path = DOCS) -> None:
+def write_docs(result: dict[str, Any], verdict: str, path: Path = harness.DOCS) -> None:
     """Replace (or append) this benchmark's section of docs/benchmarks.md, leaving other sections alone."""
-    stats.replace_section(path, docs_section(result, verdict))
+    harness.write_section(path, SECTION, docs_body(result, verdict))
 
 
 def verdict_of(result: dict[str, Any]) -> str:
@@ -277,8 +274,7 @@ def _control_note(best: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a few steps per run; writes nothing")
+    ap = harness.parser(__doc__, "a few steps per run; writes nothing")
     ap.add_argument("--workers", type=int, default=2, help="runs at a time (default 2)")
     ap.add_argument("--runs-log", help="append each finished run to this JSON-lines file")
     ap.add_argument("--from-log", help="write the results from a --runs-log file instead of training")
@@ -294,10 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     print(verdict)
     if args.quick:
         return
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result)
-    write_docs(result, verdict)
+    print(f"wrote {harness.shown(plot(result))}")
+    harness.save(result, RESULTS, docs_body(result, verdict), section=SECTION)
 
 
 if __name__ == "__main__":

@@ -6,14 +6,13 @@ The job runs twice, side by side in one invocation: restarting at once (`--no-di
 diagnostics on the job's 4 ranks before the restart (the default); the difference is what diagnosing costs.
 
     python -m benchmarks.bench_recovery [--hang-timeout 5]
-    python -m benchmarks.bench_recovery --emulated [--repeats 3]   (8 emulated ranks, kill -9, split recovery)
+    python -m benchmarks.bench_recovery --quick      (the restart-at-once drill only; writes nothing)
+    python -m benchmarks.bench_recovery --emulated [--repeats 3]   (8 emulated ranks, kill -9, split recovery;
+                                                   --quick: one drill, writes nothing)
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
 import re
 import subprocess
 import sys
@@ -21,40 +20,47 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "recovery.json"
+from benchmarks import harness
+
+RESULTS = harness.results_path("recovery")
 FLAGS = ["--nproc", "4", "--tp", "2", "--pp", "2", "--steps", "8", "--save-interval", "2", "--layers", "2",
          "--hidden", "64", "--global-batch", "4", "--microbatches", "2", "--seq-len", "16", "--no-progress",
          "--peak-tflops", "1", "--supervise", "--inject", "hang=2:3", "--heartbeat-interval", "0.5"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = harness.parser(__doc__, "one drill (restart at once; --emulated: one kill); writes nothing")
     ap.add_argument("--hang-timeout", type=float, default=5.0)
     ap.add_argument("--emulated", action="store_true",
                     help="8 ranks on emulated devices, kill -9 of one rank mid-run (benchmarks/recovery_emulated.py)")
     ap.add_argument("--repeats", type=int, default=3, help="with --emulated: drills, each a fresh job")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.emulated:
         from benchmarks import recovery_emulated
 
-        recovery_emulated.main(args.repeats)
+        recovery_emulated.main(1 if args.quick else args.repeats, write=not args.quick)
         return
+    clock = harness.Clock()
     plain = _run(args.hang_timeout, ["--no-diagnose-on-restart"])
-    diagnosed = _run(args.hang_timeout, [])
+    diagnosed = None if args.quick else _run(args.hang_timeout, [])
+    for what, r in (("restart at once", plain), ("diagnose first", diagnosed)):
+        if r is None:
+            continue
+        print(f"{what}: hang detected {r['detected_after_s']:.1f} s after it began (timeout {args.hang_timeout:g} s), "
+              f"rank {r['named_rank']} named; training again {r['recovery_s']:.1f} s after detection (diagnostics "
+              f"{r['diagnose_s']:.1f} s); job {r['job_wall_s']:.0f} s")
+    machine = harness.machine(clock)
+    print(f"load {machine['load_avg_at_end'][0]:.1f}")
+    if diagnosed is None:
+        return
     result = {"hang_timeout_s": args.hang_timeout, **plain,
               # what diagnosing costs is its own run time; the difference of the two recoveries is also kept, but
               # on this shared machine load swings between the two runs exceed it
               "with_diagnose": diagnosed, "diagnose_cost_s": diagnosed["diagnose_s"],
               "recovery_difference_s": diagnosed["recovery_s"] - plain["recovery_s"],
-              "load_average": os.getloadavg(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "machine": {"cpus": os.cpu_count(), "processor": platform.machine()}}
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
-    for what, r in (("restart at once", plain), ("diagnose first", diagnosed)):
-        print(f"{what}: hang detected {r['detected_after_s']:.1f} s after it began (timeout {args.hang_timeout:g} s), "
-              f"rank {r['named_rank']} named; training again {r['recovery_s']:.1f} s after detection (diagnostics "
-              f"{r['diagnose_s']:.1f} s); job {r['job_wall_s']:.0f} s")
-    print(f"load {result['load_average'][0]:.1f}")
+              "timestamp": clock.timestamp, "machine": machine}
+    harness.write_result(result, RESULTS)
+    print(f"wrote {harness.shown(RESULTS)}")
 
 
 def _run(hang_timeout: float, extra: list[str]) -> dict:

@@ -11,7 +11,7 @@ runs; each gets a 95% Wilson interval (the simulation is deterministic per scena
 scenarios were drawn, not timing). Faults of one scenario are not fully independent trials: read the intervals as
 slightly narrow.
 Second family (`--family real`, results apart in benchmarks/results/scan_detect_real.json): faults injected into
-REAL traces by causal re-timing (`scan/perturb.py`): four healthy traced engine runs stored in
+REAL traces by causal re-timing (`scan/synth/perturb.py`): four healthy traced engine runs stored in
 benchmarks/data/scan_real/ (pp4: tp1 pp4 dp1, 8 microbatches; tp2pp2dp2; dp4; pp2dp2; 10 traced steps each,
 a tiny GPT-2 on gloo ranks of the shared 2-core machine; regenerate with `--record`), each perturbed with known
 ground truth (scenarios_real()). The detector was not built from these traces.
@@ -19,27 +19,25 @@ Run: python -m benchmarks.bench_scan_detect              (writes benchmarks/resu
      python -m benchmarks.bench_scan_detect --from-json  (re-render the intervals from the stored result)
      python -m benchmarks.bench_scan_detect --family real  (perturbed real traces -> scan_detect_real.json)
      python -m benchmarks.bench_scan_detect --family large (2-3 faults at once on 4,096 / 8,192 simulated ranks)
+     python -m benchmarks.bench_scan_detect [--family F] --quick  (a few scenarios of the family; writes nothing)
 """
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks import scan_large_family, scan_real_family, stats
-from megatronapp.scan.detect import analyse
-from megatronapp.scan.format import read_dir
-from megatronapp.scan.simulate import Fault, simulate
+from benchmarks import harness, scan_large_family, scan_real_family, stats
+from megatronapp.scan.detect.analysis import analyse
+from megatronapp.scan.read.format import read_dir
+from megatronapp.scan.synth.simulate import Fault, simulate
 
 TP, PP, RANKS = 2, 4, 64  # dp = 8
 KIND = {"slow-compute": "slow-compute", "slow-link": "slow-link", "pause": "transient-pause",
         "late-arrival": "late-arrival"}
-RESULTS = Path(__file__).parent / "results" / "scan_detect.json"
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("scan_detect")
 BLOCK = "intervals:bench_scan_detect"
 SELF_MS = 53.0  # a rank's own work per iteration in the simulator's default costs (4 microbatches)
 
@@ -138,8 +136,7 @@ def docs_block(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--from-json", action="store_true", help="re-render the docs intervals from the stored result")
+    ap = harness.parser(__doc__, "a few scenarios of the family; writes nothing", from_json=True)
     ap.add_argument("--family", choices=["sim", "real", "large"], default="sim",
                     help="sim: the simulator's scenarios; real: faults injected into recorded real traces; "
                     "large: several faults at once on 4,096 and 8,192 simulated ranks (a few minutes)")
@@ -152,20 +149,19 @@ def main(argv: list[str] | None = None) -> dict:
                                     scan_real_family.GRANULARITY.get(args.recordings, "coarse"))
         return {}
     if args.family == "real":
-        return scan_real_family.run(DOCS, stats, args.recordings)
+        return scan_real_family.run(args.recordings, quick=args.quick)
     if args.family == "large":
-        return scan_large_family.run(DOCS, stats, matches)
+        return scan_large_family.run(matches, quick=args.quick)
     if args.from_json:
-        res = json.loads(RESULTS.read_text())
-        res["intervals"] = intervals(res)
-        RESULTS.write_text(json.dumps(res, indent=1))
-        stats.write_block(DOCS, BLOCK, docs_block(res))
+        res = harness.rerender(RESULTS, docs_block, block=BLOCK, refresh=lambda r: r.update(intervals=intervals(r)))
         print(stats.interval_table(res["intervals"]))
         return res
     rows, tp, fp, fn, healthy_alarms, ref_tp, ref_fp, ref_fn = [], 0, 0, 0, 0, 0, 0, 0
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, faults) in enumerate(scenarios()):
+            if args.quick and i % 11:
+                continue  # every eleventh scenario (every kind of fault), each with its seed of a full run
             d = Path(tmp) / f"s{i}"
             simulate(d, RANKS, TP, PP, iterations=5, faults=faults, seed=100 + i)
             traces, _ = read_dir(d)
@@ -197,16 +193,14 @@ def main(argv: list[str] | None = None) -> dict:
            "missed": fn, "reference_precision": round(ref_tp / max(ref_tp + ref_fp, 1), 4),
            "reference_recall": round(ref_tp / max(ref_tp + ref_fn, 1), 4),
            "grid": {"ranks": RANKS, "tp": TP, "pp": PP, "dp": RANKS // (TP * PP), "iterations": 5},
-           "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}
+           "wall_s": round(time.perf_counter() - t0, 1), "machine": harness.machine(), "rows": rows}
     res["intervals"] = intervals(res)
-    out = RESULTS
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    stats.write_block(DOCS, BLOCK, docs_block(res))
     print(stats.interval_table(res["intervals"]))
     print(f"MegaScan: precision {res['precision']}, recall {res['recall']}, healthy false alarms "
           f"{healthy_alarms} over {res['healthy_runs']} runs | reference rule: precision "
-          f"{res['reference_precision']}, recall {res['reference_recall']} -> {out}")
+          f"{res['reference_precision']}, recall {res['reference_recall']}")
+    if not args.quick:
+        harness.save(res, RESULTS, docs_block(res), block=BLOCK)
     return res
 
 

@@ -15,21 +15,16 @@ Run: python -m benchmarks.bench_scan_overhead            (writes benchmarks/resu
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks import stats
+from benchmarks import harness, stats
 from megatronapp.config import RunConfig
-from megatronapp.launch import spawn
 
-RESULTS = Path(__file__).resolve().parent / "results" / "scan_overhead.json"
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("scan_overhead")
 BLOCK = "intervals:bench_scan_overhead"
 MODES = ("off", "coarse", "full")
 TARGET = 1.03
@@ -40,7 +35,7 @@ def _rank(rank: int, world: int, cfg_dict: dict, steps_per_mode: int, warmup: in
     from megatronapp import tracing
     from megatronapp.config import validate
     from megatronapp.parallel import comm
-    from megatronapp.scan.tracer import attach
+    from megatronapp.scan.record.tracer import attach
     from megatronapp.train.trainer import Trainer
 
     cfg = RunConfig.from_dict(cfg_dict)
@@ -68,7 +63,7 @@ def _rank(rank: int, world: int, cfg_dict: dict, steps_per_mode: int, warmup: in
     for t in tracers.values():
         t.close()
     if rank == 0:
-        (Path(out) / "times.json").write_text(json.dumps(times))
+        harness.report(out, rank, times)
 
 
 def run_case(name: str, parallel: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
@@ -80,9 +75,8 @@ def run_case(name: str, parallel: dict[str, Any], steps: int, warmup: int) -> di
     cfg.train.progress = False
     with tempfile.TemporaryDirectory() as out:
         cfg.train.out = out
-        spawn(_rank, cfg.parallel.world_size, cfg.to_dict(), steps, warmup, out,
-              threads=max(1, (os.cpu_count() or 1) // cfg.parallel.world_size))
-        times = json.loads((Path(out) / "times.json").read_text())
+        (times,) = harness.launch(_rank, cfg.parallel.world_size, cfg.to_dict(), steps, warmup, outdir=out,
+                                  threads=max(1, (os.cpu_count() or 1) // cfg.parallel.world_size))
         spans = sum(1 for _ in (Path(out) / "trace-full").glob("rank*.mst"))
     med = {m: statistics.median(times[m]) for m in MODES}
     return {"case": name, "median_step_s": med, "steps_per_mode": steps, "rank_files": spans,
@@ -108,7 +102,7 @@ def intervals(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def docs_block(result: dict[str, Any]) -> str:
-    load = result.get("load_avg_at_end")
+    load = harness.machine_of(result).get("load_avg_at_end")
     return (stats.interval_table(intervals(result)) + "\n\n`bench_scan_overhead`: "
             f"{result['cases'][0]['steps_per_mode']} steps per mode and block, load average at the end "
             f"{tuple(round(x, 1) for x in load) if load else '?'}. The per-span figure (`bench_tracing_cost`) "
@@ -116,21 +110,14 @@ def docs_block(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="3 steps per mode, write nothing")
+    ap = harness.parser(__doc__, "3 steps per mode; writes nothing", from_json=True, blocks=1)
     ap.add_argument("--steps", type=int, default=12, help="measured steps per mode")
-    ap.add_argument("--blocks", type=int, default=1, help="independent blocks of fresh processes, pooled")
-    ap.add_argument("--from-json", action="store_true", help="re-render the docs intervals from the stored result")
     args = ap.parse_args(argv)
     if args.from_json:
-        stored = json.loads(RESULTS.read_text())
-        stored["intervals"] = intervals(stored)
-        RESULTS.write_text(json.dumps(stored, indent=2))
-        stats.write_block(DOCS, BLOCK, docs_block(stored))
+        stored = harness.rerender(RESULTS, docs_block, block=BLOCK, refresh=lambda r: r.update(intervals=intervals(r)))
         print(stats.interval_table(stored["intervals"]))
         return
-    if args.blocks < 1:
-        raise SystemExit("--blocks must be >= 1")
+    clock = harness.Clock()
     steps, warmup = (3, 1) if args.quick else (args.steps, 2)
     results = []
     for name, par in CASES.items():
@@ -145,15 +132,11 @@ def main(argv: list[str] | None = None) -> None:
         m = r["median_step_s"]
         print(f"{r['case']:<14} {m['off'] * 1e3:>12.1f} {m['coarse'] * 1e3:>10.1f} {m['full'] * 1e3:>9.1f} "
               f"{r['ratio_coarse']:>11.3f} {r['ratio_full']:>9.3f}")
-    result = {"target_ratio": TARGET, "cases": results, "machine": platform.platform(),
-              "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()}
+    result = {"target_ratio": TARGET, "cases": results, "machine": harness.machine(clock, backend="gloo")}
     result["intervals"] = intervals(result)
     print(stats.interval_table(result["intervals"]))
     if not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(result, indent=2))
-        stats.write_block(DOCS, BLOCK, docs_block(result))
-        print(f"wrote {RESULTS}")
+        harness.save(result, RESULTS, docs_block(result), block=BLOCK)
 
 
 if __name__ == "__main__":

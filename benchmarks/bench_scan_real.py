@@ -13,7 +13,8 @@ Peer: the same detector on the same scenario; the question is run-to-run stabili
 Each run's trace files are kept (--keep, default /tmp/megascan_real_runs), so `--reanalyse` judges the same
 runs again with the current detector (a detector change is then compared on identical runs, not new noise).
 Run: python -m benchmarks.bench_scan_real [--repeats 5] [--only NAME,...] [--steps 8] [--reanalyse]
-(--only re-measures those scenarios and keeps the stored rows of the others.) Two scenarios are a pure pipeline
+(--only re-measures those scenarios and keeps the stored rows of the others; --quick: one repeat of QUICK, 4 steps,
+writes nothing.) Two scenarios are a pure pipeline
 (pp = 4, one rank per stage) traced per layer, judged by measured stage work and layer floors; four are no engine
 run but a plain FSDP2 or DDP job on 2 ranks traced through `scan.instrument()` (benchmarks/anyjob.py, the job of
 tests/test_scan_anyjob.py), healthy or with rank 1 slowed 3x. Nine are pure pipelines (pp 4) under the
@@ -32,10 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import stats
+from benchmarks import harness, stats
 
-RESULTS = Path(__file__).parent / "results" / "scan_real.json"
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("scan_real")
 TITLE = "## MegaScan on real runs: verdict stability over repeats"
 LAYOUTS = {4: (1, 2, 2), 8: (2, 2, 2)}  # world -> (tp, pp, dp); rank = tp + tp_size * (dp + dp_size * pp)
 # name -> (world, faults, expected (kind, ranks) or None for a healthy run)
@@ -71,7 +71,8 @@ SPINNERS = 4
 SCENARIOS["oversubscribed healthy 4"] = (4, (), None)
 SCENARIOS["oversubscribed slow compute 2.0x"] = (4, ("slow-compute=3:2.0",), ("slow-compute", (3,)))
 OVERSUB = {name for name in SCENARIOS if name.startswith("oversubscribed")}
-# Scenarios of another shape: a pure pipeline (one rank per stage) traced per layer (scan/layercost.py), and the
+QUICK = ("healthy 4", "slow compute 2.0x, 1 peer/stage")  # --quick: one repeat of these
+# Scenarios of another shape: a pure pipeline (one rank per stage) traced per layer (scan/detect/layercost.py), and the
 # schedules above: (tp, pp, dp), granularity, ParallelConfig overrides, layers.
 SHAPE: dict[str, tuple[tuple[int, int, int], str, dict, int]] = {
     name: ((1, 4, 1), "full", {}, 4) for name in SCENARIOS if name.startswith("pure pp4")}
@@ -132,8 +133,8 @@ def _plain_run(name: str, steps: int, out: Path) -> None:
 
 
 def analysed(trace_dir: Path) -> dict:
-    from megatronapp.scan.detect import analyse
-    from megatronapp.scan.format import read_dir
+    from megatronapp.scan.detect.analysis import analyse
+    from megatronapp.scan.read.format import read_dir
 
     traces, problems = read_dir(trace_dir)
     report = analyse(traces).report
@@ -254,13 +255,12 @@ def docs_body(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, f"one repeat of {', '.join(QUICK)}, 4 steps; writes nothing", from_json=True)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one scenario in this process
     ap.add_argument("--out", help=argparse.SUPPRESS)
-    ap.add_argument("--from-json", action="store_true", help="re-render the docs section from the stored result")
     ap.add_argument("--note", default="")
     ap.add_argument("--keep", default="/tmp/megascan_real_runs", help="where each run's trace files are kept")
     ap.add_argument("--reanalyse", action="store_true", help="judge the kept runs again with the current detector")
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
             res = {"steps": args.steps, "repeats": 1 + max((r["repeat"] for r in rows), default=-1),
                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "note": args.note, "rows": rows}
         else:
-            res = json.loads(RESULTS.read_text())
+            res = harness.read_result(RESULTS)
         rows = [dict(r) for r in res["rows"]]
         for row in rows:
             if "error" not in row and Path(row.get("trace_dir", "")).is_dir():
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
         res["pooled"] = pooled(res["rows"])
         res["reanalysed"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         res["note"] = args.note or res.get("note", "")
-        stats.save(res, RESULTS, DOCS, TITLE, docs_body(res))
+        harness.save(res, RESULTS, docs_body(res), section=TITLE)
         for s in res["summary"]:
             print(s)
         return res
@@ -300,12 +300,12 @@ def main(argv: list[str] | None = None) -> dict:
         print("RESULT " + json.dumps(one_run(args.one, args.steps, Path(args.out))))
         return {}
     if args.from_json:
-        res = json.loads(RESULTS.read_text())
-        res["summary"] = summarise(res["rows"])
-        res["pooled"] = pooled(res["rows"])
-        stats.save(res, RESULTS, DOCS, TITLE, docs_body(res))
-        return res
+        return harness.rerender(RESULTS, docs_body, section=TITLE,
+                                refresh=lambda r: r.update(summary=summarise(r["rows"]), pooled=pooled(r["rows"])))
     names = [n for n in SCENARIOS if not args.only or n in args.only.split(",")]
+    if args.quick:
+        names, args.repeats, args.steps = list(QUICK), 1, 4
+    clock = harness.Clock()
     rows: list[dict] = []
     for rep in range(args.repeats):
         for name in names:
@@ -314,15 +314,14 @@ def main(argv: list[str] | None = None) -> dict:
                     for _ in range(SPINNERS if name in OVERSUB else 0)]
             with tempfile.TemporaryDirectory() as tmp:
                 try:
-                        proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_scan_real", "--one", name,
+                    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_scan_real", "--one", name,
                                            "--steps", str(args.steps), "--out", tmp],
-                                          capture_output=True, text=True,
-                                          cwd=Path(__file__).resolve().parent.parent)
+                                          capture_output=True, text=True, cwd=harness.ROOT)
                 finally:
                     for p in spin:
                         p.kill()
                         p.wait()
-                if (Path(tmp) / "trace").is_dir():
+                if (Path(tmp) / "trace").is_dir() and not args.quick:  # quick runs leave the kept runs alone
                     shutil.rmtree(keep, ignore_errors=True)
                     shutil.copytree(Path(tmp) / "trace", keep)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -337,17 +336,19 @@ def main(argv: list[str] | None = None) -> dict:
             top = run["findings"][0]["describe"] if run["findings"] else "no finding"
             print(f"{rep} {name:<34} {'DET' if row['detected'] else '   '} fa={len(row['false_alarms'])} "
                   f"load={run['load_avg']} {run['wall_s']}s | {top}", flush=True)
-            RESULTS.with_suffix(".partial.json").write_text(json.dumps(rows, indent=1))
+            if not args.quick:
+                RESULTS.with_suffix(".partial.json").write_text(json.dumps(rows, indent=1))
     if args.only and RESULTS.exists():  # re-measured some scenarios: keep the stored rows of the others
-        rows = [r for r in json.loads(RESULTS.read_text())["rows"] if r["scenario"] not in names] + rows
+        rows = [r for r in harness.read_result(RESULTS)["rows"] if r["scenario"] not in names] + rows
     res = {"steps": args.steps, "repeats": args.repeats, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "note": args.note, "rows": rows}
+           "note": args.note, "machine": harness.machine(clock), "rows": rows}
     res["summary"] = summarise(rows)
     res["pooled"] = pooled(rows)
-    stats.save(res, RESULTS, DOCS, TITLE, docs_body(res))
-    RESULTS.with_suffix(".partial.json").unlink(missing_ok=True)
     for s in res["summary"]:
         print(s)
+    if not args.quick:
+        harness.save(res, RESULTS, docs_body(res), section=TITLE)
+        RESULTS.with_suffix(".partial.json").unlink(missing_ok=True)
     return res
 
 

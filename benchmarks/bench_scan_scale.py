@@ -10,6 +10,7 @@ runs without a finding give a Wilson interval on the false-alarm rate at scale.
 Run: python -m benchmarks.bench_scan_scale [--sizes 1024,4096,12288] [--blocks 3] [--merge]
                                                (writes benchmarks/results/scan_scale.json, docs block)
      python -m benchmarks.bench_scan_scale --from-json  (re-render the intervals from the stored result)
+     python -m benchmarks.bench_scan_scale --quick      (1,024 ranks, faulty and healthy once; writes nothing)
      python -m benchmarks.bench_scan_scale --cli 12288 [--blocks 3]
         the CLI as a user runs it: `scan simulate --ranks N --tp 8 --pp 16` (its defaults otherwise), then
         `scan detect DIR --json` and `scan aggregate DIR --only-flagged`, each its own process, timed with its own
@@ -28,11 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import stats
+from benchmarks import harness, stats
 
 TP, PP = 8, 4
-RESULTS = Path(__file__).parent / "results" / "scan_scale.json"
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("scan_scale")
 BLOCK = "intervals:bench_scan_scale"
 
 
@@ -40,11 +40,9 @@ def one(ranks: int, out_dir: str, healthy: bool = False, merge: bool = False) ->
     """Simulate, read and detect one size in this process; return wall and CPU times (process time: what the
     run itself used, less inflated than wall time on a shared machine), the load average and peak RSS; with
     `merge`, also `scan aggregate` of the whole job (gzip) and of the flagged ranks only."""
-    import os
-
-    from megatronapp.scan.detect import detect
-    from megatronapp.scan.format import read_dir
-    from megatronapp.scan.simulate import simulate
+    from megatronapp.scan.detect.analysis import detect
+    from megatronapp.scan.read.format import read_dir
+    from megatronapp.scan.synth.simulate import simulate
 
     dp = ranks // (TP * PP)
     slow = TP * (dp // 2) + 3  # stage 0, a middle replica
@@ -92,7 +90,7 @@ def merge_sizes(trace_dir: str) -> dict:
     return out
 
 
-CLI_RESULTS = Path(__file__).parent / "results" / "scan_scale_cli.json"
+CLI_RESULTS = harness.results_path("scan_scale_cli")
 CLI_BLOCK = "bench_scan_scale:cli"
 CLI_TARGETS = {"detect_s": 15.0, "detect_peak_mb": 1500.0}
 
@@ -189,15 +187,15 @@ def scale_main(seeds: list[int]) -> None:
                 tmp.mkdir()
                 runs.append(scale_run(cli, ranks, seed, faults, tmp))
                 print(json.dumps(runs[-1]))
-    before = json.loads(CLI_RESULTS.read_text()) if CLI_RESULTS.exists() else {}
+    before = harness.read_result(CLI_RESULTS) if CLI_RESULTS.exists() else {}
     earlier = before.get("scale_100k_earlier", [])
     if "scale_100k" in before:
         earlier.append(before["scale_100k"])
     before.update(scale_100k={"runs": runs, "seeds": seeds, "targets": {"simulate_plus_detect_s": 60,
                                                                         "peak_mb": 4096}},
                   scale_100k_earlier=earlier)
-    CLI_RESULTS.write_text(json.dumps(before, indent=1))
-    print(f"-> {CLI_RESULTS}")
+    harness.write_result(before, CLI_RESULTS)
+    print(f"wrote {harness.shown(CLI_RESULTS)}")
 
 
 def scale_run(cli: list[str], ranks: int, seed: int, faults: list[str], tmp: Path) -> dict:
@@ -274,14 +272,11 @@ def cli_main(ranks: int, blocks: int) -> None:
         print(json.dumps(row))
     result = {"rows": rows, "targets": CLI_TARGETS}
     if CLI_RESULTS.exists():  # earlier measurements stay on record (the table shows this run's), as do records
-        before = json.loads(CLI_RESULTS.read_text())  # this command does not write (scale_100k)
+        before = harness.read_result(CLI_RESULTS)  # this command does not write (scale_100k)
         result = {**{k: v for k, v in before.items() if k not in ("rows", "earlier")}, **result,
                   "earlier": before.get("earlier", []) + before.get("rows", [])}
-    CLI_RESULTS.parent.mkdir(exist_ok=True)
-    CLI_RESULTS.write_text(json.dumps(result, indent=1))
-    stats.write_block(DOCS, CLI_BLOCK, cli_table(result))
     print(cli_table(result))
-    print(f"-> {CLI_RESULTS}")
+    harness.save(result, CLI_RESULTS, cli_table(result), block=CLI_BLOCK)
 
 
 def intervals(result: dict) -> list[dict]:
@@ -344,11 +339,9 @@ def docs_block(result: dict) -> str:
             "`--blocks 3` on a quiet machine).")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = harness.parser(__doc__, "1,024 ranks, faulty and healthy once; writes nothing", from_json=True, blocks=1)
     ap.add_argument("--sizes", default="1024,4096,12288")
-    ap.add_argument("--blocks", type=int, default=1, help="runs of every size, each in fresh child processes")
-    ap.add_argument("--from-json", action="store_true", help="re-render the docs intervals from the stored result")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--healthy", action="store_true", help=argparse.SUPPRESS)
@@ -363,7 +356,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, nargs="+", default=[0],
                     help="with --scale-100k: where the four faults are placed (several: a healthy and a faulty job "
                          "each, every job's files kept until the end)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.scale_100k:
         scale_main(args.seed)
         return
@@ -374,14 +367,12 @@ def main() -> None:
         print(json.dumps(one(args.child, args.dir, args.healthy, args.merge)))
         return
     if args.from_json:
-        stored = json.loads(RESULTS.read_text())
-        stored["intervals"] = intervals(stored)
-        RESULTS.write_text(json.dumps(stored, indent=1))
-        stats.write_block(DOCS, BLOCK, docs_block(stored))
+        stored = harness.rerender(RESULTS, docs_block, block=BLOCK, refresh=lambda r: r.update(intervals=intervals(r)))
         print(stats.interval_table(stored["intervals"], digits=1))
         return
-    if args.blocks < 1:
-        raise SystemExit("--blocks must be >= 1")
+    if args.quick:
+        args.sizes, args.blocks = "1024", 1
+    clock = harness.Clock()
     rows = []
     largest = max(int(x) for x in args.sizes.split(","))
     for _, n, healthy in ((b, int(x), h) for b in range(args.blocks) for x in args.sizes.split(",")
@@ -390,7 +381,7 @@ def main() -> None:
             out = subprocess.run([sys.executable, "-m", "benchmarks.bench_scan_scale", "--child", str(n),
                                   "--dir", tmp, *(["--healthy"] if healthy else []),
                                   *(["--merge"] if args.merge and not healthy and n == largest else [])],
-                                 capture_output=True, text=True, check=True)
+                                 capture_output=True, text=True, check=True, cwd=harness.ROOT)
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
         verdict = f"healthy: {row['findings']} findings" if healthy else f"faults named {row['faults_named']}"
@@ -399,14 +390,12 @@ def main() -> None:
               f"{row['load_avg'][0]}-{row['load_avg'][1]})  peak {row['peak_rss_mb']:7.0f} MB  {verdict}")
         if row.get("aggregate"):
             print(f"        aggregate: {json.dumps(row['aggregate'])}")
-    path = RESULTS
-    path.parent.mkdir(exist_ok=True)
-    result = {"rows": rows, "blocks": args.blocks, "targets": {"total_s_at_12288": 30, "peak_mb_at_12288": 2048}}
+    result = {"rows": rows, "blocks": args.blocks, "targets": {"total_s_at_12288": 30, "peak_mb_at_12288": 2048},
+              "machine": harness.machine(clock)}
     result["intervals"] = intervals(result)
-    path.write_text(json.dumps(result, indent=1))
-    stats.write_block(DOCS, BLOCK, docs_block(result))
     print(stats.interval_table(result["intervals"], digits=1))
-    print(f"-> {path}")
+    if not args.quick:
+        harness.save(result, RESULTS, docs_block(result), block=BLOCK)
 
 
 if __name__ == "__main__":

@@ -9,18 +9,18 @@ KV-cached generation three ways in one process, serialising each message to JSON
 Writes benchmarks/results/scope.json and prints a table (copied into docs/megascope.md). The modes run in turn in
 every repetition, so each repetition gives paired speed ratios; their median and 95% interval (bootstrap over
 repetitions) go to the JSON and the interval block of docs/benchmarks.md. `--from-json` re-renders that block
-from the stored result (results recorded before per-repetition samples were kept have none: rerun).
+from the stored result (results recorded before per-repetition samples were kept have none: rerun); `--quick`
+generates 8 tokens once per mode and writes nothing.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks import stats
+from benchmarks import harness, stats
 from megatronapp.data.tokenizer import ByteTokenizer
 from megatronapp.scope import generate as gen_mod
 from megatronapp.scope.default_model import load_default_model
@@ -28,7 +28,7 @@ from megatronapp.scope.generate import ScopeModel
 from megatronapp.scope.protocol import Generate
 
 ALL_POINTS = ["in", "attn.q", "attn.k", "attn.v", "attn.probs", "attn.out", "mlp.out", "out", "logits"]
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("scope")
 BLOCK = "intervals:bench_scope"
 PROMPTS = ["After Monday comes ", "The sky is ", "3 + 4 = ", "Tom has 2 apples. "]
 
@@ -90,18 +90,18 @@ def docs_block(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, "8 tokens, one repetition; writes nothing", from_json=True)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "scope.json")
-    ap.add_argument("--from-json", action="store_true", help="re-render the docs intervals from the stored result")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     if args.from_json:
-        stored = json.loads(args.out.read_text())
-        stats.write_block(DOCS, BLOCK, docs_block(stored))
-        print(docs_block(stored))
+        print(docs_block(harness.rerender(args.out, docs_block, block=BLOCK)))
         return 0
+    if args.quick:
+        args.tokens, args.repeats = 8, 1
+    clock = harness.Clock()
     torch.set_num_threads(args.threads)
     model, cfg, meta = load_default_model()
     sm = ScopeModel(model, cfg, ByteTokenizer(), name="embedded gpt2-tiny", meta=meta)
@@ -125,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         "per_repeat": per_repeat,
     }
     result["intervals"] = intervals(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    if args.out.resolve() == (Path(__file__).resolve().parent / "results" / "scope.json"):
-        stats.write_block(DOCS, BLOCK, docs_block(result))
+    result["machine"] = harness.machine(clock, threads=args.threads)
+    if not args.quick and args.out.resolve() == RESULTS.resolve():
+        harness.save(result, args.out, docs_block(result), block=BLOCK)
+    elif not args.quick:
+        harness.write_result(result, args.out)
     print(f"{'mode':<10} {'tokens/s':>10} {'bytes/token':>12}")
     for mode, r in best.items():
         print(f"{mode:<10} {r['tokens_per_s']:>10.1f} {r['bytes_per_token']:>12.0f}")

@@ -13,24 +13,20 @@ that block from the stored result without training.
 from __future__ import annotations
 
 import inspect
-import json
-import os
 import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks import stats
+from benchmarks import harness, stats
 from megatronapp.config import ParallelConfig, RunConfig, TrainConfig, preset
 from megatronapp.launch import free_port
 from megatronapp.scope.training import TrainingScope
 from megatronapp.train.trainer import Trainer
 
-RESULTS = Path(__file__).resolve().parent / "results" / "scope_training.json"
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("scope_training")
 BLOCK = "intervals:bench_scope_training"
 
 
@@ -88,20 +84,17 @@ class _Reader:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = argv if argv is not None else sys.argv[1:]
-    quick = "--quick" in args
-    if "--from-json" in args:
-        stored = json.loads(RESULTS.read_text())
-        stored["intervals"] = intervals(stored)
-        RESULTS.write_text(json.dumps(stored, indent=2))
-        stats.write_block(DOCS, BLOCK, docs_block(stored))
+    default_every = inspect.signature(TrainingScope).parameters["every"].default
+    ap = harness.parser(__doc__, "one block of 2 steps a side; writes nothing", from_json=True, blocks=4)
+    ap.add_argument("--every", type=int, default=default_every, help="MegaScope's sampling interval (steps)")
+    args = ap.parse_args(argv)
+    if args.from_json:
+        stored = harness.rerender(RESULTS, docs_block, block=BLOCK, refresh=lambda r: r.update(intervals=intervals(r)))
         print(stats.interval_table(stored["intervals"]))
         return 0
     torch.set_num_threads(1)
-    default_every = inspect.signature(TrainingScope).parameters["every"].default
-    every = int(args[args.index("--every") + 1]) if "--every" in args else default_every
-    blocks = int(args[args.index("--blocks") + 1]) if "--blocks" in args else 4
-    every, blocks = (2, 1) if quick else (every, blocks)
+    every, blocks = (2, 1) if args.quick else (args.every, args.blocks)
+    clock = harness.Clock()
     cfg = RunConfig(model=preset("gpt2-tiny"), parallel=ParallelConfig(microbatches=1),
                     train=TrainConfig(steps=10_000, global_batch_size=16, seq_len=64, peak_tflops=1.0,
                                       progress=False, out="/tmp/megatronapp-bench-scope"))
@@ -129,24 +122,23 @@ def main(argv: list[str] | None = None) -> int:
         scope.close()
     off, on = statistics.median(times["off"]), statistics.median(times["scope"])
     c_off, c_on = statistics.median(cpu["off"]), statistics.median(cpu["scope"])
-    load = os.getloadavg()[0]
+    machine = harness.machine(clock)
+    load = machine["load_avg_at_end"][0]
     result = {"every": every, "blocks": blocks, "median_step_s": {"off": off, "scope": on},
               "overhead": on / off - 1, "median_cpu_s": {"off": c_off, "scope": c_on},
               "overhead_cpu": c_on / c_off - 1, "load_average": load, "raw_s_per_step": times,
               "raw_cpu_s_per_step": cpu, "page_messages": reader.messages, "page_bytes": reader.bytes,
-              "target": 0.02, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+              "target": 0.02, "timestamp": clock.timestamp, "machine": machine}
     print(f"step time off {off * 1e3:.1f} ms, with MegaScope every {every} steps {on * 1e3:.1f} ms: "
           f"overhead {100 * (on / off - 1):+.1f}%; CPU time {c_off * 1e3:.1f} vs {c_on * 1e3:.1f} ms: "
           f"{100 * (c_on / c_off - 1):+.1f}% (target <= 2%; load average {load:.1f})")
-    if not quick:
-        runs = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    if not args.quick:
+        runs = harness.read_result(RESULTS) if RESULTS.is_file() else {}
         runs = runs if "by_every" in runs else {"by_every": {}}
         runs["by_every"][str(every)] = result
         runs["default_every"] = default_every
         runs["intervals"] = intervals(runs)
-        RESULTS.write_text(json.dumps(runs, indent=2))
-        stats.write_block(DOCS, BLOCK, docs_block(runs))
-        print(f"wrote {RESULTS}")
+        harness.save(runs, RESULTS, docs_block(runs), block=BLOCK)
     return 0
 
 

@@ -17,9 +17,7 @@ Run: python -m benchmarks.bench_startup          (writes benchmarks/results/star
 """
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -29,18 +27,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks import stats
+from benchmarks import harness
 from megatronapp.launch import _loopback_store, free_port
 from megatronapp.parallel import startup_model as model
 from megatronapp.parallel import topology
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "startup_sim.json"
-DOCS = ROOT / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("startup_sim")
 SECTION = "## Fast start: store operations and start-up at scale"
 LAYOUTS = {2: (1, 2, 1), 4: (1, 2, 2), 8: (2, 2, 2)}  # world -> (tp, pp, dp)
 AT_SCALE = {2048: (8, 8, 32), 12288: (8, 8, 192)}  # tp 8 in a node, pp 8, the rest data parallel
@@ -140,7 +135,7 @@ def _rank(rank: int, world: int, port: int, builds: list[tuple[str, int, int, in
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(rec))
+    harness.report(out, rank, rec)
 
 
 def launch(world: int, builds: list[tuple[str, int, int, int]]) -> list[dict[str, Any]]:
@@ -149,7 +144,7 @@ def launch(world: int, builds: list[tuple[str, int, int, int]]) -> list[dict[str
     mp.get_context("forkserver").set_forkserver_preload(["torch.distributed", "megatronapp.parallel.topology"])
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(_rank, args=(world, free_port(), builds, d), nprocs=world, start_method="forkserver")
-        return [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(world)]
+        return harness.collect(d)
 
 
 def check_counts(recs: list[dict[str, Any]]) -> list[str]:
@@ -226,6 +221,7 @@ def measure_store(clients: int = 4, ops_per_client: int = 4000, samples: int = 2
 
 
 def run(quick: bool = False, repeats: int = 3) -> dict[str, Any]:
+    clock = harness.Clock()
     store = measure_store(ops_per_client=1000 if quick else 4000)
     latency, service = store["latency_add_s"], store["service_s"]  # an add is one round trip; a set none
     worlds = [2, 4] if quick else [2, 4, 8]
@@ -261,9 +257,8 @@ def run(quick: bool = False, repeats: int = 3) -> dict[str, Any]:
                          rank0_store_ops=ops["init"].total + ops["groups"].total,
                          rank0_round_trips=ops["init"].round_trips + ops["groups"].round_trips)
                 projections.append(p)
-    return {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-            "load_avg": os.getloadavg()[0], "cpus": os.cpu_count(), "store": store, "measured": measured,
-            "projections": projections, "megascale": MEGASCALE}
+    return {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": harness.machine(clock),
+            "store": store, "measured": measured, "projections": projections, "megascale": MEGASCALE}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -290,10 +285,10 @@ def projection_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def docs_section(result: dict[str, Any]) -> str:
-    st = result["store"]
+def docs_body(result: dict[str, Any]) -> str:
+    """This benchmark's section of docs/benchmarks.md, below its title."""
+    st, m = result["store"], harness.machine_of(result)
     return "\n".join([
-        SECTION, "",
         "`python -m benchmarks.bench_startup`; model: `megatronapp.parallel.startup_model`; raw: "
         "`benchmarks/results/startup_sim.json`. Every rank hands `init_process_group` a counting proxy around the "
         "job's TCPStore; the engine's `topology.build` (ordered: local synchronisation, members only) and the naive "
@@ -304,11 +299,11 @@ def docs_section(result: dict[str, Any]) -> str:
         "`use_local_synchronization=True`; MegaFBD's `fbd/groups.py` calls `new_group` on every rank, but torch "
         "2.13 adds no barrier after it unless `TORCH_DIST_INIT_BARRIER=1`, so a non-member does no store traffic.", "",
         table(result), "",
-        f"Store on this machine (torch {result['torch']} TCPStore, libuv server, loopback): one idle client's round "
+        f"Store on this machine (torch {m['torch']} TCPStore, libuv server, loopback): one idle client's round "
         f"trip {st['latency_add_s'] * 1e6:.0f} us (add), {st['latency_get_s'] * 1e6:.0f} us (get: a wait and a read; "
         f"a set, which is not answered, returns in {st['latency_set_s'] * 1e6:.1f} us), "
         f"service time {st['service_s'] * 1e6:.1f} us per request with {st['clients']} clients saturating it "
-        f"(an upper bound: the clients share the 2 cores with the server). Load average {result['load_avg']:.1f}.", "",
+        f"(an upper bound: the clients share the 2 cores with the server). Load average {_load(result):.1f}.", "",
         "Every measured per-rank count equals the model's (the last-worker `set` of a barrier is a race between "
         "ranks; the model bounds it and the check requires at least one per barrier). Measured wall times are "
         "dominated by what the model leaves out here: gloo opens a TCP connection per peer pair in each group, "
@@ -317,7 +312,7 @@ def docs_section(result: dict[str, Any]) -> str:
         "Modelled at scale with the measured latency and service time (tp 8, pp 8, the rest data parallel; the "
         "engine's groups: tp, pp, dp, tied embedding, four pipeline channels):", "",
         projection_table(result), "",
-        summary(result), ""])
+        summary(result)])
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -338,15 +333,18 @@ def summary(result: dict[str, Any]) -> str:
         "imports and model build; the NCCL store pattern is read from torch's source, not measured (no GPU here).")
 
 
-def write_docs(result: dict[str, Any], path: Path = DOCS) -> None:
+def _load(result: dict[str, Any]) -> float:
+    """The 1-minute load average at the end (stored as `load_avg` before the machine record)."""
+    return result["load_avg"] if "load_avg" in result else result["machine"]["load_avg_at_end"][0]
+
+
+def write_docs(result: dict[str, Any], path: Path = harness.DOCS) -> None:
     """Replace (or append) this benchmark's section of docs/benchmarks.md, leaving other sections alone."""
-    stats.replace_section(path, docs_section(result))
+    harness.write_section(path, SECTION, docs_body(result))
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="world 2 and 4, one repeat; writes nothing")
-    args = ap.parse_args(argv)
+    args = harness.parser(__doc__, "world 2 and 4, one repeat; writes nothing").parse_args(argv)
     result = run(quick=args.quick)
     print(table(result))
     print(projection_table(result))
@@ -356,9 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("measured store-op counts differ from the model; nothing written")
     if args.quick:
         return
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    write_docs(result)
+    harness.save(result, RESULTS, docs_body(result), section=SECTION)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -29,11 +28,9 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from benchmarks import stats
+from benchmarks import harness
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "startup_memory.json"
-DOCS = ROOT / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("startup_memory")
 SECTION = "## Start-up memory per rank"
 MIB = 2**20
 
@@ -96,15 +93,14 @@ def measure(shape: dict[str, Any], tp: int, rank: int, path: str) -> dict[str, A
 def run_case(shape: dict[str, Any], tp: int, rank: int, path: str) -> dict[str, Any]:
     """`measure` in a fresh interpreter, so the peak RSS belongs to this case alone."""
     arg = json.dumps({"shape": shape, "tp": tp, "rank": rank, "path": path})
-    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_startup_memory", "--worker", arg], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_startup_memory", "--worker", arg], cwd=harness.ROOT,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Every case of CASES on the 1B shape (or the quick one); pairs whole/sharded and checks equal weights."""
-    import torch
-
+    clock = harness.Clock()
     shape = QUICK if quick else LLAMA_1B
     cases = [run_case(shape, *c) for c in CASES]
     by_key = {(c["tp"], c["rank"], c["path"]): c for c in cases}
@@ -118,8 +114,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                           "whole_s": whole["build_s"], "sharded_s": c["build_s"],
                           "same_weights": c["sha256"] == whole["sha256"]})
     return {"shape": shape, "num_params": cases[0]["num_params"], "cases": cases, "pairs": pairs,
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "machine": {"cpus": os.cpu_count(), "processor": platform.machine(), "torch": torch.__version__}}
+            "timestamp": clock.timestamp, "machine": harness.machine(clock)}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -133,11 +128,10 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def docs_section(result: dict[str, Any]) -> str:
-    """The Markdown section of docs/benchmarks.md for this benchmark."""
+def docs_body(result: dict[str, Any]) -> str:
+    """This benchmark's section of docs/benchmarks.md, below its title."""
     s, m = result["shape"], result["machine"]
     return "\n".join([
-        SECTION, "",
         ("`python -m benchmarks.bench_startup_memory` builds one rank's whole-model chunk of a Llama-3.2-1B shape "
          f"(hidden {s['hidden_size']}, {s['num_layers']} layers, {s['num_heads']} heads / {s['num_kv_heads']} kv "
          f"heads, SwiGLU {s['ffn_hidden_size']}, vocabulary {s['vocab_size']}, tied; "
@@ -158,32 +152,28 @@ def docs_section(result: dict[str, Any]) -> str:
         (f"Recorded {result['timestamp']} on {m['cpus']} CPUs ({m['processor']}), torch {m['torch']}. "
          "Raw: `benchmarks/results/startup_memory.json`. `tests/test_init_sharded.py` asserts the behaviour (no "
          "tensor larger than a block, peak within the shard plus a few blocks) on a smaller model."),
-        "",
     ])
 
 
-def write_docs(result: dict[str, Any], path: Path = DOCS) -> None:
+def write_docs(result: dict[str, Any], path: Path = harness.DOCS) -> None:
     """Replace (or append) this benchmark's section of docs/benchmarks.md, leaving other sections alone."""
-    stats.replace_section(path, docs_section(result))
+    harness.write_section(path, SECTION, docs_body(result))
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a small shape; writes nothing")
+    ap = harness.parser(__doc__, "a small shape; writes nothing", from_json=True)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print(json.dumps(measure(**json.loads(args.worker))))
         return
-    result = run(quick=args.quick)
+    result = harness.read_result(RESULTS) if args.from_json else run(quick=args.quick)
     print(table(result))
     if not all(p["same_weights"] for p in result["pairs"]):
         raise SystemExit("the sharded initialisation changed the weights; nothing written")
     if args.quick:
         return
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    write_docs(result)
+    harness.save(result, RESULTS, docs_body(result), section=SECTION)
 
 
 if __name__ == "__main__":

@@ -15,24 +15,16 @@ Run: python -m benchmarks.bench_tp_overlap          (writes benchmarks/results/t
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks import stats
+from benchmarks import harness, stats
 from megatronapp.config import ModelConfig, RunConfig
-from megatronapp.launch import spawn
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "tp_overlap.json"
-DOCS = ROOT / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("tp_overlap")
 TITLE = "## TP communication overlap and fused SwiGLU (tp=2, sequence parallel, CPU gloo)"
 
 FULL = {"hidden": 256, "ffn": 768, "layers": 4, "heads": 8, "kv_heads": 4, "seq": 256, "global_batch": 4,
@@ -61,8 +53,6 @@ def case_config(chunks: int, size: dict[str, int]) -> dict[str, Any]:
 
 
 def _steps(rank: int, size: dict[str, int]) -> tuple[dict[str, Any], Any]:
-    import torch.distributed as dist
-
     from megatronapp.train.trainer import Trainer
 
     trainers = {name: Trainer(RunConfig.from_dict(case_config(c, size)), rank) for name, c in SIDES.items()}
@@ -70,19 +60,15 @@ def _steps(rank: int, size: dict[str, int]) -> tuple[dict[str, Any], Any]:
     times: dict[str, list[float]] = {n: [] for n in names}
     losses: dict[str, list[float]] = {n: [] for n in names}
     for k in range(size["warmup"] + size["steps"]):
-        for name in names[k % len(names):] + names[:k % len(names)]:  # rotate who goes first
-            dist.barrier()
-            t0 = time.perf_counter()
-            rec = trainers[name].train_step()
-            dist.barrier()
+        for name in harness.rotation(names, k):  # rotate who goes first
+            dt, rec = harness.fenced(trainers[name].train_step)
             if k >= size["warmup"]:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(dt)
             losses[name].append(rec["loss"])
     return {"times": times, "losses": losses}, trainers["plain"].topo.tp_group
 
 
 def _mlp(rank: int, size: dict[str, int], group) -> dict[str, list[float]]:
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     from megatronapp.model.mlp import MLP
@@ -105,29 +91,25 @@ def _mlp(rank: int, size: dict[str, int], group) -> dict[str, list[float]]:
     names = list(sides)
     times: dict[str, list[float]] = {n: [] for n in sides}
     for k in range(size["mlp_reps"] + 2):
-        for name in names[k % len(names):] + names[:k % len(names)]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            out = sides[name]()
-            out.sum().backward()
-            dist.barrier()
+        for name in harness.rotation(names, k):
+            dt, _ = harness.fenced(lambda: sides[name]().sum().backward())  # noqa: B023 (called at once)
             if k >= 2:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(dt)
     return times
 
 
 def worker(rank: int, world: int, size: dict[str, int], outdir: str) -> None:
+    """Spawned entry: the training steps, then the SwiGLU block alone; rank 0 reports both."""
     result, tp_group = _steps(rank, size)
     result["mlp"] = _mlp(rank, size, tp_group)
     if rank == 0:
-        (Path(outdir) / "rank0.json").write_text(json.dumps(result))
+        harness.report(outdir, rank, result)
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     size = QUICK if quick else FULL
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn(worker, 2, size, tmp, threads=1)
-        raw = json.loads((Path(tmp) / "rank0.json").read_text())
+    clock = harness.Clock()
+    (raw,) = harness.launch(worker, 2, size)
     times, losses = raw["times"], raw["losses"]
     overlap = {name: stats.summarize_ratios(stats.paired_ratios(times[name], times["plain"]))
                for name in SIDES if name != "plain"}
@@ -143,16 +125,16 @@ def run(quick: bool = False) -> dict[str, Any]:
         "mlp_median_s": {name: sorted(v)[len(v) // 2] for name, v in raw["mlp"].items()},
         "fused_vs_separate_swiglu": mlp,
         "mlp_overlap_vs_plain": mlp_overlap,
-        "machine": {"cpus": os.cpu_count(), "load": os.getloadavg()[0], "torch": torch.__version__,
-                    "python": platform.python_version()},
+        "machine": harness.machine(clock, threads_per_rank=1, backend="gloo"),
     }
 
 
 def docs_section(r: dict[str, Any]) -> str:
+    load = r["machine"]["load_avg_at_end"][0]
     rows = [f"| {name} | {r['median_step_s'][name] * 1e3:.0f} | "
             f"{stats.fmt(r['overlap_vs_plain'][name]) if name != 'plain' else '1 (baseline)'} |" for name in SIDES]
     return "\n".join([
-        f"Case: {r['case']}. Machine: {r['machine']['cpus']} CPUs, load {r['machine']['load']:.1f}, "
+        f"Case: {r['case']}. Machine: {r['machine']['cpus']} CPUs, load {load:.1f}, "
         f"torch {r['machine']['torch']}. Run: `python -m benchmarks.bench_tp_overlap`; raw numbers in "
         "`benchmarks/results/tp_overlap.json`.",
         "",
@@ -166,9 +148,9 @@ def docs_section(r: dict[str, Any]) -> str:
         f"{r['mlp_median_s']['separate'] * 1e3:.1f} ms); the same block with its collectives in 2 overlapped "
         f"chunks vs plain: {stats.fmt(r['mlp_overlap_vs_plain'])}.",
         "",
-        *([f"The load average ({r['machine']['load']:.1f}) was above the core count: other processes shared "
+        *([f"The load average ({load:.1f}) was above the core count: other processes shared "
            "the cores during this run, which widens the intervals; rerun on a quiet machine for tighter ones.", ""]
-          if r["machine"]["load"] > r["machine"]["cpus"] else []),
+          if load > r["machine"]["cpus"] else []),
         "Why overlap buys little or nothing here: on a 2-core machine both ranks' GEMMs already use every core, "
         "and gloo moves the chunks with those same cores (its threads copy and reduce in memory), so there is no "
         "idle link to hide work behind; each chunk adds a collective's fixed cost and its GEMM works on fewer "
@@ -179,10 +161,8 @@ def docs_section(r: dict[str, Any]) -> str:
     ])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = harness.parser(__doc__, "tiny model, 2 steps; writes nothing").parse_args(argv)
     r = run(args.quick)
     for name, s in r["overlap_vs_plain"].items():
         print(f"{name} / plain step time: {stats.fmt(s)}")
@@ -190,9 +170,7 @@ def main() -> None:
     print(f"fused / separate SwiGLU block: {stats.fmt(r['fused_vs_separate_swiglu'])}; "
           f"losses equal within {r['max_loss_difference']:.1e}")
     if not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(r, indent=2) + "\n")
-        stats.write_section(DOCS, TITLE, docs_section(r))
+        harness.save(r, RESULTS, docs_section(r), section=TITLE)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,7 @@ Run: python -m benchmarks.bench_tracing_cost          (writes benchmarks/results
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import os
-import platform
 import random
 import statistics
 import tempfile
@@ -31,14 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import stats
+from benchmarks import harness, stats
 from megatronapp import tracing
 from megatronapp.config import RunConfig, TraceConfig
-from megatronapp.launch import spawn
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "tracing_cost.json"
-DOCS = ROOT / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("tracing_cost")
 SECTION = "## MegaScan tracing overhead, per span"
 DEFAULT_WINDOW = (TraceConfig().iterations, TraceConfig().interval)  # traced iterations per interval
 TARGETS = {"default window": 0.005, "full, every iteration": 0.02}
@@ -78,8 +71,8 @@ def _block(tracer, mode: str, n: int, it: int) -> float:
 
 def span_costs(spans: int, blocks: int, trace_dir: str) -> dict[str, list[float]]:
     """Per-block CPU cost per span (seconds) of inactive, compute and comm spans, net of the no-sink loop."""
-    from megatronapp.scan.format import rank_file
-    from megatronapp.scan.tracer import Tracer, base_header
+    from megatronapp.scan.read.format import rank_file
+    from megatronapp.scan.record.tracer import Tracer, base_header
 
     # interval 1: every iteration is in the window when the block opens one; flush_s long, so the writer
     # runs when the block flushes (and on its own timer between blocks, outside the timed parts)
@@ -122,7 +115,8 @@ class _Counter:
 
 
 def _rank(rank: int, world: int, cfg_dict: dict, steps: int, warmup: int, out: str) -> None:
-    import torch
+    """Spawned entry: untraced fenced step times, then one step's spans counted per granularity; rank 0 reports
+    its times and every rank's counts."""
     import torch.distributed as dist
 
     from megatronapp.parallel import comm
@@ -131,29 +125,28 @@ def _rank(rank: int, world: int, cfg_dict: dict, steps: int, warmup: int, out: s
     cfg = RunConfig.from_dict(copy.deepcopy(cfg_dict))
     comm.reset()
     tr = Trainer(cfg, rank)
-    times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def step() -> None:
         with tracing.step(tr.step):
             tr.train_step()
-        dist.barrier()
+
+    times = []
+    for i in range(warmup + steps):
+        dt, _ = harness.fenced(step)
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(dt)
     counts = {}
     for gran, skip in (("coarse", frozenset({"layer"})), ("full", frozenset())):
         sink = _Counter(skip)
         tracing.install(sink)
-        with tracing.step(tr.step):
-            tr.train_step()
+        step()
         tracing.uninstall(sink)
         counts[gran] = sink.counts
-    getattr(tr, "close", lambda: None)()
+    tr.close()
     gathered = [None] * world
     dist.all_gather_object(gathered, counts)
     if rank == 0:
-        Path(out, "rank.json").write_text(json.dumps({"times": times, "counts": gathered}))
-    del torch
+        harness.report(out, rank, {"times": times, "counts": gathered})
 
 
 def case_config(parallel: dict[str, Any]) -> dict[str, Any]:
@@ -165,9 +158,8 @@ def case_config(parallel: dict[str, Any]) -> dict[str, Any]:
 
 def step_profile(parallel: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
     world = parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("dp", 1)
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn(_rank, world, case_config(parallel), steps, warmup, tmp, backend="gloo", threads=1)
-        return json.loads(Path(tmp, "rank.json").read_text())
+    (prof,) = harness.launch(_rank, world, case_config(parallel), steps, warmup)
+    return prof
 
 
 # -- the overhead and its interval ----------------------------------------------------------------------------
@@ -201,7 +193,7 @@ def interval(costs: dict[str, list[float]], counts: dict[str, int], times: list[
 
 def run(quick: bool = False) -> dict[str, Any]:
     size = QUICK if quick else FULL
-    t0 = time.perf_counter()
+    clock = harness.Clock()
     with tempfile.TemporaryDirectory() as tmp:
         costs = span_costs(size["spans"], size["blocks"], tmp)
     rows = []
@@ -219,9 +211,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     cost_summary = {m: {"median_ns": 1e9 * statistics.median(v), "ci95_ns": [1e9 * x for x in stats.bootstrap_ci(v)]}
                     for m, v in costs.items()}
     return {"benchmark": "MegaScan tracing overhead from per-span cost",
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "wall_s": round(time.perf_counter() - t0, 1), "size": size, "default_window": list(DEFAULT_WINDOW),
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
+            "timestamp": clock.timestamp, "wall_s": clock.wall_s(), "size": size,
+            "default_window": list(DEFAULT_WINDOW),
+            "machine": harness.machine(clock, threads_per_rank=1, backend="gloo"),
             "span_cost": cost_summary, "per_block_cost_s": costs, "rows": rows, "targets": TARGETS}
 
 
@@ -267,16 +259,12 @@ def docs_body(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small blocks and runs; writes nothing")
-    args = ap.parse_args(argv)
-    result = run(quick=args.quick)
+    args = harness.parser(__doc__, "small blocks and runs; writes nothing", from_json=True).parse_args(argv)
+    result = harness.read_result(RESULTS) if args.from_json else run(quick=args.quick)
     print(table(result))
     print(f"wall {result['wall_s']} s")
-    if args.quick:
-        return
-    stats.save(result, RESULTS, DOCS, SECTION, docs_body(result))
-    print(f"wrote {RESULTS.relative_to(ROOT)} and {DOCS.relative_to(ROOT)}")
+    if not args.quick:
+        harness.save(result, RESULTS, docs_body(result), section=SECTION)
 
 
 if __name__ == "__main__":

@@ -10,25 +10,15 @@ Run: python -m benchmarks.bench_zero          (writes benchmarks/results/zero.js
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from benchmarks import stats
+from benchmarks import harness, stats
 from megatronapp.config import RunConfig
-from megatronapp.launch import spawn
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "zero.json"
-DOCS = ROOT / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("zero")
 SECTION = "## ZeRO-1 (distributed optimizer) vs plain DP"
 TARGET_TIME, TARGET_MEMORY = 1.05, 0.55
 
@@ -51,8 +41,7 @@ def case_config(zero: int, size: dict[str, int]) -> dict[str, Any]:
 
 
 def worker(rank: int, world: int, size: dict[str, int], outdir: str) -> None:
-    import torch.distributed as dist
-
+    """Spawned entry: both trainers alternating step by step; rank 0 reports times, CPU, losses and state bytes."""
     from megatronapp.parallel.distributed_optimizer import optimizer_state_bytes
     from megatronapp.train.trainer import Trainer
 
@@ -61,29 +50,21 @@ def worker(rank: int, world: int, size: dict[str, int], outdir: str) -> None:
     cpu: dict[int, list[float]] = {1: [], 0: []}  # CPU seconds of both ranks: the work, less noisy than wall time
     losses: dict[int, list[float]] = {1: [], 0: []}
     for k in range(size["warmup"] + size["steps"]):
-        for z in ((1, 0) if k % 2 == 0 else (0, 1)):
-            dist.barrier()
-            c0, t0 = time.process_time(), time.perf_counter()
-            rec = trainers[z].train_step()
-            used = torch.tensor([time.process_time() - c0], dtype=torch.float64)
-            dist.barrier()
-            wall = time.perf_counter() - t0
-            dist.all_reduce(used)  # outside the timed span
+        for z in harness.rotation([1, 0], k):
+            wall, used, rec = harness.fenced_cpu(trainers[z].train_step)
             if k >= size["warmup"]:
                 times[z].append(wall)
-                cpu[z].append(float(used))
+                cpu[z].append(used)
             losses[z].append(rec["loss"])
     state = {z: optimizer_state_bytes(tr.optimizer) for z, tr in trainers.items()}
     if rank == 0:
-        (Path(outdir) / "rank0.json").write_text(json.dumps({"times": times, "cpu": cpu, "losses": losses,
-                                                                  "state": state}))
+        harness.report(outdir, rank, {"times": times, "cpu": cpu, "losses": losses, "state": state})
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     size = QUICK if quick else FULL
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn(worker, 2, size, tmp, threads=1)
-        raw = json.loads((Path(tmp) / "rank0.json").read_text())
+    clock = harness.Clock()
+    (raw,) = harness.launch(worker, 2, size)
     times = {int(z): v for z, v in raw["times"].items()}
     cpu = {int(z): v for z, v in raw["cpu"].items()}
     losses = {int(z): v for z, v in raw["losses"].items()}
@@ -100,16 +81,13 @@ def run(quick: bool = False) -> dict[str, Any]:
         "state_ratio": state[1] / state[0],
         "max_loss_difference": worst_loss,
         "targets": {"time": TARGET_TIME, "memory": TARGET_MEMORY},
-        "machine": {"cpus": os.cpu_count(), "load": os.getloadavg()[0], "torch": torch.__version__,
-                    "python": platform.python_version()},
+        "machine": harness.machine(clock, threads_per_rank=1, backend="gloo"),
     }
     return result
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = harness.parser(__doc__, "tiny model, 2 steps; writes nothing").parse_args(argv)
     result = run(args.quick)
     paired, state = stats.fmt(result["paired"]), result["optimizer_state_bytes"]
     print(f"ZeRO-1 vs plain DP at dp=2: step time ratio {paired} (median of paired steps, bootstrap 95% interval; "
@@ -117,14 +95,13 @@ def main() -> None:
           f"{state['zero1']} vs {state['plain']} bytes ({result['state_ratio']:.3f}x; target <= {TARGET_MEMORY}), "
           f"losses equal within {result['max_loss_difference']:.1e}; CPU time ratio {stats.fmt(result['paired_cpu'])}")
     if not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-        stats.write_section(DOCS, SECTION, docs_body(result))
+        harness.save(result, RESULTS, docs_body(result), section=SECTION)
 
 
 def docs_body(r: dict[str, Any]) -> str:
     """The docs/benchmarks.md section."""
     st, t, mem = r["optimizer_state_bytes"], r["median_step_s"], TARGET_MEMORY
+    load = r["machine"]["load_avg_at_end"][0]
     return f"""`python -m benchmarks.bench_zero`; raw: `benchmarks/results/zero.json`.
 {r['case']}; both trainers in the same two gloo rank processes, alternating step by step (order swapped
 every repetition), barrier-fenced; the paired ratio is the median of per-step zero/plain ratios with a bootstrap
@@ -138,7 +115,7 @@ every repetition), barrier-fenced; the paired ratio is the median of per-step ze
 | zero / plain, CPU seconds of both ranks per step | {stats.fmt(r['paired_cpu'])} | |
 
 Losses of the two sides agree within {r['max_loss_difference']:.1e} over every step. Machine:
-{r['machine']['cpus']} CPUs, load average {r['machine']['load']:.1f} while it ran. On gloo (native semantics) the
+{r['machine']['cpus']} CPUs, load average {load:.1f} while it ran. On gloo (native semantics) the
 reduce-scatter runs as an in-place all-reduce, because gloo's own reduce-scatter costs about twice the CPU; so
 ZeRO-1 adds one all-gather of the weights per step and saves half of the optimizer's work, and breaks even here.
 The memory saving is the point: moments for 1/dp of the model per rank (fp32 parameters are their own masters).

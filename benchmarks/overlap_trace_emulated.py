@@ -7,23 +7,20 @@ modelled wires as the ablation. Per rank and setting it reports: how many DP gra
 while a backward task was running (on its device), and the gap from the end of the last backward to the start of
 the optimizer step: the DP wire time left exposed, plus the small gradient-norm collectives.
 
-    python -m benchmarks.overlap_trace_emulated      (writes benchmarks/results/overlap_trace_emulated.json)
+    python -m benchmarks.overlap_trace_emulated          (writes benchmarks/results/overlap_trace_emulated.json)
+    python -m benchmarks.overlap_trace_emulated --quick  (one traced step per setting; writes nothing)
 """
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from benchmarks import ablation_emulated as emu
-from benchmarks.bench_ablation import LAYOUTS, ROWS, row_configs
-from megatronapp.launch import spawn
+from benchmarks import harness
+from benchmarks.ablation_rows import LAYOUTS, ROWS, build_trainers
 
-RESULTS = Path(__file__).resolve().parent / "results" / "overlap_trace_emulated.json"
+RESULTS = harness.results_path("overlap_trace_emulated")
 STEPS = 3
 NAMES = ("overlap off", "dp overlap only", "overlap on")  # emu.QUICK_ROWS: none, DP alone, DP + PP
 
@@ -73,8 +70,7 @@ def analyse(spans: list[list[Any]]) -> dict[str, Any]:
             "median_step_span_s": statistics.median(lengths) if lengths else None}
 
 
-def worker(rank: int, world: int, configs: list[dict[str, Any]], outdir: str) -> None:
-    from benchmarks.bench_ablation import build_trainers
+def worker(rank: int, world: int, configs: list[dict[str, Any]], steps: int, outdir: str) -> None:
     from megatronapp import tracing
     from megatronapp.parallel.link_model import LinkModel
 
@@ -83,30 +79,30 @@ def worker(rank: int, world: int, configs: list[dict[str, Any]], outdir: str) ->
     out = {}
     try:
         for name, tr in zip(NAMES, trainers):
-            emu._fenced_step(tr)  # warm-up, untraced
+            emu.emulated_step(tr)  # warm-up, untraced
             rec = Recorder()
             tracing.install(rec)
-            for _ in range(STEPS):
-                emu._fenced_step(tr)
+            for _ in range(steps):
+                emu.emulated_step(tr)
             tracing.uninstall(rec)
             out[name] = analyse(rec.spans)
     finally:
         wire.remove()
         for tr in trainers:
             tr.close()
-    Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))
+    harness.report(outdir, rank, out)
 
 
-def main() -> None:
-    size = dict(emu.EMU_QUICK)
-    pairs = emu.emulated_configs(emu.emulated_rows(ROWS), LAYOUTS["pp=2 x dp=2"], size, emu.SPEC, row_configs)
+def main(argv: list[str] | None = None) -> None:
+    args = harness.parser(__doc__, "one traced step per setting; writes nothing").parse_args(argv)
+    steps = 1 if args.quick else STEPS
+    clock = harness.Clock()
+    pairs = emu.emulated_configs(emu.emulated_rows(ROWS), LAYOUTS["pp=2 x dp=2"], dict(emu.EMU_QUICK), emu.SPEC)
     configs = [c for r, c in pairs if r[0] in emu.QUICK_ROWS]
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn(worker, 4, configs, tmp, backend="gloo", threads=1)
-        ranks = {r: json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(4)}
-    result = {"layout": "pp=2 x dp=2", "spec": emu.SPEC, "links_gbps": emu.LINKS_GBPS, "steps": STEPS,
-              "ranks": ranks, "load_avg": os.getloadavg(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    ranks = dict(enumerate(harness.launch(worker, 4, configs, steps)))
+    result = {"layout": "pp=2 x dp=2", "spec": emu.SPEC, "links_gbps": emu.LINKS_GBPS, "steps": steps,
+              "ranks": ranks, "timestamp": clock.timestamp,
+              "machine": harness.machine(clock, emulated=True, ranks=4, threads_per_rank=1, backend="gloo")}
     for r, v in ranks.items():
         for name, a in v.items():
             print(f"rank {r} {name}: {a['issued_during_backward']}/{a['dp_grad_all_reduces']} DP grad all-reduces "
@@ -114,7 +110,10 @@ def main() -> None:
                   f"{1e3 * a['median_backward_end_to_optimizer_s']:.0f} ms; PP send spans "
                   f"{1e3 * a['median_pp_send_span_s']:.0f} ms of a {1e3 * a['median_step_span_s']:.0f} ms step "
                   f"(median of {a['steps']} steps)")
-    print(f"load {result['load_avg']}")
+    print(f"load {tuple(result['machine']['load_avg_at_end'])}")
+    if not args.quick:
+        harness.write_result(result, RESULTS)
+        print(f"wrote {harness.shown(RESULTS)}")
 
 
 if __name__ == "__main__":

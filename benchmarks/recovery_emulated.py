@@ -25,10 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import stats
+from benchmarks import harness, stats
 
-RESULTS = Path(__file__).resolve().parent / "results" / "recovery_emulated.json"
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+RESULTS = harness.results_path("recovery_emulated")
 # ~1.2 s of device time per rank and step for this tiny model: 8 ranks share 2 cores, and at 0.0005 TFLOP/s (25 ms
 # per step) the host's work per task was 9-160x its device time, far out of the accelerator regime
 SPEC = "tflops=0.00001"
@@ -91,8 +90,9 @@ def drill(timeout_s: float = 600.0) -> dict[str, Any]:
                       "load_s": {r: b["load_s"] for r, b in final.items()}}}
 
 
-def main(repeats: int) -> None:
-    t0 = time.perf_counter()
+def main(repeats: int, write: bool = True) -> None:
+    """`repeats` drills, their parts summarised; with `write`, the result and its docs block."""
+    clock = harness.Clock()
     drills = []
     for i in range(repeats):
         d = drill()
@@ -105,13 +105,15 @@ def main(repeats: int) -> None:
         values = [d[k] for d in drills]
         lo, hi = stats.bootstrap_ci(values)
         summary[k] = {"median_s": statistics.median(values), "ci95": [lo, hi]}
+    shares = [d["host_share"] for d in drills if d["host_share"] is not None]
     result = {"spec": SPEC, "flags": FLAGS, "victim": VICTIM, "drills": drills, "summary": summary,
-              "dominant": max(PARTS, key=lambda k: summary[k]["median_s"]), "wall_s": time.perf_counter() - t0,
-              "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    stats.write_block(DOCS, "recovery-emulated", docs_body(result))
+              "dominant": max(PARTS, key=lambda k: summary[k]["median_s"]), "wall_s": clock.wall_s(),
+              "timestamp": clock.timestamp,
+              "machine": harness.machine(clock, emulated=True, host_share=max(shares, default=None))}
     print(" | ".join(f"{k} {v['median_s']:.2f} s [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}]"
                      for k, v in summary.items()) + f"; dominant: {result['dominant']}")
+    if write:
+        harness.save(result, RESULTS, docs_body(result), block="recovery-emulated")
 
 
 def docs_body(res: dict[str, Any]) -> str:

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from megatronapp.scan.detect import analyse
-from megatronapp.scan.format import read_dir
-from megatronapp.scan.simulate import Fault, simulate
+from benchmarks import harness, stats
+from megatronapp.scan.detect.analysis import analyse
+from megatronapp.scan.read.format import read_dir
+from megatronapp.scan.synth.simulate import Fault, simulate
 
-RESULTS = Path(__file__).parent / "results" / "scan_detect_large.json"
+RESULTS = harness.results_path("scan_detect_large")
 TITLE = "## MegaScan detection at 4,096 and 8,192 simulated ranks (several faults at once)"
 TP = 8
 GRIDS = {4096: 8, 8192: 16}  # ranks -> pp (tp 8)
@@ -56,10 +57,11 @@ def scenarios() -> list[tuple[str, int, int, int, list[Fault]]]:
     return out
 
 
-def run(docs: Path, stats, matches) -> dict:
+def run(matches, quick: bool = False) -> dict:
+    """Every scenario judged with `matches` (bench_scan_detect's rule); `quick`: the first two, nothing written."""
     rows, tp_, fp, fn, healthy_alarms = [], 0, 0, 0, 0
     t0 = time.perf_counter()
-    for name, ranks, pp, seed, faults in scenarios():
+    for name, ranks, pp, seed, faults in scenarios()[:2] if quick else scenarios():
         with tempfile.TemporaryDirectory() as tmp:
             simulate(tmp, ranks, TP, pp, iterations=5, faults=faults, seed=seed)
             traces, _ = read_dir(Path(tmp))
@@ -76,20 +78,19 @@ def run(docs: Path, stats, matches) -> dict:
                      "false": [f.describe() for f, h in zip(found, hit) if not h]})
         status = "ok" if all(caught) and all(hit) else "MISS" if not all(caught) else "FALSE"
         print(f"{status:>5}  {name:<90} found {len(found)}", flush=True)
-    import os
-
     res = {"scenarios": len(rows), "healthy_runs": sum(1 for r in rows if not r["faults"]),
            "injected_faults": tp_ + fn, "precision": round(tp_ / max(tp_ + fp, 1), 4),
            "recall": round(tp_ / max(tp_ + fn, 1), 4), "true_positives": tp_, "false_positives": fp,
            "missed": fn, "false_alarms_on_healthy_runs": healthy_alarms,
-           "wall_s": round(time.perf_counter() - t0, 1), "load_after": round(os.getloadavg()[0], 1),
-           "date": time.strftime("%Y-%m-%d", time.gmtime()), "rows": rows}
-    stats.save(res, RESULTS, docs, TITLE, docs_body(res, stats))
-    print(json.dumps({k: v for k, v in res.items() if k != "rows"}))
+           "wall_s": round(time.perf_counter() - t0, 1),
+           "date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": harness.machine(), "rows": rows}
+    print(json.dumps({k: v for k, v in res.items() if k not in ("rows", "machine")}))
+    if not quick:
+        harness.save(res, RESULTS, docs_body(res), section=TITLE)
     return res
 
 
-def docs_body(res: dict, stats) -> str:
+def docs_body(res: dict) -> str:
     return "\n".join(["`python -m benchmarks.bench_scan_detect --family large`: "
                       f"{res['scenarios'] - res['healthy_runs']} scenarios with 2-3 faults of different kinds and "
                       f"{res['healthy_runs']} healthy ones, simulated on 4,096 (tp 8, pp 8) and 8,192 ranks (tp 8, "

@@ -1,4 +1,4 @@
-"""MegaScan's second scenario family: faults injected into REAL recorded traces (`scan/perturb.py`).
+"""MegaScan's second scenario family: faults injected into REAL recorded traces (`scan/synth/perturb.py`).
 
 Used by `python -m benchmarks.bench_scan_detect --family real` (and `--record` to re-record the traces).
 Layouts recorded once (benchmarks/data/scan_real/<layout>/rank*.mst, ~0.9 MB in all): healthy runs of the engine
@@ -12,20 +12,21 @@ import shutil
 import time
 from pathlib import Path
 
-from megatronapp.scan.detect import analyse
-from megatronapp.scan.format import read_dir
-from megatronapp.scan.perturb import Perturbation as P
-from megatronapp.scan.perturb import declare_stage_work, eager_sends, perturb, shift_clocks
+from benchmarks import harness, stats
+from megatronapp.scan.detect.analysis import analyse
+from megatronapp.scan.read.format import read_dir
+from megatronapp.scan.synth.perturb import Perturbation as P
+from megatronapp.scan.synth.perturb import declare_stage_work, eager_sends, perturb, shift_clocks
 
 DATA = Path(__file__).parent / "data" / "scan_real"
-RESULTS = Path(__file__).parent / "results" / "scan_detect_real.json"
+RESULTS = harness.results_path("scan_detect_real")
 TITLE = "## MegaScan detection on perturbed real traces (second scenario family)"
 # Two recordings of the same four layouts, judged apart: "busy" (2026-11, the shared 2-core machine at load 15-30:
 # other engineers' jobs beside 4-8 ranks, rank-vs-rank spread of an op's fastest repeat up to 2.2x) and "quiet"
 # (2026-12-02, nothing else running: the load is the recording's own ranks; recording.json). Same scenarios, same
 # detector; a user's ranks own their device, so neither is the cluster, and both are reported.
 # A third, "full" (2026-12-02, quiet, trace granularity full): the same layouts with per-layer spans, by which the
-# detector judges lone stages (scan/layercost.py). A fourth, "loaded" (2026-12-02, format 2, coarse): recorded
+# detector judges lone stages (scan/detect/layercost.py). A fourth, "loaded" (2026-12-02, format 2, coarse): recorded
 # beside 10 processes spinning on the CPU (recording.json), the CPU-contention case with CPU waits recorded.
 RECORDINGS = {"busy": (DATA, RESULTS, TITLE),
               "quiet": (DATA.parent / "scan_real_quiet", RESULTS.with_name("scan_detect_real_quiet.json"),
@@ -214,11 +215,12 @@ def matches(finding, fault: P) -> bool:
     return finding.kind == KIND[fault.kind] and set(finding.ranks) == set(fault.ranks)
 
 
-def run(docs: Path, stats, recordings: str = "busy") -> dict:
+def run(recordings: str = "busy", quick: bool = False) -> dict:
+    """Every scenario on the `recordings` traces; `quick`: every tenth scenario, nothing written."""
     root, results, title = RECORDINGS[recordings]
     t0 = time.perf_counter()
     rows, tp, fp, fn, healthy_alarms = [], 0, 0, 0, 0
-    for name, layout, faults, views in scenarios():
+    for name, layout, faults, views in scenarios()[::10] if quick else scenarios():
         found = analyse(build(layout, faults, views, root)).report.findings
         hit = [any(matches(f, x) for x in faults) for f in found]
         caught = [any(matches(f, x) for f in found) for x in faults]
@@ -240,9 +242,10 @@ def run(docs: Path, stats, recordings: str = "busy") -> dict:
            "recall": round(tp / max(tp + fn, 1), 4), "true_positives": tp, "false_positives": fp, "missed": fn,
            "false_alarms_on_healthy_runs": healthy_alarms, "wall_s": round(time.perf_counter() - t0, 1),
            "date": time.strftime("%Y-%m-%d", time.gmtime()), "recordings": recordings,
-           "recorded": _recorded(root), "rows": rows}
-    stats.save(res, results, docs, title, docs_body(res, stats))
-    print(json.dumps({k: v for k, v in res.items() if k != "rows"}))
+           "recorded": _recorded(root), "machine": harness.machine(), "rows": rows}
+    print(json.dumps({k: v for k, v in res.items() if k not in ("rows", "machine")}))
+    if not quick:
+        harness.save(res, results, docs_body(res), section=title)
     return res
 
 
@@ -263,7 +266,7 @@ def _recorded(root: Path) -> dict:
         {"date": "2026-11", "note": "shared 2-core machine at load ~15-30 (other jobs running); load not recorded"}
 
 
-def docs_body(res: dict, stats) -> str:
+def docs_body(res: dict) -> str:
     which = res.get("recordings", "busy")
     where = RECORDINGS[which][0].relative_to(DATA.parent.parent.parent)
     lines = [f"`python -m benchmarks.bench_scan_detect --family real --recordings {which}`: "
@@ -271,7 +274,7 @@ def docs_body(res: dict, stats) -> str:
              f"{res['healthy_runs']} healthy scenarios ({res['injected_faults']} injected faults) made by causal "
              "re-timing of four healthy REAL traced engine runs (pp4, tp2pp2dp2, dp4, pp2dp2; "
              f"{where}/, 10 steps each; {which}: {_load_line(res)}; plus, the same for every recording, an "
-             "interleaved pp4 vpp2 run in benchmarks/data/scan_real_interleaved/; `scan/perturb.py`): slow "
+             "interleaved pp4 vpp2 run in benchmarks/data/scan_real_interleaved/; `scan/synth/perturb.py`): slow "
              "compute 1.3-2x, "
              "slow P2P links, slow links "
              "inside collectives (DP peers), pauses, late arrivals, hangs (also hangs that leave 2-6 finished "

@@ -1,4 +1,4 @@
-"""Confidence intervals for the ratios our benchmarks report, and the shared writer of docs/benchmarks.md.
+"""Confidence intervals for the ratios our benchmarks report, and the tables that show them.
 
 A benchmark here measures two sides in one run, interleaved, so each repetition gives one *paired* ratio
 (ours / baseline measured back to back, under nearly the same machine load). The figure we report is the
@@ -18,12 +18,10 @@ is not degenerate at 0/n or n/n. A claim against a target is met only when the w
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 import statistics
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 CONFIDENCE = 0.95
 RESAMPLES = 4000
@@ -163,41 +161,3 @@ def interval_table(rows: Sequence[dict], digits: int = 3) -> str:
         lines.append(f"| {r['figure']} | {r['value']:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}] | {r['n']} "
                      f"| {r['basis']} | {r.get('target', '-')} | {r.get('claim', '-')} |")
     return "\n".join(lines)
-
-
-def write_block(path: Path, tag: str, body: str) -> None:
-    """Replace the text between `<!-- tag -->` and `<!-- /tag -->` in a Markdown file (the markers stay).
-
-    For hand-written sections that carry a generated part: the prose around the markers is never touched."""
-    text = path.read_text()
-    start, end = f"<!-- {tag} -->", f"<!-- /{tag} -->"
-    i, j = text.find(start), text.find(end)
-    if i < 0 or j < i:
-        raise ValueError(f"{path} has no block {start} ... {end}: add the markers where the block belongs")
-    path.write_text(text[:i + len(start)] + "\n" + body.strip("\n") + "\n" + text[j:])
-
-
-def write_section(path: Path, title: str, body: str) -> None:
-    """Replace the section `title` ('## ...') of a Markdown file, or append it; other sections are kept."""
-    replace_section(path, title + "\n\n" + body.strip("\n") + "\n")
-
-
-def replace_section(path: Path, section: str) -> None:
-    """Replace (or append) the section whose first line, its '## ' title, `section` starts with."""
-    title = section.split("\n", 1)[0]
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = text.find(title + "\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        nxt = text.find("\n## ", start + len(title))
-        text = text[:start] + section + ("" if nxt < 0 else "\n" + text[nxt + 1:])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
-def save(result: dict, results: Path, docs: Path, title: str, body: str) -> None:
-    """Write a benchmark's raw result as JSON and its section of the docs."""
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps(result, indent=1) + "\n")
-    write_section(docs, title, body)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from benchmarks import bench_ablation as ab
+from benchmarks import ablation_rows as ab
 
 from megatronapp.config import RunConfig, validate
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 from benchmarks import ablation_emulated as emu
-from benchmarks import bench_ablation as ab
+from benchmarks import ablation_rows as ab
 from benchmarks import checkpoint_stall_emulated as cse
 from benchmarks.bench_checkpoint_stall import _ratio_of_medians
 
@@ -15,8 +15,7 @@ from megatronapp.config import RunConfig, validate
 
 @pytest.mark.parametrize("layout", list(ab.LAYOUTS))
 def test_emulated_rows_validate_and_split_the_overlap_row(layout):
-    pairs = emu.emulated_configs(emu.emulated_rows(ab.ROWS), ab.LAYOUTS[layout], emu.EMU_FULL, emu.SPEC,
-                                 ab.row_configs)
+    pairs = emu.emulated_configs(emu.emulated_rows(ab.ROWS), ab.LAYOUTS[layout], emu.EMU_FULL, emu.SPEC)
     for _, c in pairs:
         cfg = RunConfig.from_dict(c)
         validate(cfg, 4)

@@ -11,6 +11,7 @@ from benchmarks import (
     bench_scan_scale,
     bench_scope,
     bench_scope_training,
+    harness,
     stats,
 )
 
@@ -18,7 +19,7 @@ from benchmarks import (
 def _render(tmp_path, tag: str, body: str) -> str:
     doc = tmp_path / "benchmarks.md"
     doc.write_text(f"## S\n\nprose\n\n<!-- {tag} -->\n<!-- /{tag} -->\n\n## T\n")
-    stats.write_block(doc, tag, body)
+    harness.write_block(doc, tag, body)
     text = doc.read_text()
     assert text.startswith("## S\n\nprose\n\n") and text.endswith(f"<!-- /{tag} -->\n\n## T\n")
     return text

@@ -1,10 +1,11 @@
-"""The statistics behind every benchmark ratio: paired ratios, bootstrap intervals, verdicts, docs sections."""
+"""The statistics behind every benchmark ratio (paired ratios, bootstrap intervals, verdicts) and the harness's
+writers of docs sections."""
 from __future__ import annotations
 
 import random
 
 import pytest
-from benchmarks import stats
+from benchmarks import harness, stats
 
 
 def test_paired_ratios_refuse_unpaired_or_empty_samples():
@@ -40,8 +41,8 @@ def test_noise_around_one_is_called_within_noise():
 def test_write_section_replaces_only_its_own_section(tmp_path):
     doc = tmp_path / "b.md"
     doc.write_text("# Benchmarks\n\n## A\n\nold a\n\n## B\n\nkeep b\n")
-    stats.write_section(doc, "## A", "new a")
-    stats.write_section(doc, "## C", "added c")
+    harness.write_section(doc, "## A", "new a")
+    harness.write_section(doc, "## C", "added c")
     text = doc.read_text()
     assert "new a" in text and "old a" not in text and "keep b" in text and text.endswith("## C\n\nadded c\n")
     assert text.index("## A") < text.index("## B") < text.index("## C")
@@ -83,9 +84,9 @@ def test_write_block_replaces_only_between_its_markers(tmp_path):
     doc.write_text("## S\n\nprose\n<!-- x -->\nold\n<!-- /x -->\nafter\n")
     table = stats.interval_table([{"figure": "a/b", "value": 1.0, "ci95": [0.9, 1.1], "n": 8,
                                    "basis": stats.blocks_label(1), "target": "<= 1.03", "claim": "unresolved"}])
-    stats.write_block(doc, "x", table)
+    harness.write_block(doc, "x", table)
     text = doc.read_text()
     assert "old" not in text and "prose\n<!-- x -->\n| figure" in text and text.endswith("<!-- /x -->\nafter\n")
     assert "1.000 [0.900, 1.100] | 8 | interval within one run (blocks: 1) | <= 1.03 | unresolved |" in text
     with pytest.raises(ValueError, match="no block"):
-        stats.write_block(doc, "y", "z")
+        harness.write_block(doc, "y", "z")

@@ -185,8 +185,54 @@ def test_dp_reduction_order_is_fixed_whatever_the_backward_order(results):
         assert torch.allclose(w, torch.full((4, 4), 3.0 * (c + 1)))
 
 
+def _tensor_collectives(rank: int, semantics: str) -> dict:
+    """The TP gather and reduce-scatter along the sequence (dim 1) and dim 0. Under NCCL's rules they must use
+    NCCL's single-tensor forms (issue 39, item 8): the list forms, which make NCCL flatten and copy, are refused
+    there; plain gloo keeps its own forms, with the same results."""
+    import torch.distributed as dist
+
+    comm.reset()
+    comm.set_semantics(semantics, stall_timeout_s=10.0)
+    tp = topology_mod.build(2, 1, 1, rank).tp_group
+
+    def refused(*a, **k):
+        raise AssertionError("a list-based collective")
+
+    saved = dist.all_gather, dist.reduce_scatter
+    if semantics != "native":
+        dist.all_gather, dist.reduce_scatter = refused, refused
+    try:
+        x = torch.arange(12.0).view(1, 3, 4) + 100 * rank  # [b, s/tp, h]
+        full = comm.all_gather(x, tp, dim=1)
+        rows = comm.all_gather(x[0], tp, dim=0)
+        mine = comm.reduce_scatter(torch.arange(24.0).view(1, 6, 4) * (rank + 1), tp, dim=1)
+        stacked, h = comm.all_gather_async(x, tp)
+        h.wait()
+        part, h = comm.reduce_scatter_async(torch.arange(16.0).view(2, 2, 4) * (rank + 1), tp, dim=0)
+        h.wait()
+        return {"ok": True, "full": full.tolist(), "rows": rows.tolist(), "mine": mine.tolist(),
+                "stacked": stacked.tolist(), "part": part.tolist()}
+    finally:
+        dist.all_gather, dist.reduce_scatter = saved
+
+
+@pytest.mark.parametrize("semantics", ["native", "nccl"])
+def test_tp_collectives_use_single_tensor_forms(results, semantics):
+    res = results[f"tensor collectives {semantics}"]
+    assert all(r.get("ok") for r in res), res
+    x = [torch.arange(12.0).view(1, 3, 4) + 100 * r for r in range(2)]
+    for rank, r in enumerate(res):
+        assert r["full"] == torch.cat(x, dim=1).tolist()
+        assert r["rows"] == torch.cat([t[0] for t in x], dim=0).tolist()
+        assert r["mine"] == (torch.arange(24.0).view(1, 6, 4) * 3).chunk(2, dim=1)[rank].tolist()
+        assert r["stacked"] == torch.stack(x).tolist()
+        assert r["part"] == (torch.arange(16.0).view(2, 2, 4) * 3)[rank:rank + 1].tolist()
+
+
 # Cases in launch order: the clean ones first; the last two leave stalled ops and threads behind, as NCCL would hang.
 CASES: dict[str, tuple] = {
+    "tensor collectives native": (_tensor_collectives, "native"),
+    "tensor collectives nccl": (_tensor_collectives, "nccl"),
     "old pattern native": (_old_receive_pattern, "native"),
     "exchange grouped": (_exchange, True),
     "tags native": (_tags, "native"),

@@ -9,7 +9,7 @@ from megatronapp.cli import main
 from megatronapp.dpp.plot import Timeline, plot_html, plot_png, save, timeline_from_trace
 from megatronapp.dpp.simulator import SimConfig, simulate
 from megatronapp.pipeline.schedules import stage_orders
-from megatronapp.scan.format import RankWriter, rank_file
+from megatronapp.scan.read.format import RankWriter, rank_file
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

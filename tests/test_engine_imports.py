@@ -34,7 +34,7 @@ def test_the_walk_sees_every_import_form(tmp_path):
     pkg = tmp_path / "megatronapp" / "train"
     pkg.mkdir(parents=True)
     src = pkg / "probe.py"
-    src.write_text("import megatronapp.scan.tracer\n"
+    src.write_text("import megatronapp.scan.record.tracer\n"
                    "from megatronapp import faults\n"
                    "from .. import dpp\n"
                    "def f():\n"
@@ -43,7 +43,7 @@ def test_the_walk_sees_every_import_form(tmp_path):
                    "    importlib.import_module('megatronapp.fbd')\n"
                    "    __import__('megatronapp.resilience.heartbeat')\n"
                    "from megatronapp.parallel import comm\n"
-                   "HOOK = 'megatronapp.scan.tracer:plugin'  # a string is data, not an import\n")
+                   "HOOK = 'megatronapp.scan.record.tracer:plugin'  # a string is data, not an import\n")
     hits = sorted({n.split(".")[1] for _, n in imported_names(src, module_of(src, tmp_path)) if _forbidden(n)})
     assert hits == ["dpp", "faults", "fbd", "resilience", "scan", "scope"]
 

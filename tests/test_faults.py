@@ -13,8 +13,8 @@ from megatronapp.config import ConfigError
 from megatronapp.launch import spawn
 from megatronapp.parallel import comm
 from megatronapp.parallel.topology import Topology
-from megatronapp.scan.format import CATS, read_dir, read_rank
-from megatronapp.scan.tracer import Tracer
+from megatronapp.scan.read.format import CATS, read_dir, read_rank
+from megatronapp.scan.record.tracer import Tracer
 
 
 def test_parse_every_kind():
@@ -135,7 +135,7 @@ def test_hang_blocks_until_removed(tmp_path):
 
 def _link_job(rank: int, world: int, out: str) -> None:
     from megatronapp.parallel.topology import build
-    from megatronapp.scan.tracer import Tracer
+    from megatronapp.scan.record.tracer import Tracer
 
     topo = build(tp=1, pp=1, dp=3)
     header = {"rank": rank, "world": world, "coord": [rank, 0, 0], "topo": [1, 1, world]}

@@ -19,8 +19,8 @@ import torch
 from megatronapp.config import ModelConfig, ParallelConfig, RunConfig, TraceConfig, TrainConfig
 from megatronapp.fbd.run import train
 from megatronapp.scan.aggregate import aggregate
-from megatronapp.scan.detect import analyse
-from megatronapp.scan.format import read_dir
+from megatronapp.scan.detect.analysis import analyse
+from megatronapp.scan.read.format import read_dir
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.metrics import read_metrics
 from megatronapp.train.trainer import train as train_coupled

@@ -7,7 +7,7 @@ import pytest
 from megatronapp import flops
 from megatronapp.config import PRESETS, ModelConfig, RunConfig
 from megatronapp.parallel import device_emulation as emu
-from megatronapp.scan import costmodel
+from megatronapp.scan.record import costmodel
 from tests import engine_cases as ec
 
 

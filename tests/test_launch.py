@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from megatronapp import launch
 from megatronapp.config import ConfigError, RunConfig, load_yaml
 from megatronapp.launch import RankFailed, spawn
 
@@ -83,6 +84,34 @@ def test_a_finished_rank_with_a_daemon_thread_in_torch_exits_cleanly(tmp_path):
     for _ in range(2):
         spawn(_busy_in_torch, 2, str(tmp_path))
     assert all(Path(tmp_path, f"rank{r}.done").read_text() == "written" for r in range(2))
+
+
+def _env_and_modules(rank: int, world: int, out: str) -> None:
+    import sys
+
+    Path(out, f"rank{rank}").write_text(f"{os.environ.get('MEGATRONAPP_PROBE', '-')} {os.environ.get('RANK')} "
+                                        f"{'megatronapp.train.trainer' in sys.modules} {os.getpid()}")
+
+
+def test_forked_ranks_see_the_launchers_environment_of_the_moment_and_start_with_torch_loaded(tmp_path,
+                                                                                                monkeypatch):
+    """Gloo ranks come from a fork server that imported torch and the engine once; each job's ranks still get
+    the launching process's environment as it is when the job starts, not the server's (started earlier)."""
+    monkeypatch.delenv("MEGATRONAPP_START_METHOD", raising=False)
+    assert launch.start_method("gloo") == "forkserver" and launch.start_method("nccl") == "spawn"
+    assert launch.start_method("gloo", prelude="m:f") == "spawn"
+    monkeypatch.setenv("MEGATRONAPP_PROBE", "first")
+    (tmp_path / "a").mkdir()
+    spawn(_env_and_modules, 2, str(tmp_path / "a"))
+    monkeypatch.setenv("MEGATRONAPP_PROBE", "second")  # the fork server is running by now
+    (tmp_path / "b").mkdir()
+    spawn(_env_and_modules, 2, str(tmp_path / "b"))
+    for job, want in (("a", "first"), ("b", "second")):
+        seen = [Path(tmp_path, job, f"rank{r}").read_text().split() for r in range(2)]
+        assert [s[:3] for s in seen] == [[want, "0", "True"], [want, "1", "True"]]
+    monkeypatch.setenv("MEGATRONAPP_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="MEGATRONAPP_START_METHOD='fork'"):
+        launch.start_method("gloo")
 
 
 def _long_error(rank: int, world: int) -> None:

@@ -79,7 +79,8 @@ def shell_lines(body: str) -> list[str]:
 
 def skip_reason(words: list[str]) -> str | None:
     """Why a command cannot run on this machine, or None."""
-    if words[0] == "torchrun" and int(_value(words, "--nnodes") or 1) > 1:
+    launcher = words[0] == "torchrun" or words[:2] == ["megatronapp", "torchrun"]
+    if launcher and int((_value(words, "--nnodes") or "1").split(":")[0]) > 1:
         return "needs another host (torchrun --nnodes > 1)"
     needs_gpu = _value(words, "--device") == "cuda" or _value(words, "--backend") == "nccl"
     if needs_gpu and not torch.cuda.is_available():
@@ -259,7 +260,7 @@ dist.init_process_group("gloo", rank=0, world_size=1)
 
 def run_python(source: str, cwd: Path) -> None:
     """A README Python block in a one-process gloo world; its trace files must be readable afterwards."""
-    from megatronapp.scan.format import read_rank
+    from megatronapp.scan.read.format import read_rank
 
     cwd.mkdir(exist_ok=True)  # its own directory: the snippet's runs/t must not replace the training trace
     script = PYTHON_PRELUDE.format(port=free_port()) + textwrap.dedent(source) + "\ndist.destroy_process_group()\n"

@@ -138,7 +138,7 @@ def test_driver_sees_a_completed_round(tmp_path):
     for r in range(2):
         (tmp_path / f"rank{r:05d}.json").write_text(json.dumps({**_beat(r, 0, time.time(), 6), "phase": "shutdown"}))
     result = driver.watch(Path(tmp_path), driver.DriverOptions(world=2, hang_timeout_s=5), log=lambda m: None)
-    assert result == {"completed": True, "round": 0, "steps": 6, "failures": []}
+    assert result == {"completed": True, "round": 0, "steps": 6, "failures": [], "hosts_left": []}
 
 
 def test_the_driver_reads_the_newest_start_of_a_round(tmp_path):

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from megatronapp.resilience.stragglers import StragglerWatch, window_range
-from megatronapp.scan.simulate import simulate
+from megatronapp.scan.synth.simulate import simulate
 
 
 def test_windows_are_the_end_of_each_interval():

@@ -153,3 +153,33 @@ def test_a_running_rank_with_a_late_heartbeat_gets_time_to_beat_before_it_is_jud
     finally:
         child.kill()
         child.wait()
+
+
+def test_flight_recorder_probes_per_op_do_not_grow_with_ops_in_flight():
+    """NCCL ops waited on but still running are confirmed by probing their CUDA events; a stream's ops complete in
+    order, so only each stream's oldest is probed: the probes per issued op stay flat as the host runs ahead."""
+    fr = FlightRecorder()
+    fr._rank = 0
+    calls = [0]
+    fired: set[int] = set()
+
+    def probe_of(op_id: int):
+        def probe() -> bool:
+            calls[0] += 1
+            return op_id in fired
+        return probe
+
+    ops = []
+    per_op = []
+    for s in range(200):  # a host far ahead of its GPU: every op queued, none completed
+        op = CommOp("all_reduce", "tp", (0, 1), s, 16)
+        before = calls[0]
+        fr.issue(op)
+        fr.done_when(op, probe_of(s))
+        per_op.append(calls[0] - before)
+        ops.append(op)
+    assert max(per_op[100:]) <= 2, per_op[-5:]  # one sweep of one stream's head, plus the new op's own probe
+    assert len(fr.snapshot()["open"]) == 200
+    fired.update(range(150))  # the stream drains in order: one sweep confirms them all
+    snap = fr.snapshot()
+    assert len(snap["open"]) == 50 and snap["completed"] == {"tp[0, 1]": 149}

@@ -88,8 +88,8 @@ def test_missing_and_corrupt_files_named(tmp_path):
 
 def test_only_flagged_writes_the_culprit_and_its_peers(tmp_path):
     from megatronapp.scan.aggregate import with_peers
-    from megatronapp.scan.format import read_dir
-    from megatronapp.scan.simulate import simulate
+    from megatronapp.scan.read.format import read_dir
+    from megatronapp.scan.synth.simulate import simulate
 
     # tp 2, pp 4, dp 8; rank = tp + 2 * (dp + 8 * pp). Rank 21 is (dp 2, pp 1, tp 1).
     simulate(tmp_path / "t", 64, 2, 4, faults=["slow-compute=21:1.3"], seed=3)
@@ -113,7 +113,7 @@ def test_only_flagged_writes_the_culprit_and_its_peers(tmp_path):
 
 def test_only_flagged_on_a_healthy_run_writes_no_rank(tmp_path):
     from megatronapp.scan.aggregate import parse_ranks
-    from megatronapp.scan.simulate import simulate
+    from megatronapp.scan.synth.simulate import simulate
 
     simulate(tmp_path / "t", 16, 2, 2, seed=5)
     report = aggregate(tmp_path / "t", tmp_path / "f.json", only_flagged=True)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatronapp.scan.align import estimate_offsets, to_reference
-from megatronapp.scan.format import RankWriter, rank_file, read_dir
+from megatronapp.scan.detect.align import estimate_offsets, to_reference
+from megatronapp.scan.read.format import RankWriter, rank_file, read_dir
 from tests.test_scan_tracer import DRIFT, SKEW_NS, traced_job
 
 TOL_NS = 1_000_000
@@ -74,7 +74,7 @@ def test_unconnected_rank_is_reported(tmp_path):
 
 def test_clocks_days_apart_with_drift_align_from_the_simulator(tmp_path):
     # Hosts booted days apart whose clocks run tens of ppm fast or slow (the simulator's default clocks).
-    from megatronapp.scan.simulate import simulate
+    from megatronapp.scan.synth.simulate import simulate
 
     res = simulate(tmp_path, 32, 2, 2, iterations=4, seed=3, clock_ppm=50.0)
     off, ppm = np.array(res.offsets_ns), np.array(res.drift_ppm) * 1e-6
@@ -95,10 +95,10 @@ def test_detect_align_uses_drift_so_arrivals_hours_apart_keep_their_order(tmp_pa
     # Trace windows spread over 50 minutes (a window every 10 min, as `trace.interval` does) on hosts days apart
     # whose clocks drift tens of ppm: offsets alone are off by 100+ ms at the far end of the run, far more than
     # the gaps between arrivals at a collective; offsets + drift put every arrival within 0.2 ms.
-    from megatronapp.scan.align import row_offsets
-    from megatronapp.scan.detect import detect
-    from megatronapp.scan.simulate import simulate
-    from megatronapp.scan.table import join
+    from megatronapp.scan.detect.align import row_offsets
+    from megatronapp.scan.detect.analysis import detect
+    from megatronapp.scan.detect.table import join
+    from megatronapp.scan.synth.simulate import simulate
 
     res = simulate(tmp_path, 32, 2, 2, iterations=6, seed=3, clock_ppm=50.0, faults=["late-arrival=5:8"])
     off, ppm = np.array(res.offsets_ns), np.array(res.drift_ppm) * 1e-6
@@ -135,7 +135,7 @@ def test_all_pairs_fitted_at_once_equal_each_pair_fitted_alone():
     # _fit_edges (every pair of ranks in one pass of sorts) replaced a Python loop over pairs calling _fit_edge:
     # same line for every pair, including pairs with start-up samples, bounds that reject the median slope (the
     # clipped case), too few samples for a slope and no bounds at all.
-    from megatronapp.scan.align import _fit_edge, _fit_edges
+    from megatronapp.scan.detect.align import _fit_edge, _fit_edges
 
     rng = np.random.default_rng(7)
     gids, xs, ys, los, his, sus = [], [], [], [], [], []
@@ -175,7 +175,7 @@ def test_handshake_reads_move_with_a_shifted_clock():
     # clock reads too. Left on the old clock they broke alignment (median residual 30 hours, now as unshifted).
     from pathlib import Path
 
-    from megatronapp.scan.perturb import shift_clocks
+    from megatronapp.scan.synth.perturb import shift_clocks
 
     real = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "scan_real_quiet" / "dp4"
     traces, _ = read_dir(real)

@@ -17,8 +17,8 @@ import torch
 from benchmarks.anyjob import MICROBATCHES, STEPS, job
 
 from megatronapp.launch import spawn
-from megatronapp.scan.detect import detect
-from megatronapp.scan.format import read_dir
+from megatronapp.scan.detect.analysis import detect
+from megatronapp.scan.read.format import read_dir
 from tests.tmpdirs import session_dir
 
 

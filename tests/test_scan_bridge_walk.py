@@ -8,7 +8,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from megatronapp.scan.ring import _breadth_first
+from megatronapp.scan.detect.ring import _breadth_first
 
 
 def _queue_walk(src: np.ndarray, dst: np.ndarray, med: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray]:

@@ -6,10 +6,10 @@ import shutil
 
 import numpy as np
 
-from megatronapp.scan.detect import detect
-from megatronapp.scan.format import COLUMNS, rank_file, read_dir, read_rank
-from megatronapp.scan.simulate import simulate
-from megatronapp.scan.table import join, phases, rank_chunks
+from megatronapp.scan.detect.analysis import detect
+from megatronapp.scan.detect.table import join, phases, rank_chunks
+from megatronapp.scan.read.format import COLUMNS, rank_file, read_dir, read_rank
+from megatronapp.scan.synth.simulate import simulate
 
 TABLE_COLUMNS = ("rank", "name", "cat", "ts", "dur", "it", "gkey", "seq", "peer", "nbytes", "mb", "chunk")
 
@@ -72,7 +72,7 @@ def test_per_rank_ranges_hold_whole_ranks_and_give_the_same_phases(tmp_path):
     assert all(b == c for (_, b), (c, _) in zip(chunks, chunks[1:]))
     assert all(tb.rank[a] != tb.rank[a - 1] for a, _ in chunks[1:])  # no rank split between two ranges
     whole = phases(tb)
-    import megatronapp.scan.table as table
+    import megatronapp.scan.detect.table as table
     old = table._CHUNK_ROWS
     try:
         table._CHUNK_ROWS = 500
@@ -84,7 +84,7 @@ def test_per_rank_ranges_hold_whole_ranks_and_give_the_same_phases(tmp_path):
 
 
 def test_waits_summed_range_by_range_equal_one_pass(tmp_path, monkeypatch):
-    import megatronapp.scan.table as table
+    import megatronapp.scan.detect.table as table
     simulate(tmp_path, 32, 2, 4, iterations=4, faults=["late-arrival=22:8", "slow-link=10-18:1.5"], seed=5)
     traces, _ = read_dir(tmp_path)
     want = detect(traces).to_json()

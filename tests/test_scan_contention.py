@@ -1,4 +1,4 @@
-"""Host CPU contention in the report: ranks that waited for a CPU most of their work time (scan/contention.py).
+"""Host CPU contention in the report: ranks that waited for a CPU most of their work time (scan/detect/contention.py).
 
 On stored real recordings (benchmarks/data): "loaded" was recorded beside 10 CPU-spinning processes, "quiet" with
 nothing else running (4-8 ranks on 2 cores), "busy" in trace format 1 (no CPU waits recorded).
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from megatronapp.scan.contention import STARVED, cpu_wait_share, starved_note
-from megatronapp.scan.detect import detect
-from megatronapp.scan.format import read_dir
-from megatronapp.scan.table import join
+from megatronapp.scan.detect.analysis import detect
+from megatronapp.scan.detect.contention import STARVED, cpu_wait_share, starved_note
+from megatronapp.scan.detect.table import join
+from megatronapp.scan.read.format import read_dir
 
 DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
 

@@ -7,16 +7,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatronapp.scan import align
-from megatronapp.scan.detect import Thresholds, analyse, detect
-from megatronapp.scan.evidence import excursion_noise
-from megatronapp.scan.findings import Finding
-from megatronapp.scan.fold import explained_by_links, links_of_slow_ranks, merge_directions, pauses_of_slow_ranks
-from megatronapp.scan.format import RankWriter, read_dir
-from megatronapp.scan.links import size_classes
-from megatronapp.scan.perturb import Perturbation, declare_stage_work, perturb, shift_clocks
-from megatronapp.scan.simulate import Costs, simulate
-from megatronapp.scan.table import join, match_p2p, phases
+from megatronapp.scan.detect import align
+from megatronapp.scan.detect.analysis import Thresholds, analyse, detect
+from megatronapp.scan.detect.evidence import excursion_noise
+from megatronapp.scan.detect.findings import Finding
+from megatronapp.scan.detect.fold import explained_by_links, links_of_slow_ranks, merge_directions, pauses_of_slow_ranks
+from megatronapp.scan.detect.links import size_classes
+from megatronapp.scan.detect.table import join, match_p2p, phases
+from megatronapp.scan.read.format import RankWriter, read_dir
+from megatronapp.scan.synth.perturb import Perturbation, declare_stage_work, perturb, shift_clocks
+from megatronapp.scan.synth.simulate import Costs, simulate
 
 # 32 ranks: tp=2, pp=4, dp=4. rank = tp + 2*(dp + 4*pp).
 
@@ -216,7 +216,7 @@ def test_heterogeneous_stages_compare_work_beyond_the_cost_model(tmp_path):
 
 # ----------------------------------------------------------------------------- faults in REAL recorded traces
 # Healthy traced engine runs stored by benchmarks/scan_real_family.py (gloo ranks, tiny GPT-2, 10 steps), re-timed
-# by scan/perturb.py as if a fault had happened. pp4: tp1 pp4 dp1 (every stage alone); dp4: tp1 pp1 dp4.
+# by scan/synth/perturb.py as if a fault had happened. pp4: tp1 pp4 dp1 (every stage alone); dp4: tp1 pp1 dp4.
 REAL = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "scan_real"
 
 
@@ -531,7 +531,7 @@ def test_time_waiting_for_a_cpu_is_not_a_slow_rank():
 
 
 def test_a_link_slow_in_only_a_few_transfers_is_not_named():
-    from megatronapp.scan.evidence import sign_p
+    from megatronapp.scan.detect.evidence import sign_p
 
     assert sign_p(5, 5) == 1 / 32 and sign_p(0, 7) == 1.0 and abs(sign_p(6, 8) - 37 / 256) < 1e-12
     # The 4 iterations a job finished before it hung: one DP group's all-reduces were slow in its first
@@ -594,7 +594,7 @@ def test_the_slower_of_two_dp_groups_is_named_on_paired_instances(recording, lin
 
 
 def test_two_units_need_a_consistent_difference_above_their_spread():
-    from megatronapp.scan.links import slower_of_two
+    from megatronapp.scan.detect.links import slower_of_two
 
     rng = np.random.default_rng(3)
     n, ms = 20, 1e6

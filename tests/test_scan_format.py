@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatronapp.scan.format import CATS, RECORD, RankWriter, TraceFormatError, rank_file, read_dir, read_rank
+from megatronapp.scan.read.format import CATS, RECORD, RankWriter, TraceFormatError, rank_file, read_dir, read_rank
 
 
 def _header(rank: int, world: int = 2) -> dict:
@@ -142,7 +142,7 @@ def test_write_columns_takes_record_arrays_and_remaps_ids(tmp_path):
 
 
 def test_cpu_wait_round_trips_and_format_1_files_still_read(tmp_path):
-    from megatronapp.scan.format import MAGIC_V1, RECORD_V1
+    from megatronapp.scan.read.format import MAGIC_V1, RECORD_V1
 
     w = RankWriter(rank_file(tmp_path, 0), _header(0))
     w.write("forward", "compute", ts=0, dur=100, it=0, cpu_wait=40)

@@ -9,8 +9,8 @@ import zlib
 import numpy as np
 import pytest
 
-from megatronapp.scan import format as fmt
-from megatronapp.scan.format import COLUMNS, RECORD, RankWriter, pack_columns, read_rank, write_rank_file
+from megatronapp.scan.read import format as fmt
+from megatronapp.scan.read.format import COLUMNS, RECORD, RankWriter, pack_columns, read_rank, write_rank_file
 
 HEADER = {"rank": 0, "world": 2, "coord": [0, 0, 0], "topo": [1, 1, 2]}
 

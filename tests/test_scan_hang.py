@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from megatronapp.scan.detect import detect
-from megatronapp.scan.format import read_dir
+from megatronapp.scan.detect.analysis import detect
+from megatronapp.scan.read.format import read_dir
 
 WORKER = r"""
 import os, sys, time, torch, torch.distributed as dist
@@ -64,6 +64,6 @@ def test_hung_and_killed_job_names_the_hung_rank_and_the_op(tmp_path):
     assert "not in any communication" in top.slowdown
     # The same trace in the flight recorder's format: the resilience supervisor's attribution agrees.
     from megatronapp.resilience.attribution import culprits
-    from megatronapp.scan.hang import flight_snapshots
+    from megatronapp.scan.detect.hang import flight_snapshots
 
     assert culprits(flight_snapshots(traces)) == [hang]

@@ -1,5 +1,5 @@
-"""Findings of the wrong kind (scan/fold_kinds.py): a slow rank's pauses are its slowness; a short window beside a
-hang names no bystander. Cheap: synthetic findings and the stored real recordings, no process launch."""
+"""Findings of the wrong kind (scan/detect/fold_kinds.py): a slow rank's pauses are its slowness; a short window
+beside a hang names no bystander. Cheap: synthetic findings and the stored real recordings, no process launch."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,19 +7,19 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from megatronapp.scan.detect import analyse
-from megatronapp.scan.evidence import _minor_tail
-from megatronapp.scan.findings import Finding
-from megatronapp.scan.fold import pauses_of_slow_ranks
-from megatronapp.scan.fold_kinds import (
+from megatronapp.scan.detect.analysis import analyse
+from megatronapp.scan.detect.evidence import _minor_tail
+from megatronapp.scan.detect.findings import Finding
+from megatronapp.scan.detect.fold import pauses_of_slow_ranks
+from megatronapp.scan.detect.fold_kinds import (
     MIN_JUDGED,
     beside_a_short_hang,
     echoes,
     pauses_of_ranks_slow_throughout,
 )
-from megatronapp.scan.format import read_dir
-from megatronapp.scan.perturb import Perturbation, perturb
-from megatronapp.scan.traces import read_traces
+from megatronapp.scan.read.format import read_dir
+from megatronapp.scan.read.traces import read_traces
+from megatronapp.scan.synth.perturb import Perturbation, perturb
 
 DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
 COORD = [{"rank": 3, "dp": 0, "pp": 3, "tp": 0}]

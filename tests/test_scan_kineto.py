@@ -19,10 +19,10 @@ from benchmarks.kinetojob import REPEAT, job
 
 from megatronapp.launch import spawn
 from megatronapp.scan import cli
-from megatronapp.scan.detect import detect
-from megatronapp.scan.kineto import read_kineto_dir
-from megatronapp.scan.table import join, phases
-from megatronapp.scan.traces import read_traces
+from megatronapp.scan.detect.analysis import detect
+from megatronapp.scan.detect.table import join, phases
+from megatronapp.scan.read.kineto import read_kineto_dir
+from megatronapp.scan.read.traces import read_traces
 from tests.tmpdirs import session_dir
 
 # 3 ranks: each judged against two peers. Every size has its failure under a load of 20-30 on the 2-core machine

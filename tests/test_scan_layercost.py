@@ -1,7 +1,7 @@
 """Stage work measured from per-layer spans, and lone stages judged on the layer every stage runs.
 
 On the stored full-granularity recordings (benchmarks/data/scan_real_full: real gloo ranks of the engine, tiny
-GPT-2, pp=4 with one rank per stage), re-timed by `scan/perturb.py` with known faults.
+GPT-2, pp=4 with one rank per stage), re-timed by `scan/synth/perturb.py` with known faults.
 """
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatronapp.scan.detect import analyse, detect
-from megatronapp.scan.format import CAT_INDEX, read_dir
-from megatronapp.scan.layercost import layer_kind, measured_stage_work
-from megatronapp.scan.perturb import Perturbation, perturb
-from megatronapp.scan.table import LAYER, exclusive_time, join, phases
+from megatronapp.scan.detect.analysis import analyse, detect
+from megatronapp.scan.detect.layercost import layer_kind, measured_stage_work
+from megatronapp.scan.detect.table import LAYER, exclusive_time, join, phases
+from megatronapp.scan.read.format import CAT_INDEX, read_dir
+from megatronapp.scan.synth.perturb import Perturbation, perturb
 
 FULL = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "scan_real_full"
 
@@ -95,7 +95,7 @@ def test_healthy_and_legitimately_heavier_stages_raise_nothing():
 
 
 def test_a_heavier_stage_keeps_its_layers_and_stretches_the_rest():
-    from megatronapp.scan.perturb import _compute_gaps, _segments
+    from megatronapp.scan.synth.perturb import _compute_gaps, _segments
 
     t = _traces()[3]
     layer = t.cat == CAT_INDEX["layer"]

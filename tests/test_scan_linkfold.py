@@ -1,6 +1,6 @@
-"""Slow links and the findings they explain (scan/linkfold.py), and the direction of a wrap-around transfer
+"""Slow links and the findings they explain (scan/detect/linkfold.py), and the direction of a wrap-around transfer
 (links._activation_links): each rule on stored real recordings (benchmarks/data), re-timed where a fault is needed
-(scan/perturb.py), or on a hand-made table. No process launch: each test takes about a second."""
+(scan/synth/perturb.py), or on a hand-made table. No process launch: each test takes about a second."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,14 +8,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from megatronapp.scan.detect import analyse
-from megatronapp.scan.evidence import posting_stall
-from megatronapp.scan.findings import Finding
-from megatronapp.scan.format import CAT_INDEX, read_dir
-from megatronapp.scan.linkfold import ends_explained_by_link_cost, link_end_costs, links_behind_slow_groups
-from megatronapp.scan.links import _activation_links
-from megatronapp.scan.perturb import Perturbation, perturb
-from megatronapp.scan.table import join
+from megatronapp.scan.detect.analysis import analyse
+from megatronapp.scan.detect.evidence import posting_stall
+from megatronapp.scan.detect.findings import Finding
+from megatronapp.scan.detect.linkfold import ends_explained_by_link_cost, link_end_costs, links_behind_slow_groups
+from megatronapp.scan.detect.links import _activation_links
+from megatronapp.scan.detect.table import join
+from megatronapp.scan.read.format import CAT_INDEX, read_dir
+from megatronapp.scan.synth.perturb import Perturbation, perturb
 
 DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
 

@@ -1,4 +1,4 @@
-"""Summary blocks (scan/rank_summary.py): the numbers a writer leaves at the end of a rank file for the triage.
+"""Summary blocks (scan/read/rank_summary.py): the numbers a writer leaves at the end of a rank file for the triage.
 
 The triage must get the same numbers from a summary as from the spans (simulated jobs of every fault kind, a real
 traced gloo job), and a summary that is missing, damaged, out of place or lying must cost only speed: the file is
@@ -15,9 +15,10 @@ import zlib
 import numpy as np
 import pytest
 
-from megatronapp.scan import rank_summary, triage
-from megatronapp.scan.format import RECORD, RankWriter, read_rank, write_rank_file
-from megatronapp.scan.simulate import simulate
+from megatronapp.scan.detect import features, triage
+from megatronapp.scan.read import rank_summary
+from megatronapp.scan.read.format import RECORD, RankWriter, read_rank, write_rank_file
+from megatronapp.scan.synth.simulate import simulate
 from tests.test_scan_tracer import traced_job
 
 TP, PP, DP = 4, 4, 16  # 256 ranks
@@ -32,7 +33,7 @@ FAULTS = [[], [f"slow-compute={rank(3, 1, 2)}:1.3", f"pause={rank(7, 2, 0)}:20:2
           [f"late-arrival={rank(9, 3, 3)}:5", f"slow-link={rank(4, 2, 0)}-{rank(4, 2, 1)}:2"]]
 
 
-def assert_same(a: triage.Features, b: triage.Features) -> None:
+def assert_same(a: features.Features, b: features.Features) -> None:
     for k in ("iters", "coords", "work", "host", "p2p", "peer_up", "coll", "opened", "spans"):
         x, y = getattr(a, k), getattr(b, k)
         assert np.array_equal(x, y, equal_nan=x.dtype.kind == "f"), k
@@ -46,8 +47,8 @@ def test_simulated_summaries_equal_the_spans_numbers(tmp_path, faults):
         got, why = rank_summary.read(os.fspath(tmp_path / f"rank{r:05d}.mst"))
         assert why is None and got is not None and got["rank"] == r and got["spans"] > 0
         assert read_rank(tmp_path / f"rank{r:05d}.mst").problems == []  # the span reader skips the block
-    a = triage.features(tmp_path, workers=1)
-    b = triage.features(tmp_path, workers=1, use_summaries=False)
+    a = features.features(tmp_path, workers=1)
+    b = features.features(tmp_path, workers=1, use_summaries=False)
     assert_same(a, b)
     assert a.problems == b.problems == []
 
@@ -60,11 +61,11 @@ def test_tracer_leaves_the_summary_the_triage_would_work_out():
         assert why is None and got is not None, path
         t = read_rank(path)
         assert t.problems == [] and len(t) > 0
-        want = rank_summary.decode(triage.summary_blocks([t])[0][12:])
+        want = rank_summary.decode(features.summary_blocks([t])[0][12:])
         for k, v in want.items():
             assert np.array_equal(np.asarray(got[k]), np.asarray(v), equal_nan=True), (r, k)
-        assert not triage.write_summary(path)  # once only
-    assert_same(triage.features(out, workers=1), triage.features(out, workers=1, use_summaries=False))
+        assert not features.write_summary(path)  # once only
+    assert_same(features.features(out, workers=1), features.features(out, workers=1, use_summaries=False))
 
 
 def _job(tmp_path, n: int = 8):
@@ -88,7 +89,7 @@ def _rewrite(path: str, payload: bytes) -> None:
 
 def test_damaged_or_misplaced_summaries_fall_back_to_the_spans(tmp_path):
     paths = _job(tmp_path)
-    want = triage.features(tmp_path, workers=1, use_summaries=False)
+    want = features.features(tmp_path, workers=1, use_summaries=False)
     # 0: a flipped byte (checksum); 1: a block appended after it (a writer went on); 2: a trailer claiming 2 GB;
     # 3: cut in the middle; 4: the trailer names a block that is not SUMS.
     data = bytearray(open(paths[0], "rb").read())
@@ -102,7 +103,7 @@ def test_damaged_or_misplaced_summaries_fall_back_to_the_spans(tmp_path):
     open(paths[3], "wb").write(data[:-200] + data[-8:])
     data = open(paths[4], "rb").read()
     open(paths[4], "wb").write(data + struct.pack("<I4s", 40, b"SUMS"))
-    got = triage.features(tmp_path, workers=1)
+    got = features.features(tmp_path, workers=1)
     assert_same(got, want)
     named = " ".join(got.problems)
     for p in (paths[0], paths[2], paths[3], paths[4]):
@@ -172,15 +173,15 @@ def test_other_files_never_read_as_summaries(tmp_path):
     rec = np.zeros(3, RECORD)
     rec["gid"] = -1
     write_rank_file(tmp_path / "rank00001.mst", {**header, "rank": 1, "world": 2}, ["forward"], [], rec)
-    assert triage.write_summary(tmp_path / "rank00001.mst")  # a closed file gets one, once
-    assert not triage.write_summary(tmp_path / "rank00001.mst")
+    assert features.write_summary(tmp_path / "rank00001.mst")  # a closed file gets one, once
+    assert not features.write_summary(tmp_path / "rank00001.mst")
     assert read_rank(tmp_path / "rank00001.mst").problems == []
     # A damaged file gets none (no block after the damage), and is left as it was.
     write_rank_file(tmp_path / "rank00002.mst", {**header, "rank": 2, "world": 3}, ["forward"], [], rec)
     data = bytearray((tmp_path / "rank00002.mst").read_bytes())
     data[-20] ^= 0xFF  # inside the footer
     (tmp_path / "rank00002.mst").write_bytes(bytes(data))
-    assert not triage.write_summary(tmp_path / "rank00002.mst")
+    assert not features.write_summary(tmp_path / "rank00002.mst")
     assert (tmp_path / "rank00002.mst").read_bytes() == bytes(data)
 
 
@@ -192,8 +193,8 @@ def test_a_lying_summary_hides_a_rank_until_no_summaries(tmp_path):
     peer = rank_summary.read(os.fspath(tmp_path / f"rank{rank(5, 2, 1):05d}.mst"))[0]
     s = rank_summary.read(path)[0]
     _rewrite(path, rank_summary.encode({**peer, "rank": slow, "coord": s["coord"]})[12:])
-    lied = triage.select(triage.features(tmp_path, workers=1))
-    true = triage.select(triage.features(tmp_path, workers=1, use_summaries=False))
+    lied = triage.select(features.features(tmp_path, workers=1))
+    true = triage.select(features.features(tmp_path, workers=1, use_summaries=False))
     assert slow not in [r for r, _, _ in lied.suspects]
     assert (slow, "work") in [(r, k) for r, k, _ in true.suspects]
     cli = [sys.executable, "-m", "megatronapp", "scan", "detect", os.fspath(tmp_path), "--json", "--two-level", "on",
@@ -218,13 +219,13 @@ def test_a_ranks_numbers_do_not_depend_on_the_ranks_beside_it(tmp_path):
             if r == 1:
                 w.write("data", "data", 15 * ms, 10 * ms, 1)  # iteration 1's, ending inside iteration 2
     t0, t1 = (read_rank(tmp_path / f"rank{r:05d}.mst") for r in (0, 1))
-    both, alone = triage._batch([t0, t1]), triage._batch([t1])
+    both, alone = features._batch([t0, t1]), features._batch([t1])
     cols = np.searchsorted(both["iters"], alone["iters"])
     for k in ("work", "host"):
         assert np.array_equal(both[k][1, cols], alone[k][0], equal_nan=True), k
-    got = rank_summary.decode(triage.summary_blocks([t1])[0][12:])
+    got = rank_summary.decode(features.summary_blocks([t1])[0][12:])
     assert np.array_equal(got["host"], alone["host"][0, :len(alone["iters"])], equal_nan=True)
-    assert_same(triage.features(tmp_path, workers=1), triage.features(tmp_path, workers=1, use_summaries=False))
+    assert_same(features.features(tmp_path, workers=1), features.features(tmp_path, workers=1, use_summaries=False))
 
 
 def test_a_summary_must_be_its_own_files(tmp_path):
@@ -238,6 +239,6 @@ def test_a_summary_must_be_its_own_files(tmp_path):
     s = rank_summary.read(paths[3])[0]
     _rewrite(paths[3], rank_summary.encode({**s, "world": 64})[12:])
     assert "claims rank 3 of 64, the header rank 3 of 32" in rank_summary.read(paths[3])[1]
-    got = triage.features(tmp_path, workers=1)
-    assert_same(got, triage.features(tmp_path, workers=1, use_summaries=False))
+    got = features.features(tmp_path, workers=1)
+    assert_same(got, features.features(tmp_path, workers=1, use_summaries=False))
     assert sum("its summary claims" in p for p in got.problems) == 2

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from megatronapp.config import ModelConfig, ParallelConfig, RunConfig, TraceConfig, TrainConfig
-from megatronapp.scan.detect import Report, analyse
-from megatronapp.scan.format import read_dir
+from megatronapp.scan.detect.analysis import Report, analyse
+from megatronapp.scan.read.format import read_dir
 from megatronapp.train.trainer import train
 
 STEPS = 8

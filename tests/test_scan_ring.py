@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from megatronapp.scan.detect import detect
-from megatronapp.scan.format import read_dir
-from megatronapp.scan.simulate import ring_shift, simulate
+from megatronapp.scan.detect.analysis import detect
+from megatronapp.scan.read.format import read_dir
+from megatronapp.scan.synth.simulate import ring_shift, simulate
 
 TP, PP, DP = 8, 4, 32  # 1,024 ranks: DP groups of 32, TP groups of 8
 

@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from megatronapp.scan.format import read_dir
-from megatronapp.scan.simulate import Fault, one_f_one_b, parse_fault, simulate, task_order
+from megatronapp.scan.read.format import read_dir
+from megatronapp.scan.synth.simulate import Fault, one_f_one_b, parse_fault, simulate, task_order
 
 
 def _by_name(t, name):

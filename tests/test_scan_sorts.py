@@ -1,9 +1,9 @@
-"""The fast grouped sorts of scan/stats.py give what the plain numpy sorts give (the verdicts depend on it)."""
+"""The fast grouped sorts of scan/detect/stats.py give what the plain numpy sorts give (the verdicts depend on it)."""
 from __future__ import annotations
 
 import numpy as np
 
-from megatronapp.scan import stats
+from megatronapp.scan.detect import stats
 
 
 def _reference_median(keys, vals):

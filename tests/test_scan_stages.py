@@ -6,7 +6,7 @@ slowed 2x by a drill is still named. Without `stage_work` the same healthy last 
 per iteration (checked too, so the tests show what the cost model is for). A 2x drill, not 1.3x: FLOPs overstate
 the LM head's time on this CPU (docs/megascan.md, lone stages), and the margin must also beat a busy machine's
 noise (a 1.5x drill was missed once in four runs at a load average near 27). Traced per layer (granularity
-full), a lone stage is judged by the layer every stage runs (scan/layercost.py), and a 1.5x drill is named.
+full), a lone stage is judged by the layer every stage runs (scan/detect/layercost.py), and a 1.5x drill is named.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from megatronapp.config import ModelConfig, ParallelConfig, RunConfig, TraceConfig, TrainConfig
-from megatronapp.scan.costmodel import chunk_flops_per_token, stage_work
-from megatronapp.scan.detect import analyse, detect
-from megatronapp.scan.format import read_dir
+from megatronapp.scan.detect.analysis import analyse, detect
+from megatronapp.scan.read.format import read_dir
+from megatronapp.scan.record.costmodel import chunk_flops_per_token, stage_work
 from megatronapp.train.trainer import train
 
 STEPS = 8

@@ -3,11 +3,11 @@ import json
 
 import pytest
 
-from megatronapp.scan.detect import Thresholds, detect
-from megatronapp.scan.evidence import floor_findings
-from megatronapp.scan.findings import Finding, Report
-from megatronapp.scan.format import RankWriter, read_dir
-from megatronapp.scan.table import join, phases
+from megatronapp.scan.detect.analysis import Thresholds, detect
+from megatronapp.scan.detect.evidence import floor_findings
+from megatronapp.scan.detect.findings import Finding, Report
+from megatronapp.scan.detect.table import join, phases
+from megatronapp.scan.read.format import RankWriter, read_dir
 
 MS = 1_000_000
 

@@ -17,8 +17,8 @@ import torch
 from megatronapp import tracing
 from megatronapp.config import ConfigError, RunConfig
 from megatronapp.launch import spawn
-from megatronapp.scan.format import CATS, read_dir, read_rank
-from megatronapp.scan.tracer import Tracer
+from megatronapp.scan.read.format import CATS, read_dir, read_rank
+from megatronapp.scan.record.tracer import Tracer
 from tests.tmpdirs import session_dir
 
 # Injected clock errors of the traced job: rank r reads true + SKEW[r] + DRIFT[r] * (true - T0).
@@ -31,7 +31,7 @@ TRACED = [i for i in range(STEPS) if i % 4 >= 1]
 def _job(rank: int, world: int, out: str, t0: int) -> None:
     from megatronapp.parallel import comm
     from megatronapp.parallel.topology import build
-    from megatronapp.scan.tracer import attach
+    from megatronapp.scan.record.tracer import attach
 
     def clock() -> int:
         true = time.monotonic_ns()
@@ -483,7 +483,7 @@ def test_work_spans_record_the_time_they_waited_for_a_cpu(tmp_path):
 def test_cpu_wait_reader_keeps_no_fd_of_ended_threads_and_rereads_after_fork():
     import threading
 
-    from megatronapp.scan.tracer import cpu_wait_ns
+    from megatronapp.scan.record.tracer import cpu_wait_ns
 
     assert cpu_wait_ns() >= 0
     before = len(os.listdir("/proc/self/fd"))

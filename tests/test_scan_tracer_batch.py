@@ -4,8 +4,8 @@ from __future__ import annotations
 import struct
 
 from megatronapp import tracing
-from megatronapp.scan.format import MAGIC, read_rank
-from megatronapp.scan.tracer import Tracer, base_header
+from megatronapp.scan.read.format import MAGIC, read_rank
+from megatronapp.scan.record.tracer import Tracer, base_header
 
 
 def _span_blocks(path) -> list[bytes]:

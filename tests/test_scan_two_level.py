@@ -1,4 +1,4 @@
-"""Two-level detection (scan/triage.py) and the simulator's stage-by-stage writer, on real rank files.
+"""Two-level detection (scan/detect/triage.py) and the simulator's stage-by-stage writer, on real rank files.
 
 The two-level path reads every rank cheaply and the selected ranks in full; it is checked against the full detector
 on the same files, fault kind by fault kind, with a budget that leaves most of the job unread."""
@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from megatronapp.scan import triage
-from megatronapp.scan.detect import detect
-from megatronapp.scan.format import RECORD, RankWriter, read_dir, write_rank_file
-from megatronapp.scan.simulate import _time_order, simulate
+from megatronapp.scan.detect import features, triage
+from megatronapp.scan.detect.analysis import detect
+from megatronapp.scan.read.format import RECORD, RankWriter, read_dir, write_rank_file
+from megatronapp.scan.synth.simulate import _time_order, simulate
 
 TP, PP, DP = 4, 4, 32  # 512 ranks
 
@@ -94,13 +94,13 @@ def test_two_level_finds_what_the_full_detector_finds(jobs, case):
 
 def test_triage_scores_the_faulty_rank_on_the_right_feature(jobs):
     for case, want in (("slow-compute", "work"), ("late-arrival", "host"), ("slow-p2p", "p2p")):
-        sel = triage.select(triage.features(jobs[case], workers=2), budget=200)
+        sel = triage.select(features.features(jobs[case], workers=2), budget=200)
         truth = json.loads((jobs[case] / "ground_truth.json").read_text())["faults"][0]["ranks"]
         first = [r for r, view, _ in sel.suspects if view == want][:len(truth)]
         assert set(first) == set(truth), (case, sel.suspects[:6])  # the view's first suspects
         assert set(truth) & {r for r, _, _ in sel.suspects[:4]}, (case, sel.suspects[:6])  # and in the first turn
         assert len(sel.ranks) <= 200 and all(r in sel.ranks for r in truth)
-    sel = triage.select(triage.features(jobs["slow-dp-link"], workers=1), budget=1000)
+    sel = triage.select(features.features(jobs["slow-dp-link"], workers=1), budget=1000)
     assert any(g.startswith(f"dp group of rank {rank(0, 3, 2)} ") for g in sel.groups), sel.groups
 
 
@@ -133,10 +133,10 @@ def test_aggregate_only_flagged_two_level_writes_the_flagged_ranks(jobs, tmp_pat
 
 @pytest.mark.parametrize("victim", [rank(1, 0, 1), rank(11, 2, 0)])
 def test_two_level_names_the_rank_a_hung_job_waits_for(jobs, tmp_path, victim):
-    """A hang injected into the healthy job's traces (scan/perturb.py, the tracer's open records re-written): the
+    """A hang injected into the healthy job's traces (scan/synth/perturb.py, the tracer's open records re-written): the
     triage reads a few of the stuck ranks, and ranks it did not read are never blamed."""
-    from megatronapp.scan.format import COLUMNS, RankWriter, rank_file
-    from megatronapp.scan.perturb import Perturbation, perturb
+    from megatronapp.scan.read.format import COLUMNS, RankWriter, rank_file
+    from megatronapp.scan.synth.perturb import Perturbation, perturb
 
     hung = perturb(read_dir(jobs["healthy"])[0], [Perturbation("hang", (victim,), at_iteration=3)])
     for t in hung:
@@ -156,10 +156,10 @@ def test_a_second_file_claiming_a_rank_is_ignored_as_read_dir_does(jobs, tmp_pat
     shutil.copytree(jobs["healthy"], d)
     slow = rank(9, 2, 1)
     shutil.copy(jobs["slow-compute"] / f"rank{slow:05d}.mst", d / "rank99999.mst")  # claims rank `slow`, sorts last
-    f = triage.features(d, workers=2)
+    f = features.features(d, workers=2)
     assert any(f"rank99999.mst claims rank {slow}" in p for p in f.problems)
     assert f.paths[slow].endswith(f"rank{slow:05d}.mst")
-    healthy = triage.features(jobs["healthy"], workers=1)
+    healthy = features.features(jobs["healthy"], workers=1)
     assert np.allclose(f.work[slow], healthy.work[slow]) and np.allclose(f.host, healthy.host, equal_nan=True)
     an, problems = triage.analyse_two_level(d, workers=1, budget=200)
     assert not an.report.findings and any("claims rank" in p for p in problems)
@@ -191,11 +191,11 @@ def test_batches_by_slot_reduce_as_span_by_span(jobs, case):
     for members in stages.values():
         for lo in range(0, len(members), 48):
             batch = members[lo:lo + 48]
-            same = triage._uniform(batch)
+            same = features._uniform(batch)
             if same is None:
                 continue
             uniform += 1
-            fast, slow = triage._batch_uniform(batch, *same), triage._batch_spans(batch)
+            fast, slow = features._batch_uniform(batch, *same), features._batch_spans(batch)
             assert fast.keys() == slow.keys()
             for k, v in slow.items():
                 if isinstance(v, np.ndarray):
@@ -204,7 +204,7 @@ def test_batches_by_slot_reduce_as_span_by_span(jobs, case):
                     assert fast[k] == v, (case, k)
     assert uniform >= len(traces) // 48 // 2  # most batches of a stage share one order
     mixed = [t for members in stages.values() for t in members[:2]]  # two stages: different spans
-    assert triage._uniform(mixed) is None
+    assert features._uniform(mixed) is None
 
 
 def test_summary_and_heatmap_two_level_show_the_ranks_read(jobs, tmp_path):

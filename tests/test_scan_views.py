@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from megatronapp.scan import cli, heatmap
-from megatronapp.scan.detect import analyse
-from megatronapp.scan.format import read_dir
+from megatronapp.scan.detect.analysis import analyse
+from megatronapp.scan.read.format import read_dir
 from megatronapp.scan.summary import rank_rows, summary_table
 
 

@@ -1,20 +1,24 @@
-"""Fuzzing what a run reads from outside: config files, trace files, heartbeat files and WebSocket messages. Every
-input is accepted or gets the module's own clear error; none raises anything else (a traceback), hangs or
-allocates without bound. Example counts are modest: this runs in every suite."""
+"""Fuzzing what a run reads from outside: config files, trace files, heartbeat files and WebSocket messages, and
+(tests/fuzz_formats.py, in a child under a memory cap) Kineto traces, summary blocks, Hugging Face configs and
+tokenizer files. Every input is accepted or gets the module's own clear error; none raises anything else (a
+traceback), hangs or allocates without bound. Example counts are modest: this runs in every suite."""
 from __future__ import annotations
 
 import json
 import struct
 import time
 import zlib
+from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatronapp.config import ConfigError, load_yaml
 from megatronapp.resilience import watch
-from megatronapp.scan import format as fmt
+from megatronapp.scan.read import format as fmt
 from megatronapp.scope import protocol
+from tests.memcap import GIB, run_capped
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -109,3 +113,13 @@ def test_websocket_messages(msg):
         protocol.parse(msg)
     except protocol.ProtocolError as e:
         assert e.reply()["type"] == "error"
+
+
+@pytest.mark.parametrize("family, cap_gib", [("kineto", 1), ("summary", 1), ("hf_config", 2), ("tokenizer", 1)])
+def test_new_formats_under_a_memory_cap(family, cap_gib):
+    """Kineto traces, summary blocks, HF configs and tokenizer files (tests/fuzz_formats.py), fuzzed in a child
+    whose address space is capped: an allocation sized by a file's claim fails the run, not this machine."""
+    root = Path(__file__).resolve().parents[1]
+    r = run_capped(f"import sys; sys.path.insert(0, {str(root)!r})\nfrom tests import fuzz_formats\n"
+                   f"fuzz_formats.run({family!r})\n", cap_gib * GIB, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]

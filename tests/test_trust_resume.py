@@ -3,7 +3,6 @@ and the data position are taken (checksummed like the rank files); plug-ins, fau
 every path come from the user. A resumed copy of a run directory writes into the copy."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -17,6 +16,7 @@ from megatronapp.cli import build_parser, config_from_args
 from megatronapp.config import ConfigError, RunConfig
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.trainer import Trainer
+from tests.forge import edit_meta, write_meta
 from tests.test_training import _cfg
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -38,10 +38,14 @@ def _tamper(step: Path, reseal: bool = True, **changes) -> None:
             meta["config"][section][name] = value
         else:
             meta["config"][section] = value
-    data = json.dumps(meta).encode()
-    (step / "meta.json").write_bytes(data)
-    if reseal:
-        (step / ckpt.MARKER).write_text(json.dumps({"meta_sha256": hashlib.sha256(data).hexdigest()}))
+    write_meta(step, meta, reseal)
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    """A copy of a run directory, without the original's lock file."""
+    shutil.copytree(src, dst)
+    (dst / ".lock").unlink(missing_ok=True)
+    return dst
 
 
 def _args(*argv: str):
@@ -50,9 +54,7 @@ def _args(*argv: str):
 
 def test_resumed_copy_imports_nothing_named_by_its_checkpoint_and_writes_into_the_copy(tmp_path):
     step = _saved_run(tmp_path / "orig")
-    copy = tmp_path / "copy"
-    shutil.copytree(tmp_path / "orig", copy)
-    (copy / ".lock").unlink(missing_ok=True)
+    copy = _copy_run(tmp_path / "orig", tmp_path / "copy")
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     pwned = tmp_path / "pwned"
@@ -105,3 +107,23 @@ def test_an_altered_meta_json_fails_its_checksum(tmp_path):
     assert "meta.json" in (ckpt.verify(step) or "")
     with pytest.raises(ConfigError, match="meta.json"):
         config_from_args(_args("--resume", str(step), "--steps", "3"))
+
+
+def _resume(run: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatronapp", "train", "--resume", str(run), "--steps", "3",
+                           "--no-progress", *extra], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": SRC})
+
+
+def test_a_torn_shard_or_a_false_zero_claim_is_an_error_naming_the_file_not_a_traceback(tmp_path):
+    step = _saved_run(tmp_path / "run")
+    zero = _copy_run(tmp_path / "run", tmp_path / "zero")
+    f = step / "rank00000.pt"
+    f.write_bytes(f.read_bytes()[:1000])
+    r = _resume(tmp_path / "run")
+    assert r.returncode == 2 and "rank00000.pt has 1000 bytes" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # meta.json claims ZeRO-1 (sealed again): a resume on plain DP reshards, and the rank file has no ZeRO layout
+    edit_meta(zero / "checkpoints" / step.name, config__parallel__zero=1)
+    r = _resume(zero, "--zero", "0")
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "rank00000.pt: its optimizer state does not fit meta.json's parallel.zero=1" in r.stderr, r.stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatronapp.config import ConfigError, load_yaml
-from megatronapp.scan import format as fmt
+from megatronapp.scan.read import format as fmt
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -41,7 +41,7 @@ def test_tiny_trace_files_claiming_huge_sizes_are_refused_quickly_with_bounded_m
     assert (d / "rank00000.mst").stat().st_size < 200
     # in a child limited to 2 GiB of address space: an unbounded allocation fails there, not on this machine
     code = ("import resource, sys, time; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)); "
-            "from megatronapp.scan.format import read_dir; t = time.monotonic(); "
+            "from megatronapp.scan.read.format import read_dir; t = time.monotonic(); "
             f"traces, problems = read_dir({str(d)!r}); print(time.monotonic() - t); print(problems)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})

@@ -34,6 +34,7 @@ _TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "eval_interval": ("train", "eval_interval"), "eval_iters": ("train", "eval_iters"),
     "valid_data": ("train", "valid_data"),
     "async_save": ("train", "async_save"), "keep_checkpoints": ("train", "keep_checkpoints"),
+    "tf32": ("train", "tf32"),
     "family": ("model", "family"), "layers": ("model", "num_layers"), "hidden": ("model", "hidden_size"),
     "heads": ("model", "num_heads"), "kv_heads": ("model", "num_kv_heads"), "ffn_hidden": ("model", "ffn_hidden_size"),
     "vocab": ("model", "vocab_size"), "max_seq_len": ("model", "max_seq_len"),
@@ -113,6 +114,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int)
     g.add_argument("--dtype", choices=["fp32", "bf16"])
     g.add_argument("--recompute", choices=["none", "selective", "full"])
+    g.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
+                   help="on a GPU, fp32 matmuls use TF32 tensor cores (default on; off to compare with the CPU)")
     g.add_argument("--save-interval", type=int, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--async-save", action="store_true", default=None,
                    help="two-stage checkpoints: the host-memory copy and the file writes run in the background "
@@ -243,7 +246,7 @@ def _check_steps_beyond_checkpoint(path: str, steps: int) -> None:
 # the console port, tracing or a path: those come from the command line or the user's --config file.
 _STATE_TRAIN_FIELDS = ("steps", "global_batch_size", "seq_len", "lr", "min_lr", "warmup_steps", "optimizer",
                        "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed", "dtype", "recompute",
-                       "log_interval", "save_interval", "async_save", "data_prefetch", "peak_tflops")
+                       "tf32", "log_interval", "save_interval", "async_save", "data_prefetch", "peak_tflops")
 # Paths a resumed run needs the same as the saved run, so the user names them again (the saved value is only shown)
 _NAMED_AGAIN = {"data": ("--data", None), "tokenizer": ("--tokenizer", "byte")}
 
@@ -353,7 +356,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from megatronapp.train.export import export_hf
 
     try:
-        out = export_hf(args.checkpoint, args.hf)
+        out = export_hf(args.checkpoint, args.hf, args.tokenizer)
     except (CheckpointError, FileNotFoundError) as e:
         print(f"megatronapp export: {e}", file=sys.stderr)
         return 2
@@ -386,7 +389,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", metavar="CKPT", help="a step directory, .../checkpoints/latest, a run directory "
                    "or a Hugging Face directory")
     p.add_argument("--hf", required=True, metavar="OUT", help="the directory to write")
+    p.add_argument("--tokenizer", metavar="PATH", help="the tokenizer.json to export (a checkpoint trained with one "
+                   "needs it named: a path saved in the checkpoint is not opened); default: an HF source's own, "
+                   "else the byte tokenizer")
     p.set_defaults(func=cmd_export)
+    sub.add_parser("torchrun", add_help=False, help="torchrun on several hosts, with what it cannot find by itself "
+                   "in containers or namespaces (is_host, --local-addr, the socket interface) filled in",
+                   description="Every argument goes to torchrun (see `torchrun --help`).")
     for module in ("scan", "dpp", "scope", "resilience"):
         try:
             mod = importlib.import_module(f"megatronapp.{module}.cli")
@@ -398,7 +407,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# errors a rank reports that the user fixes (a bad file or setting, named in the message): no traceback for them
+_USER_ERRORS = ("CheckpointError", "ConfigError", "HFCheckpointError", "DataError")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["torchrun"]:  # every argument is torchrun's: its own parser reads them
+        from megatronapp import multihost
+
+        return multihost.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -410,11 +428,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatronapp: configuration error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
+        checkpoint = sys.modules.get("megatronapp.train.checkpoint")  # imported only by commands that read one
+        if checkpoint is not None and isinstance(e, checkpoint.CheckpointError):
+            # a checkpoint that is torn, forged or missing is the user's to fix: its message names the file
+            print(f"megatronapp: checkpoint error: {e}", file=sys.stderr)
+            return 2
         launch = sys.modules.get("megatronapp.launch")  # imported only by commands that start ranks (torch)
         if launch is None or not isinstance(e, launch.RankFailed):
             raise
-        # a rank raised or was killed: its own traceback says where, and the job fails with a non-zero status
-        if e.tb:
+        # a rank raised or was killed: its own traceback says where (not for a bad file or setting: its message
+        # names the file and the field), and the job fails with a non-zero status
+        if e.tb and e.message.split(":", 1)[0] not in _USER_ERRORS:
             print(e.tb, file=sys.stderr, end="")
         print(f"megatronapp: {e}", file=sys.stderr)
         return 1

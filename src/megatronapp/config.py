@@ -148,6 +148,7 @@ class TrainConfig:
     seed: int = 1234
     dtype: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and gradient reduction)
     recompute: str = "none"  # none | selective | full
+    tf32: bool = True  # fp32 matmuls on a GPU use TF32 tensor cores (gpu_setup.math_modes); no effect on the CPU
     log_interval: int = 1
     save_interval: int = 0  # 0: only at the end
     async_save: bool = False  # two-stage: snapshot to host memory, write in the background
@@ -318,10 +319,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     if world_size is not None and not p.fbd and world_size != p.world_size:
         raise ConfigError(f"world size {world_size} != dp*pp*tp = {p.dp}*{p.pp}*{p.tp} = {p.world_size}; "
                           f"set --nproc {p.world_size} or change --dp/--pp/--tp")
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
-    if m.num_heads % m.num_kv_heads:
-        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
+    validate_model(m)
     if m.num_heads % p.tp:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by parallel.tp={p.tp}; "
                           f"choose tp from {[d for d in range(1, m.num_heads + 1) if m.num_heads % d == 0]}")
@@ -329,8 +327,6 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} is not divisible by parallel.tp={p.tp}")
     if m.ffn_hidden_size % p.tp:
         raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}")
-    if m.family == "llama" and m.head_dim % 2:
-        raise ConfigError(f"RoPE needs an even head dim; hidden_size/num_heads = {m.head_dim}")
     stages = p.pp * p.vpp
     if m.num_layers < stages:
         raise ConfigError(f"model.num_layers={m.num_layers} < pp*vpp = {p.pp}*{p.vpp} = {stages} pipeline chunks; "
@@ -389,9 +385,35 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         check_spec(cfg.emulate_device, world_size or p.total_ranks, task_flops=max(f + b + w for f, b, w in tasks))
 
 
+_MODEL_SIZES = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
+                "max_seq_len")
+
+
+def validate_model(m: ModelConfig) -> None:
+    """Refuse a model shape that cannot be built (sizes, head divisibility), naming the field: the check a model
+    read from a file (a checkpoint's meta.json, a Hugging Face config.json) gets before anything is allocated."""
+    for name in _MODEL_SIZES:
+        value = getattr(m, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"model.{name}={_short(value)} must be a positive integer")
+    for name in ("norm_eps", "rope_theta"):
+        value = getattr(m, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ConfigError(f"model.{name}={_short(value)} must be a positive finite number")
+    if m.sliding_window is not None and (isinstance(m.sliding_window, bool) or not isinstance(m.sliding_window, int)
+                                         or m.sliding_window < 1):
+        raise ConfigError(f"model.sliding_window={_short(m.sliding_window)} must be a positive integer or null")
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
+    if m.family == "llama" and m.head_dim % 2:
+        raise ConfigError(f"RoPE needs an even head dim; hidden_size/num_heads = {m.head_dim}")
+
+
 # The modules' entry points, switched on by their own flags. Strings, not imports: the engine never imports a
 # module; each rank resolves these by import path (megatronapp.train.plugins).
-TRACE_PLUGIN = "megatronapp.scan.tracer:plugin"
+TRACE_PLUGIN = "megatronapp.scan.record.tracer:plugin"
 INJECT_PLUGIN = "megatronapp.faults:plugin"
 SCOPE_PLUGIN = "megatronapp.scope.training:plugin"
 FBD_TRAIN = "megatronapp.fbd.run:train"  # `train()` of a parallel.fbd job (forward/backward decoupling)

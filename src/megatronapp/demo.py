@@ -72,9 +72,9 @@ def train_part(out: Path, steps: int) -> Path:
 def scan_part(out: Path, steps: int) -> int:
     from megatronapp.scan import heatmap
     from megatronapp.scan.aggregate import aggregate
-    from megatronapp.scan.align import estimate_offsets
-    from megatronapp.scan.detect import analyse
-    from megatronapp.scan.format import read_dir
+    from megatronapp.scan.detect.align import estimate_offsets
+    from megatronapp.scan.detect.analysis import analyse
+    from megatronapp.scan.read.format import read_dir
     from megatronapp.train.trainer import train
 
     slow_rank, factor = 3, 2.0

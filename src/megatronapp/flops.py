@@ -1,6 +1,6 @@
 """One FLOP model: the parameters and FLOPs of the transformer, counted here once for MFU (`ModelConfig.num_params`
 and `flops_per_token`), emulated devices (parallel/device_emulation.py) and MegaScan's stage costs
-(scan/costmodel.py).
+(scan/record/costmodel.py).
 
 FLOPs are counted as PaLM (appendix B) and MegaScale count them: a weight that takes part in a matmul costs 2 FLOPs
 per token in the forward, 2 in the input-gradient backward (B) and 2 in the weight-gradient backward (W): 6N per

@@ -6,6 +6,9 @@ from typing import Protocol
 
 import torch
 
+from megatronapp.files import BadFile, read_bounded, short
+
+MAX_TOKENIZER_BYTES = 256 << 20  # the largest tokenizer.json files in use are tens of MB
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -52,12 +55,21 @@ class HFTokenizer:
             raise FileNotFoundError(f"tokenizer file {p} does not exist; give a tokenizer.json file, a directory "
                                     f"holding one, or 'byte'")
         try:
-            self._tok = _Tok.from_file(str(p))
+            text = read_bounded(p, MAX_TOKENIZER_BYTES, "tokenizer.json").decode("utf-8")
+            self._tok = _Tok.from_str(text)
+        except BadFile as e:
+            raise ValueError(f"tokenizer file {e}") from None
         except Exception as e:  # noqa: BLE001 - the library raises a bare Exception on malformed JSON
-            raise ValueError(f"tokenizer file {p} could not be read as a Hugging Face tokenizer.json: {e}") from None
+            # its message may quote the file (a field of any length): cut, never echoed whole
+            raise ValueError(f"tokenizer file {p} could not be read as a Hugging Face tokenizer.json: "
+                             f"{short(e)}") from None
         self.path = p
         self.name = str(p)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text, written from what was parsed (not a copy of the file's bytes)."""
+        return self._tok.to_str(pretty=True)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no special tokens added)."""

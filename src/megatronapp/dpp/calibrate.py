@@ -5,7 +5,7 @@ task (chunk, microbatch in its meta), and the moment the following send was issu
 a task's compute and its send is *blocked* time: the stage cannot start another task (building the payload, and
 any delay an interceptor such as `faults` slow-link sleeps before the send is issued). All ranks of one machine
 share `time.perf_counter` (CLOCK_MONOTONIC), so their spans compare directly; across machines align them first
-(`megatronapp.scan.align`).
+(`megatronapp.scan.detect.align`).
 
 Two ways to feed the simulator:
   `Calibration.sim_config()`  the public `SimConfig` model: per-chunk forward/backward times shared by all

@@ -43,7 +43,7 @@ class Timeline:
 def timeline_from_trace(trace_dir: str | Path, iteration: int | None = None) -> tuple[Timeline, list[str]]:
     """Forward/backward spans of one traced iteration (the last complete one by default) from a MegaScan trace
     directory, on aligned clocks; returns the timeline and the problems met while reading."""
-    from megatronapp.scan.format import read_dir
+    from megatronapp.scan.read.format import read_dir
 
     traces, problems = read_dir(trace_dir)
     stages = [t for t in traces if t.coord[0] == 0 and t.coord[2] == 0]
@@ -81,14 +81,14 @@ def timeline_from_trace(trace_dir: str | Path, iteration: int | None = None) -> 
 
 def _clock_offsets(traces: list) -> tuple[dict[int, int], dict]:
     """Per-rank clock offsets to rank 0 from MegaScan's alignment (collective ends, handshake, P2P bounds)."""
-    from megatronapp.scan.align import estimate_offsets
+    from megatronapp.scan.detect.align import estimate_offsets
 
     offsets, _, report = estimate_offsets(traces)
     return offsets, report
 
 
 def _aligned(rank: int, ts: np.ndarray, offsets: dict[int, int], report: dict) -> np.ndarray:
-    from megatronapp.scan.align import to_reference
+    from megatronapp.scan.detect.align import to_reference
 
     return to_reference(rank, ts, offsets, report)
 

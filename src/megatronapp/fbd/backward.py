@@ -33,7 +33,7 @@ from megatronapp.fbd.layout import FbdLayout
 from megatronapp.fbd.messages import Inbox
 from megatronapp.fbd.reader import StepReader
 from megatronapp.fbd.weights import WeightLink, param_specs
-from megatronapp.parallel import emulation
+from megatronapp.parallel import emulation, host_copy
 from megatronapp.parallel.data_parallel import GradReducer
 from megatronapp.pipeline.evaluation import forward_only
 from megatronapp.pipeline.p2p import StageLinks
@@ -110,7 +110,7 @@ class BackwardRank:
             self.weights.send()
         with tracing.span("data", "data"):
             ids, labels = self.reader.get(self.step)
-        mbs = [(a.to(self.device), b.to(self.device)) for a, b in split_microbatches(ids, labels, L.microbatches)]
+        mbs = host_copy.microbatches_to(split_microbatches(ids, labels, L.microbatches), self.device)
         vpp, V = len(self.chunks), L.virtual_stages
         self.reducer.zero_grad()
         self.inbox.start(self.step, L.backward_inputs(self.rank))
@@ -140,7 +140,7 @@ class BackwardRank:
                     grad = self.links.take(("B", c, m)).to(out.dtype)
                 with tracing.span("backward", "compute", chunk=c, microbatch=m), emulation.segment("BW", v, m):
                     if grad is None:
-                        losses.append(out.detach() if out.is_cuda else float(out.detach()))  # GPU: no sync
+                        losses.append(out.detach())  # on the device: one host read per step (global_loss)
                         torch.autograd.backward(out * scale)
                     else:
                         torch.autograd.backward(out, grad)
@@ -179,7 +179,7 @@ class BackwardRank:
         if 0 < self.coord.pp < self.layout.pp - 1:
             return [(None, None)] * m
         ids, labels = self.valid.get(i)
-        return [(a.to(self.device), b.to(self.device)) for a, b in split_microbatches(ids, labels, m)]
+        return host_copy.microbatches_to(split_microbatches(ids, labels, m), self.device)
 
     def _stuck(self, chunk: int, m: int) -> str:
         return (f"FBD backward rank {self.rank} ({self.coord.label()}) waits for the output gradient of chunk "

@@ -28,7 +28,7 @@ from megatronapp.fbd.layout import FbdLayout
 from megatronapp.fbd.messages import Inbox, Outbox
 from megatronapp.fbd.reader import StepReader
 from megatronapp.fbd.weights import WeightLink, param_specs, segment
-from megatronapp.parallel import emulation
+from megatronapp.parallel import emulation, host_copy
 from megatronapp.parallel.tensor_parallel import SEQ_DIM
 from megatronapp.train import checkpoint as ckpt
 
@@ -123,7 +123,7 @@ class ForwardRank:
         with torch.no_grad(), self.autocast:
             for d, m in self.jobs:
                 if self.stage == 0:
-                    x = batches[d][m][0].to(self.device)
+                    x = host_copy.to_device(batches[d][m][0], self.device)
                 else:
                     x = self.from_prev.take((d, m, min(self.segments)))
                 for v, seg in self.segments.items():

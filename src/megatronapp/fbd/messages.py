@@ -15,7 +15,7 @@ from collections import deque
 import torch
 
 from megatronapp.fbd.groups import PairLinks
-from megatronapp.parallel import comm
+from megatronapp.parallel import comm, host_copy
 
 HEADER_BYTES = 16
 Key = tuple[int, int, int]  # (dp replica, microbatch, virtual stage)
@@ -36,7 +36,7 @@ class Outbox:
 
     def send(self, dst: int, step: int, key: Key, t: torch.Tensor) -> None:
         buf = _buffer(self.shape, self.dtype, self.device)
-        buf[:HEADER_BYTES].view(torch.int32).copy_(torch.tensor([step % 2**31, *key], dtype=torch.int32))
+        host_copy.write_ints(buf[:HEADER_BYTES].view(torch.int32), [step % 2**31, *key])
         buf[HEADER_BYTES:].view(self.dtype).view(self.shape).copy_(t.detach())
         h = comm.isend(buf, dst, self.links(dst))
         h.is_completed()  # gloo: start watching now, so the payload can go as soon as it is sent

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatronapp import gpu_setup
 from megatronapp.config import ConfigError, RunConfig, plugin_entries, validate
 from megatronapp.fbd.backward import BackwardRank
 from megatronapp.fbd.forward import ForwardRank
@@ -28,6 +29,7 @@ from megatronapp.fbd.weights import param_specs
 from megatronapp.parallel import comm
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train import loop, plugins
+from megatronapp.train.trainer import prepare_gpu_launch
 
 
 def layout_of(cfg: RunConfig) -> FbdLayout:
@@ -52,6 +54,7 @@ def build_rank(cfg: RunConfig, rank: int) -> BackwardRank | ForwardRank | None:
     groups = build_groups(layout, rank, {(tr.src, tr.dst) for tr in plan})
     device = torch.device("cuda", torch.cuda.current_device()) if (
         dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
+    gpu_setup.math_modes(device, cfg.train.tf32)
     if rank >= layout.total:
         return None
     if layout.is_forward(rank):
@@ -77,6 +80,7 @@ def train(cfg: RunConfig, threads: int | None = None) -> dict[str, Any]:
 
     validate(cfg)
     plugins.resolve_all(plugin_entries(cfg))  # a bad --attach fails here, once, not in every spawned rank
+    prepare_gpu_launch(cfg)
     if external_launch():
         raise ConfigError("MegaFBD runs on local ranks only for now (not under torchrun); start it without torchrun")
     Path(cfg.train.out).mkdir(parents=True, exist_ok=True)

@@ -17,11 +17,11 @@ from megatronapp import tracing
 from megatronapp.config import ModelConfig
 from megatronapp.model.attention import Attention, CacheUpdate
 from megatronapp.model.capture import Capture
-from megatronapp.model.init import reset_parameters
+from megatronapp.model.init import full_shape, reset_parameters
 from megatronapp.model.mlp import MLP
 from megatronapp.model.norms import is_norm, make_norm
 from megatronapp.model.rope import inv_frequencies, rope_tables
-from megatronapp.parallel import weight_grad
+from megatronapp.parallel import host_copy, weight_grad
 from megatronapp.parallel.tensor_parallel import (
     SEQ_DIM,
     VocabParallelEmbedding,
@@ -153,6 +153,7 @@ class TransformerChunk(nn.Module):
             self.output = OutputLayer(cfg, tp_group) if post_process and not self.tied_here else None
         # Not a buffer: model.to(bfloat16) would round the frequencies; tables are rebuilt in fp32 per forward.
         self.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta) if cfg.family == "llama" else None
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # copied to a device once, not every forward
         if sp:
             # Norms see only this rank's sequence slice: their gradients are partial sums over TP.
             for m in self.modules():
@@ -212,7 +213,7 @@ class TransformerChunk(nn.Module):
         seq = h.shape[1] * (tp_size(self.tp_group) if self.sequence_parallel else 1)
         rope = None
         if self.inv_freq is not None:
-            rope = rope_tables(self.inv_freq.to(h.device), start_pos, seq)
+            rope = rope_tables(self._rope_frequencies(h.device), start_pos, seq)
         training = torch.is_grad_enabled() and kv_cache is None
         # Full recompute replays a layer's forward in backward: hooks would fire twice (and a random
         # perturbation would differ), so layers run plainly while an observer is attached.
@@ -231,6 +232,14 @@ class TransformerChunk(nn.Module):
         if not self.post_process:
             return h
         return self._head(h, labels)
+
+    def _rope_frequencies(self, device: torch.device) -> torch.Tensor:
+        """The fp32 RoPE frequencies on `device`: copied there once (a pageable copy per forward would make the
+        host wait for the GPU at every chunk's forward)."""
+        f = self._inv_freq_on.get(device)
+        if f is None:
+            f = self._inv_freq_on[device] = host_copy.to_device(self.inv_freq, device)
+        return f
 
     def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         cap = self.capture
@@ -294,6 +303,23 @@ class KVCache:
 def build_model(cfg: ModelConfig, seed: int = 0, **kw) -> TransformerChunk:
     """The whole model as one chunk (all layers, embedding and head) for a single process."""
     return TransformerChunk(cfg, 0, cfg.num_layers, pre_process=True, post_process=True, seed=seed, **kw)
+
+
+def expected_shapes(cfg: ModelConfig, held: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the one-process model of `cfg` and its full shape (real vocabulary rows), to check the
+    weights a file holds (`held`: name -> shape, from its headers) against before any weight is allocated. The
+    model is built on the meta device, after the config's sizes are bounded by the weights (a layer holds at
+    least one tensor, every size is some tensor's dimension): a claim of 10^9 layers costs nothing."""
+    largest = max((d for shape in held.values() for d in shape), default=0)
+    sizes = {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.ffn_hidden_size,
+             "vocab_size": cfg.vocab_size}
+    if cfg.num_layers > len(held):
+        raise ValueError(f"model.num_layers={cfg.num_layers}, but the weights are {len(held)} tensors")
+    for name, value in sizes.items():
+        if name != "num_layers" and value > largest:
+            raise ValueError(f"model.{name}={value}, but no tensor of the weights has a dimension above {largest}")
+    model = build_model(cfg, device="meta")
+    return {n: full_shape(p, None) for n, p in model.named_parameters()}
 
 
 def unpadded_state_dict(model: TransformerChunk) -> dict[str, torch.Tensor]:

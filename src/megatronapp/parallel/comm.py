@@ -24,15 +24,15 @@ import torch.distributed as dist
 
 from megatronapp import tracing
 from megatronapp.parallel.comm_context import CONTEXT, SEMANTICS, CommContext, CommOp, Interceptor
-from megatronapp.parallel.comm_handle import Handle, wait_until
+from megatronapp.parallel.comm_handle import NCCL_POLL_MAX_S, POLL_MAX_S, Handle, wait_until
 from megatronapp.parallel.comm_wire import hold
 from megatronapp.parallel.group import Group
 
-__all__ = ["CONTEXT", "SEMANTICS", "CommContext", "CommOp", "Handle", "Interceptor", "P2P", "add_interceptor",
-           "all_gather", "all_gather_async", "all_gather_inplace_async", "all_reduce", "all_reduce_async",
-           "barrier", "batch_isend_irecv", "broadcast", "broadcast_object", "irecv", "isend", "recv",
-           "reduce_scatter", "reduce_scatter_async", "reduce_scatter_inplace_async", "remove_interceptor", "reset",
-           "semantics", "send", "set_semantics", "wait_until", "warm_up_link"]
+__all__ = ["CONTEXT", "NCCL_POLL_MAX_S", "POLL_MAX_S", "SEMANTICS", "CommContext", "CommOp", "Handle", "Interceptor",
+           "P2P", "add_interceptor", "all_gather", "all_gather_async", "all_gather_inplace_async", "all_reduce",
+           "all_reduce_async", "barrier", "batch_isend_irecv", "broadcast", "broadcast_object", "irecv", "isend",
+           "recv", "reduce_scatter", "reduce_scatter_async", "reduce_scatter_inplace_async", "remove_interceptor",
+           "reset", "semantics", "send", "set_semantics", "wait_until", "warm_up_link"]
 
 
 def add_interceptor(fn: Interceptor) -> None:
@@ -117,12 +117,32 @@ def all_reduce_async(t: torch.Tensor, group: Group, op: str = "sum", label: str 
                   lambda: dist.all_reduce(t, op=_REDUCE_OPS[op], group=group.pg, async_op=True))
 
 
+# NCCL takes one flat buffer per collective: the list forms (`all_gather(list, t)`, `reduce_scatter(t, list)`)
+# make ProcessGroupNCCL flatten the list into a buffer and copy it out again. The single-tensor forms below hand
+# it that buffer directly; a gather along dim 0 then needs no copy at all, along another dim one concatenation.
+# Plain gloo keeps the forms it has always had (older torch's gloo lacks the single-tensor ones); under the strict
+# modes gloo runs NCCL's, so the tests cover them.
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+_scatter_from = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in 2.13
+
+
+def _native_gloo(group: Group) -> bool:
+    return CONTEXT.backend(group) == "gloo" and CONTEXT.strict is None
+
+
+def _gather(out: torch.Tensor, src: torch.Tensor, group: Group) -> Callable[[], Any]:
+    """Start filling `out` ([group.size * n, ...]) with every member's `src` ([n, ...]) as consecutive blocks."""
+    if _native_gloo(group):
+        return lambda: dist.all_gather(list(out.chunk(group.size)), src, group=group.pg, async_op=True)
+    return lambda: _gather_into(out, src, group=group.pg, async_op=True)
+
+
 def reduce_scatter_inplace_async(t: torch.Tensor, group: Group, label: str = "") -> Handle:
     """Start summing the flat `t` over the group in place: once waited on, member i's slice i (of group.size
     equal slices) holds the sum; the other slices are left undefined. A no-op for a group of one."""
     if group.size == 1:
         return Handle(None, None)
-    if CONTEXT.backend(group) == "gloo" and CONTEXT.strict is None:
+    if _native_gloo(group):
         # gloo's reduce-scatter costs about twice its all-reduce (measured: 16 MiB, 2 ranks, 14 vs 8 ms of CPU);
         # an in-place all-reduce leaves the same sums in every slice, ours included. Under --comm-semantics nccl
         # gloo runs the op NCCL would run, so the tests cover both.
@@ -130,8 +150,8 @@ def reduce_scatter_inplace_async(t: torch.Tensor, group: Group, label: str = "")
                       keep=t)
     # in place (output = the input's own slice) as Megatron's distributed optimizer does
     mine = _mine(t, group)
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in 2.13
-    return _start("reduce_scatter", group, t, label, lambda: scatter(mine, t, group=group.pg, async_op=True), keep=t)
+    return _start("reduce_scatter", group, t, label, lambda: _scatter_from(mine, t, group=group.pg, async_op=True),
+                  keep=t)
 
 
 def all_gather_inplace_async(t: torch.Tensor, group: Group, label: str = "") -> Handle:
@@ -139,41 +159,51 @@ def all_gather_inplace_async(t: torch.Tensor, group: Group, label: str = "") -> 
     if group.size == 1:
         return Handle(None, None)
     mine = _mine(t, group)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    return _start("all_gather", group, t, label, lambda: gather(t, mine, group=group.pg, async_op=True), keep=t)
+    return _start("all_gather", group, t, label, _gather(t, mine, group), keep=t)
+
+
+def _stacked(t: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Member i's chunk of `dim` as block i along dim 0, contiguous: `t` itself when dim is 0."""
+    if dim == 0 and t.is_contiguous():
+        return t
+    return torch.cat(t.chunk(group.size, dim=dim), dim=0)
 
 
 def all_gather(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Concatenate every member's `t` along `dim`, in group-rank order."""
     if group.size == 1:
         return t
-    parts = [torch.empty_like(t) for _ in range(group.size)]
-    _blocking("all_gather", group, t, lambda: dist.all_gather(parts, t.contiguous(), group=group.pg, async_op=True))
-    return torch.cat(parts, dim=dim)
+    src = t.contiguous()
+    out = src.new_empty((group.size * src.shape[0], *src.shape[1:]))  # blocks along dim 0, as gloo checks them
+    _blocking("all_gather", group, t, _gather(out, src, group))
+    if dim == 0:
+        return out
+    return torch.cat(out.chunk(group.size, dim=0), dim=dim)
 
 
 def reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """Sum over the group, then keep this member's slice of `dim`."""
     if group.size == 1:
         return t
-    chunks = [c.contiguous() for c in t.chunk(group.size, dim=dim)]
-    out = torch.empty_like(chunks[0])
-    if CONTEXT.backend(group) == "gloo":  # on gloo: all-reduce a copy and keep our slice (same numbers)
+    if _native_gloo(group):
+        # all-reduce a copy and keep our slice (same numbers; cheaper on gloo, see reduce_scatter_inplace_async)
         full = t.contiguous().clone()
         _blocking("reduce_scatter", group, t, lambda: dist.all_reduce(full, group=group.pg, async_op=True))
-        return out.copy_(_mine(full, group, dim))
-    _blocking("reduce_scatter", group, t, lambda: dist.reduce_scatter(out, chunks, group=group.pg, async_op=True))
+        return _mine(full, group, dim).contiguous()
+    stacked = _stacked(t, group, dim)
+    out = stacked.new_empty((stacked.shape[0] // group.size, *stacked.shape[1:]))
+    _blocking("reduce_scatter", group, t, lambda: _scatter_from(out, stacked, group=group.pg, async_op=True))
     return out
 
 
-def all_gather_async(t: torch.Tensor, group: Group, label: str = "") -> tuple[list[torch.Tensor], Handle]:
-    """Start gathering every member's `t`; once the handle is waited on, the list holds them in group-rank order."""
+def all_gather_async(t: torch.Tensor, group: Group, label: str = "") -> tuple[torch.Tensor, Handle]:
+    """Start gathering every member's `t`; once the handle is waited on, the tensor [group.size, *t.shape] holds
+    them in group-rank order."""
     if group.size == 1:
-        return [t], Handle(None, None)
-    parts = [torch.empty_like(t) for _ in range(group.size)]
+        return t.unsqueeze(0), Handle(None, None)
     src = t.contiguous()
-    return parts, _start("all_gather", group, t, label,
-                         lambda: dist.all_gather(parts, src, group=group.pg, async_op=True), keep=src)
+    out = src.new_empty((group.size * src.shape[0], *src.shape[1:]))
+    return out.view(group.size, *src.shape), _start("all_gather", group, t, label, _gather(out, src, group), keep=src)
 
 
 def reduce_scatter_async(t: torch.Tensor, group: Group, dim: int = 0,
@@ -182,15 +212,15 @@ def reduce_scatter_async(t: torch.Tensor, group: Group, dim: int = 0,
     `dim` of the sum."""
     if group.size == 1:
         return t, Handle(None, None)
-    if CONTEXT.backend(group) == "gloo":  # all-reduce a copy (as `reduce_scatter`): the slice is a view of it
+    if _native_gloo(group):  # all-reduce a copy: the slice is a view of it
         full = t.contiguous().clone()
         h = _start("reduce_scatter", group, t, label, lambda: dist.all_reduce(full, group=group.pg, async_op=True),
                    keep=full)
         return _mine(full, group, dim), h
-    chunks = [c.contiguous() for c in t.chunk(group.size, dim=dim)]
-    out = torch.empty_like(chunks[0])
+    stacked = _stacked(t, group, dim)
+    out = stacked.new_empty((stacked.shape[0] // group.size, *stacked.shape[1:]))
     return out, _start("reduce_scatter", group, t, label,
-                       lambda: dist.reduce_scatter(out, chunks, group=group.pg, async_op=True), keep=t)
+                       lambda: _scatter_from(out, stacked, group=group.pg, async_op=True), keep=stacked)
 
 
 def broadcast(t: torch.Tensor, src: int, group: Group) -> torch.Tensor:

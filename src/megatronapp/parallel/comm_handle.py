@@ -176,15 +176,26 @@ class Handle:
         return not self._driven and not self._nccl and not self._event.is_set()
 
     @property
+    def orders_stream(self) -> bool:
+        """True when `wait()` returns at once and orders the current CUDA stream after the op (an NCCL op issued
+        directly): a consumer that knows which op it needs waits on the device, never on the host."""
+        return self._nccl and not self._driven
+
+    @property
     def done(self) -> bool:
         return self._event.is_set() and not (self._due and time.monotonic() < self._due)
 
 
-def wait_until(pred: Callable[[], bool], timeout_s: float, what: Callable[[], str]) -> None:
-    """Sleep until `pred()` (checked whenever an op completes, and by polling for NCCL works); raise
-    TimeoutError with `what()` after `timeout_s`."""
+POLL_MAX_S = 2e-3  # back-off cap when completions are signalled (gloo's watchers wake the waiter at once)
+NCCL_POLL_MAX_S = 2e-4  # NCCL works signal nothing: each poll costs a cudaEventQuery (~1 us), a late one a stall
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float, what: Callable[[], str],
+               max_delay_s: float = POLL_MAX_S) -> None:
+    """Sleep until `pred()` (checked whenever an op completes, and by polling with a back-off up to `max_delay_s`:
+    pass NCCL_POLL_MAX_S when NCCL works decide `pred`); raise TimeoutError with `what()` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    delay = 5e-5
+    delay = min(5e-5, max_delay_s)
     with _progress:
         while not pred():
             strict = CONTEXT.strict
@@ -194,4 +205,4 @@ def wait_until(pred: Callable[[], bool], timeout_s: float, what: Callable[[], st
             if left <= 0:
                 raise TimeoutError(f"nothing arrived for {timeout_s:.0f} s; {what()}")
             _progress.wait(min(left, delay))
-            delay = min(delay * 2, 2e-3)
+            delay = min(delay * 2, max_delay_s)

@@ -216,13 +216,14 @@ class DistributedOptimizer(GradReducer):
         comm.all_reduce(sq, self.dp_group)
         comm.all_reduce(sq, self.topo.tp_group)
         comm.all_reduce(sq, self.topo.pp_group)
-        norm = float(sq.sqrt())
+        norm = float(sq.sqrt())  # the step's one host read of it: the metrics and the clip decision
         if max_norm > 0 and max_norm / (norm + 1e-6) < 1.0:
-            # torch's clip_grads_with_norm_ arithmetic, on the owned slices only
-            coef = (max_norm / (torch.tensor(norm) + 1e-6)).clamp(max=1.0)
+            # torch's clip_grads_with_norm_ arithmetic, on the owned slices only; the norm in fp32 as
+            # torch.tensor(norm) would hold it, but on the device (no host-to-device copy)
+            coef = (max_norm / (sq.sqrt().to(torch.float32).reshape(()) + 1e-6)).clamp(max=1.0)
             grads = [s.grad for s in self.segments]
             if grads:
-                torch._foreach_mul_(grads, coef.to(self.device))
+                torch._foreach_mul_(grads, coef)
         return norm
 
     # -- torch.optim.Optimizer's surface used by the trainer -----------------------------------------------

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from megatronapp.config import RunConfig
+from megatronapp.device_spec import parse_spec
 from megatronapp.parallel import comm
-from megatronapp.parallel.device_emulation import FIELDS, KINDS, EmulatedDevice, parse_spec, summarize
+from megatronapp.parallel.device_emulation import FIELDS, KINDS, EmulatedDevice, summarize
 from megatronapp.parallel.topology import Group
 
 _active: EmulatedDevice | None = None

@@ -4,7 +4,10 @@
 complete (a blocking op returned, an async op's handle completed). On NCCL a returned `wait()` only means the
 op is queued on its stream, so `comm` hands over a probe instead (`done_when(op, work.is_completed)`): the op
 stays in flight until the probe, checked whenever an op is issued or a snapshot taken, says its CUDA event fired.
-It is always on and costs a dict insert and delete and a deque append per op.
+The ops of one stream (a group's collectives, one direction of a P2P channel) run in order on one CUDA stream, so
+their events fire in order: only the oldest unconfirmed op of each stream is probed, and the probes per issued op
+are bounded by the number of streams, not by the ops in flight (a host running far ahead of the GPU would
+otherwise spend its time probing). It is always on and costs a dict insert and delete and a deque append per op.
 Readers (the resilience heartbeat, a hang dump) call `snapshot()`, which is JSON-ready and safe from any thread.
 
 Record format (one dict per op; shared with MegaScan's hang analysis, documented in docs/resilience.md):
@@ -57,7 +60,8 @@ class FlightRecorder:
         self._ids = itertools.count()
         self._keys: dict[tuple, str] = {}
         self._rank: int | None = None
-        self.unconfirmed: list[tuple[Any, Callable[[], bool]]] = []  # NCCL ops waited on, maybe still running
+        # NCCL ops waited on, maybe still running: per stream key, oldest first (they complete in this order)
+        self.unconfirmed: dict[str, deque[tuple[Any, Callable[[], bool]]]] = {}
         self._sweep_lock = threading.Lock()
 
     def clear(self) -> None:
@@ -82,21 +86,24 @@ class FlightRecorder:
 
     def done_when(self, op: Any, probe: Callable[[], bool]) -> None:
         """`op` completes when `probe()` says so (a CUDA work's `is_completed`); checked now and later."""
-        if probe():
-            self.done(op)
+        e = self.open.get(id(op))
+        if e is None:
             return
         with self._sweep_lock:
-            self.unconfirmed.append((op, probe))
+            if e.key not in self.unconfirmed and probe():  # an op behind an unconfirmed one waits its turn
+                self.done(op)
+                return
+            self.unconfirmed.setdefault(e.key, deque()).append((op, probe))
 
     def _sweep(self) -> None:
+        """Confirm what has completed: per stream, probe from the oldest op and stop at the first still running."""
         with self._sweep_lock:
-            still = []
-            for op, probe in self.unconfirmed:
-                if probe():
-                    self.done(op)
-                else:
-                    still.append((op, probe))
-            self.unconfirmed = still
+            for key in list(self.unconfirmed):
+                queue = self.unconfirmed[key]
+                while queue and queue[0][1]():
+                    self.done(queue.popleft()[0])
+                if not queue:
+                    del self.unconfirmed[key]
 
     def done(self, op: Any) -> None:
         e = self.open.pop(id(op), None)

@@ -31,6 +31,11 @@ def _counted_params(chunks: list[nn.Module], topo: Topology):
 
 def global_grad_norm(chunks: list[nn.Module], topo: Topology) -> float:
     """L2 norm of the whole model's gradient, identical on every rank."""
+    return float(_global_norm(chunks, topo))
+
+
+def _global_norm(chunks: list[nn.Module], topo: Topology) -> torch.Tensor:
+    """The global norm as a float64 tensor [1] on the parameters' device."""
     grads = [p.grad.detach() for p in _counted_params(chunks, topo)]
     # on the parameters' device: NCCL reduces CUDA tensors only
     device = next((p.device for c in chunks for p in c.parameters()), torch.device("cpu"))
@@ -39,13 +44,15 @@ def global_grad_norm(chunks: list[nn.Module], topo: Topology) -> float:
         sq += torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).double() ** 2
     comm.all_reduce(sq, topo.tp_group)
     comm.all_reduce(sq, topo.pp_group)
-    return float(sq.sqrt())
+    return sq.sqrt()
 
 
 def clip_grad_norm(chunks: list[nn.Module], topo: Topology, max_norm: float) -> float:
     """Scale all gradients so the global norm is at most `max_norm` (0 disables); return the norm before."""
-    norm = global_grad_norm(chunks, topo)
+    total = _global_norm(chunks, topo)
+    norm = float(total)  # the step's one host read of it: the metrics and the clip decision
     if max_norm > 0 and max_norm / (norm + 1e-6) < 1.0:
         params = [p for chunk in chunks for p in chunk.parameters() if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm), foreach=True)
+        # the norm as torch.tensor(norm) would hold it (fp32), but already on the device: no host-to-device copy
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(torch.float32).reshape(()), foreach=True)
     return norm

@@ -105,6 +105,11 @@ class Topology:
         return self.groups["tp"]
 
     @property
+    def tp_control_group(self) -> Group:
+        """Where TP peers agree on host-side decisions: the gloo `tp.ctl` group when made, else the TP group."""
+        return self.groups.get("tp.ctl") or self.groups["tp"]
+
+    @property
     def pp_group(self) -> Group:
         return self.groups["pp"]
 
@@ -162,8 +167,10 @@ class Topology:
         return "\n".join(lines)
 
 
-def build(tp: int, pp: int, dp: int, rank: int | None = None) -> Topology:
-    """Create the topology and, when torch.distributed is initialised, this rank's process groups."""
+def build(tp: int, pp: int, dp: int, rank: int | None = None, tp_control: bool = False) -> Topology:
+    """Create the topology and, when torch.distributed is initialised, this rank's process groups. `tp_control`:
+    also a host-side (gloo) group of the TP peers, `tp.ctl`, for per-task decisions (MegaDPP with TP), when the TP
+    group is NCCL's: an object broadcast over NCCL costs host-device synchronisations per task."""
     initialized = dist.is_available() and dist.is_initialized()
     if rank is None:
         rank = dist.get_rank() if initialized else 0
@@ -181,6 +188,11 @@ def build(tp: int, pp: int, dp: int, rank: int | None = None) -> Topology:
         if initialized and (len(ranks) > 1 or (name == "embd" and topo.pp > 2)):
             pg = dist.new_group(list(ranks), use_local_synchronization=True)
         topo.groups[name] = Group(name, ranks, pg)
+    tp_group = topo.groups["tp"]
+    if tp_control and tp_group.pg is not None and dist.get_backend(tp_group.pg) == "nccl":
+        # every rank makes it (each has TP peers), so the local-synchronisation group count stays equal
+        topo.groups["tp.ctl"] = Group("tp.ctl", tp_group.ranks, dist.new_group(
+            list(tp_group.ranks), backend="gloo", use_local_synchronization=True))
     if pp > 1 and LINKS == "column":
         ranks = topo.pp_ranks(rank)
         for name in CHANNELS:

@@ -45,9 +45,8 @@ def gather_matmul(x: torch.Tensor, group: Group, chunks: int, fn: Matmul,
                                      label=f"sp chunk {k}/{chunks}") for k in range(chunks)]
     full = x.new_empty(b, tp, chunks, s_c, h) if keep_input else None
     out = None
-    for k, (parts, handle) in enumerate(pending):
-        handle.wait()
-        xk = torch.stack(parts)  # [tp, b, s_c, h]
+    for k, (xk, handle) in enumerate(pending):
+        handle.wait()  # xk: [tp, b, s_c, h], every member's chunk
         yk = fn(xk)
         if out is None:
             out = yk.new_empty(b, tp, chunks, s_c, yk.shape[-1])

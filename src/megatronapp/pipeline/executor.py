@@ -41,9 +41,12 @@ class GradSync(Protocol):
     def after_final_backward(self, chunk: int) -> None: ...
 
 
+_KINDS = "FBW"  # a task's kind as the int TP peers exchange
+
+
 @dataclass
 class StepResult:
-    losses: list[float]  # per microbatch, on the stage holding the last virtual stage (else empty)
+    losses: list[torch.Tensor]  # per microbatch (0-dim, on the device), on the last virtual stage (else empty)
     order: list[Task]  # tasks in the order this stage ran them
     peak_inflight: int
     wait_s: float  # time spent waiting for inputs
@@ -165,7 +168,9 @@ class PipelineExecutor:
             expected = {"F": sum(self.m for c in range(self.vpp) if not self._first(c)),
                         "B": sum(self.m for c in range(self.vpp) if not self._last(c))}
             self.links.peak_buffers = 0
-            self.links.start(self.steps, expected, self._window())
+            # a static schedule fixes each channel's arrival order: the links need not read headers per message
+            order = self.policy.arrivals if isinstance(self.policy, StaticPolicy) else None
+            self.links.start(self.steps, expected, self._window(), order)
         self.steps += 1
         return _StepState(microbatches, loss_scale, view, static=isinstance(self.policy, StaticPolicy),
                           split=split, backward_count=[0] * self.vpp,
@@ -198,11 +203,21 @@ class PipelineExecutor:
         if not self.decide_on_tp0 or self.topo.coord.tp == 0:
             task = self._choose(st)
         if self.decide_on_tp0:
-            task = comm.broadcast_object(task, self.topo.tp_group.ranks[0], self.topo.tp_group)
+            task = self._share_choice(task)
             t0 = time.perf_counter()
             self._wait_input(st, task)
             st.wait_s += time.perf_counter() - t0
         return task
+
+    def _share_choice(self, task: Task | None) -> Task:
+        """TP rank 0's choice, on every TP peer: three ints broadcast on the host control group (gloo when the TP
+        group is NCCL's), so a decision per task costs no pickling and no host-device synchronisation."""
+        ctl = self.topo.tp_control_group
+        msg = torch.tensor([_KINDS.index(task.kind), task.chunk, task.microbatch] if task is not None else [0, 0, 0],
+                           dtype=torch.int64, device=self.device if comm.CONTEXT.backend(ctl) == "nccl" else "cpu")
+        comm.broadcast(msg, ctl.ranks[0], ctl)
+        kind, chunk, microbatch = msg.tolist()
+        return Task(_KINDS[kind], chunk, microbatch)
 
     def _choose(self, st: _StepState) -> Task:
         """Ask the policy until it picks a ready task, waiting for arrivals in between; the wait is timed."""
@@ -300,8 +315,9 @@ class PipelineExecutor:
                 emulation.task("F", t.chunk, t.microbatch):
             out = self.chunks[t.chunk](x, labels=labels if last else None)
         if last:
-            # on a GPU the loss stays on the device: one sync per step (trainer.global_loss), not per microbatch
-            st.losses[t.microbatch] = out.detach() if out.is_cuda else float(out.detach())
+            # the loss stays on the device: one host read per step (trainer.global_loss), not per microbatch; the
+            # CPU takes the same path, so the tests hold the GPU's count of host reads (tests/test_sync_budget.py)
+            st.losses[t.microbatch] = out.detach()
             out = out * st.loss_scale
         else:
             self.links.send("F", self._next_chunk(t.chunk), t.microbatch, out)
@@ -334,7 +350,15 @@ class PipelineExecutor:
                 f"{[f'{k}{c}.{m}' for k, c, m in links.pending()][:8]}")
 
     def _headroom(self) -> float | None:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            return free / total
+        return memory_headroom(self.device)
+
+
+def memory_headroom(device: torch.device) -> float | None:
+    """The fraction of the device's memory the next allocations can have (None off a GPU): free memory plus what
+    PyTorch's caching allocator holds but does not use (reserved - allocated). `mem_get_info` alone counts the
+    cache as used, so once the cache is warm a stage would read as under memory pressure for the whole run."""
+    if device.type != "cuda":
         return None
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return min(1.0, (free + cached) / total)

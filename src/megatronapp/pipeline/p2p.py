@@ -10,6 +10,10 @@ send, and no order of sends and receives on different streams can deadlock the s
 
 Within a channel messages arrive in the sender's order, which a dynamic policy decides at run time, so every
 message starts with a 16-byte header (step, kind, chunk, microbatch) and the receiver files it under that key.
+A static schedule fixes that order in advance (`schedules.arrival_orders`): the receiver then files each message
+under the key it expects and checks the headers once, at the end of the step. On a GPU that removes the host from
+the receive path: no polling of `is_completed()`, no header copied to the host per message; `wait()` on an NCCL
+receive only orders the compute stream after it. A wrong order still fails the step, before the optimizer runs.
 Only `window` receives per channel are outstanding at a time (sized from the schedule, not 2·vpp·microbatches);
 one is re-posted as soon as one arrives, so a slot never waits for the task that consumes its message. Arrived
 messages are kept until their task runs. A sent payload is dropped as soon as its send completes.
@@ -32,12 +36,17 @@ from collections.abc import Callable
 
 import torch
 
-from megatronapp.parallel import comm
+from megatronapp.parallel import comm, host_copy
 from megatronapp.parallel.topology import Topology
 
 HEADER_BYTES = 16  # int32 step, kind, chunk, microbatch
 _KIND = {"F": 0, "B": 1}
 Key = tuple[str, int, int]  # (kind, chunk on the receiving stage, microbatch)
+
+
+def _poll_cap(heads: list[comm.Handle]) -> float:
+    """How long a wait may sleep between polls: short when an NCCL receive (which signals nothing) decides it."""
+    return comm.NCCL_POLL_MAX_S if any(h.orders_stream for h in heads) else comm.POLL_MAX_S
 
 
 class _Inbound:
@@ -47,6 +56,7 @@ class _Inbound:
         self.kind, self.src, self.group = kind, src, group
         self.posted: deque[tuple[torch.Tensor, comm.Handle]] = deque()
         self.to_post = 0  # receives still to post this step
+        self.keys: deque[Key] | None = None  # a static schedule: the key of every message still to arrive, in order
 
 
 class StageLinks:
@@ -70,17 +80,28 @@ class StageLinks:
         self.peak_buffers = 0  # receive buffers held at once (posted + arrived, not yet consumed)
         self._side: torch.cuda.Stream | None = None  # GPU: header reads wait for their receive only
         self._pinned: torch.Tensor | None = None
+        self.unchecked: list[tuple[_Inbound, Key, torch.Tensor]] = []  # known-order headers, checked at finish
 
     # -- a step ---------------------------------------------------------------------------------------------
-    def start(self, step: int, expected: dict[str, int], window: int) -> None:
-        """Begin a step expecting `expected[kind]` messages on each incoming channel; post the first windows."""
+    def start(self, step: int, expected: dict[str, int], window: int,
+              order: dict[str, list[Key]] | None = None) -> None:
+        """Begin a step expecting `expected[kind]` messages on each incoming channel; post the first windows.
+        `order` (static schedules): the key of each of those messages, in the order the sender sends them."""
         if self.arrived or any(ch.posted for ch in self.inbound.values()):
             raise RuntimeError(f"pipeline step {self.step} left messages unconsumed: {sorted(self.arrived)}")
         if not self.overlap:  # blocking sends need their receives posted (see the module docstring)
             window = max(window, *expected.values(), 1)
         self.step, self.window = step, max(1, window)
+        self.unchecked = []
         for kind, ch in self.inbound.items():
             ch.to_post = expected.get(kind, 0)
+            ch.keys = None
+            if order is not None:
+                keys = order.get(kind, [])
+                if len(keys) != ch.to_post:  # a bug in the schedule's arrival orders, not a user error
+                    raise RuntimeError(f"pipeline: {len(keys)} {kind} messages in the static order, "
+                                       f"{ch.to_post} expected")
+                ch.keys = deque(keys)
             self._post(ch)
 
     def _post(self, ch: _Inbound) -> None:
@@ -95,17 +116,31 @@ class StageLinks:
         self.peak_buffers = max(self.peak_buffers, held)
 
     def _take_head(self, ch: _Inbound) -> Key:
-        """The head receive of `ch` has completed: file its payload under the header's key, post another."""
+        """File the head receive of `ch` (completed, or on NCCL ordered before the compute stream's next work) under
+        its key, and post another: the key a static order expects (its header kept for `finish`), else the
+        header's own."""
         buf, handle = ch.posted.popleft()
-        step, kind, chunk, mb = self._header(buf, handle)
-        if step != self.step % 2**31 or kind != _KIND[ch.kind]:
-            raise RuntimeError(f"pipeline message out of order on the {ch.kind} channel from rank {ch.src}: header "
-                               f"(step {step}, kind {kind}, chunk {chunk}, microbatch {mb}) during step {self.step}")
-        key = (ch.kind, chunk, mb)
+        if ch.keys is not None:
+            key = ch.keys.popleft()
+            handle.wait()  # gloo: it has arrived; NCCL: the compute stream waits for it, the host does not
+            self.unchecked.append((ch, key, buf[:HEADER_BYTES].view(torch.int32).clone()))
+        else:
+            header = self._header(buf, handle)
+            self._check(ch, header)
+            key = (ch.kind, header[2], header[3])
         self.arrived[key] = buf[HEADER_BYTES:].view(self.act_dtype).view(self.act_shape)
         self.new.append(key)
         self._post(ch)
         return key
+
+    def _check(self, ch: _Inbound, header: list[int], key: Key | None = None) -> None:
+        """A message's header must carry this step and the channel's kind (and, in a static order, its key)."""
+        step, kind, chunk, mb = header
+        if step != self.step % 2**31 or kind != _KIND[ch.kind] or (key is not None and (chunk, mb) != key[1:]):
+            expected = f", expected {key[0]}{key[1]}.{key[2]}" if key is not None else ""
+            raise RuntimeError(f"pipeline message out of order on the {ch.kind} channel from rank {ch.src}: header "
+                               f"(step {step}, kind {kind}, chunk {chunk}, microbatch {mb}) during step "
+                               f"{self.step}{expected}")
 
     def _header(self, buf: torch.Tensor, handle: comm.Handle) -> list[int]:
         """The 16-byte header of a received message, on the host: the key decides which task can run.
@@ -147,13 +182,15 @@ class StageLinks:
                 raise RuntimeError(f"pipeline: {key[0]}{key[1]}.{key[2]} is not among the messages still expected "
                                    f"from rank {ch.src}; {what()}")
             head = ch.posted[0][1]
-            if head.blocks_host:  # nothing else to do: wait in this thread, no hop through a watcher
+            if ch.keys is not None and head.orders_stream:
+                pass  # NCCL, known order: `_take_head` orders the compute stream after the receive
+            elif head.blocks_host:  # nothing else to do: wait in this thread, no hop through a watcher
                 try:
                     head.wait()
                 except RuntimeError as e:  # gloo's own timeout or a dead peer: say where the pipeline stood
                     raise RuntimeError(f"pipeline receive failed ({e}); {what()}") from e
             else:
-                comm.wait_until(head.is_completed, timeout_s, what)
+                comm.wait_until(head.is_completed, timeout_s, what, _poll_cap([head]))
             self._take_head(ch)
         self._prune_sends()
 
@@ -162,7 +199,7 @@ class StageLinks:
         heads = [ch.posted[0][1] for ch in self.inbound.values() if ch.posted]
         if not heads:
             raise RuntimeError(f"pipeline: waiting for input but no message is expected; {what()}")
-        comm.wait_until(lambda: any(h.is_completed() for h in heads), timeout_s, what)
+        comm.wait_until(lambda: any(h.is_completed() for h in heads), timeout_s, what, _poll_cap(heads))
         self.poll()
 
     def take(self, key: Key) -> torch.Tensor:
@@ -184,8 +221,7 @@ class StageLinks:
         """Send `t` (cast to the activation dtype) as message (kind, chunk of the receiver, microbatch)."""
         dst, group = self.outbound[kind]
         buf = torch.empty(HEADER_BYTES + self.payload_bytes, dtype=torch.uint8, device=self.device)
-        header = torch.tensor([self.step % 2**31, _KIND[kind], chunk, microbatch], dtype=torch.int32)
-        buf[:HEADER_BYTES].view(torch.int32).copy_(header)
+        host_copy.write_ints(buf[:HEADER_BYTES].view(torch.int32), [self.step % 2**31, _KIND[kind], chunk, microbatch])
         buf[HEADER_BYTES:].view(self.act_dtype).view(self.act_shape).copy_(t.detach())
         handle = comm.isend(buf, dst, group)
         if not self.overlap:
@@ -205,9 +241,15 @@ class StageLinks:
             self.sends = keep
 
     def finish(self) -> None:
-        """Wait for every send of the step; every expected message must have been consumed."""
+        """Wait for every send of the step; every expected message must have been consumed, and the headers of a
+        static order must be the ones it expected (read with one device-to-host copy for the whole step)."""
         while self.sends:
             self.sends.popleft().wait()
+        if self.unchecked:
+            headers = torch.stack([h for _, _, h in self.unchecked]).tolist()
+            checks, self.unchecked = self.unchecked, []
+            for (ch, key, _), header in zip(checks, headers):
+                self._check(ch, header, key)
         left = {k: n for k, n in self.expected_from().items() if n}
         if left or self.arrived:
             raise RuntimeError(f"pipeline step {self.step} ended with messages unreceived {left} or unconsumed "

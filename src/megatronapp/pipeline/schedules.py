@@ -145,6 +145,20 @@ def stage_orders(schedule: str, pp: int, vpp: int, m: int) -> list[list[Task]]:
     return orders
 
 
+def arrival_orders(orders: Sequence[Sequence[Task]], stage: int, pp: int, vpp: int
+                   ) -> dict[str, list[tuple[str, int, int]]]:
+    """The messages `stage` receives on each incoming channel, as (kind, chunk here, microbatch), in the order their
+    senders issue them: the activations of the previous stage's F tasks (all but the last virtual stage's) and the
+    gradients of the next stage's B tasks (all but the first virtual stage's). A message's chunk moves on by one
+    where the pipeline wraps (interleaving), as `PipelineExecutor._next_chunk` / `_prev_chunk` send it."""
+    prev, nxt, last = (stage - 1) % pp, (stage + 1) % pp, pp * vpp - 1
+    acts = [("F", t.chunk + 1 if prev == pp - 1 else t.chunk, t.microbatch) for t in orders[prev]
+            if t.kind == "F" and t.chunk * pp + prev != last]
+    grads = [("B", t.chunk - 1 if nxt == 0 else t.chunk, t.microbatch) for t in orders[nxt]
+             if t.kind == "B" and t.chunk * pp + nxt != 0]
+    return {"F": acts, "B": grads}
+
+
 SPLIT_BACKWARD = ("zb-h1",)  # static schedules with W tasks
 
 
@@ -155,10 +169,13 @@ class StaticPolicy:
         self.name = schedule
         self.split_backward = schedule in SPLIT_BACKWARD
         self.order: list[Task] = []
+        self.arrivals: dict[str, list[tuple[str, int, int]]] = {}  # what this stage receives, in arrival order
         self.pos = 0
 
     def reset(self, view: StageView) -> None:
-        self.order = stage_orders(self.name, view.pp, view.vpp, view.microbatches)[view.stage]
+        orders = stage_orders(self.name, view.pp, view.vpp, view.microbatches)
+        self.order = orders[view.stage]
+        self.arrivals = arrival_orders(orders, view.stage, view.pp, view.vpp) if view.pp > 1 else {}
         self.pos = 0
 
     def upcoming(self) -> Task:

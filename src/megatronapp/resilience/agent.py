@@ -14,7 +14,11 @@ prelude, before torch is imported), and tells each part of the start-up (`megatr
 In a multi-host job (`train --heartbeat-dir` under torchrun, `elastic.py`) the rank also knows its round
 (`MEGATRONAPP_ROUND`) and the same thread polls for the driver's restart decision of that round (`decision.py`):
 a valid one ends the process with `decision.RESTART_EXIT_CODE`; a bad one is reported once and ignored, so a
-stray or half-copied file never stops a healthy rank.
+stray or half-copied file never stops a healthy rank. Before each beat it also checks that its start of the
+workers is still the job's current one (`fence.py`): a rank whose start torchrun replaced (its host was cut off and
+a standby took its place) exits the same way, without another beat, so it never writes over the heartbeat of the
+rank that now holds its number. Its beats carry its host's address and torchrun node (`MEGATRONAPP_HOST_ADDR`,
+`MEGATRONAPP_NODE`), by which the watcher names a host.
 """
 from __future__ import annotations
 
@@ -29,11 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from megatronapp import startup
+from megatronapp.files import write_exclusive
 from megatronapp.parallel.flight_recorder import RECORDER
-from megatronapp.resilience import decision
+from megatronapp.resilience import decision, fence
 
 DIR_ENV, PERIOD_ENV, ROUND_ENV = "MEGATRONAPP_HEARTBEAT_DIR", "MEGATRONAPP_HEARTBEAT_S", "MEGATRONAPP_ROUND"
 START_ENV = "MEGATRONAPP_WORKER_START"  # one id per start of a multi-host job's workers (elastic.py)
+ADDR_ENV, NODE_ENV = "MEGATRONAPP_HOST_ADDR", "MEGATRONAPP_NODE"  # this rank's host in a multi-host job
 
 
 class Heartbeat:
@@ -50,9 +56,13 @@ class Heartbeat:
         self.round = round_  # None: a local supervisor stops this rank itself; no decision to poll
         self._exit = exit_fn
         self._bad_decision: str | None = None
+        start = os.environ.get(START_ENV)
+        self.fence = fence.Fence(directory, round_, start) if round_ is not None and start else None
+        node = os.environ.get(NODE_ENV, "")
         # step -1 and a "start-up: ..." phase until the trainer is built: a watcher takes no step from it
         self.state: dict[str, Any] = {
-            "round": round_, "start": os.environ.get(START_ENV), "host": socket.gethostname(), "layout": None,
+            "round": round_, "start": start, "host": socket.gethostname(), "addr": os.environ.get(ADDR_ENV),
+            "node": int(node) if node.isdigit() else None, "layout": None,
             "failed": False, "rank": rank, "pid": os.getpid(), "coord": None, "label": None, "step": -1,
             "phase": "start-up: spawn", "phase_since": time.time(), "tokens_per_s": None, "step_time_s": None,
             "mem_bytes": None, "checkpoint": None, "started_at": time.time(), "spawned_at": time.time(),
@@ -109,7 +119,7 @@ class Heartbeat:
             beat = {**self.state, "time": time.time(), "flight": flight,
                     "open_op": flight["open"][0] if flight["open"] else None,
                     "last_op": flight["recent"][-1] if flight["recent"] else None}
-            decision.write_exclusive(self.path, json.dumps(beat).encode())
+            write_exclusive(self.path, json.dumps(beat).encode())
 
     def failed(self, _error: BaseException | None = None) -> None:
         self.state["failed"] = True
@@ -134,8 +144,24 @@ class Heartbeat:
               file=sys.stderr, flush=True)
         self._exit(decision.RESTART_EXIT_CODE)
 
+    def fenced(self) -> fence.Start | None:
+        """The start that replaced this rank's (None while this rank's start is current, or outside torchrun)."""
+        return self.fence.check() if self.fence is not None else None
+
+    def leave_fenced(self, current: fence.Start) -> None:
+        """Leave at once and silently: this rank's number now belongs to a rank of the current start."""
+        print(f"megatronapp heartbeat (rank {self.state['rank']}, {self.state.get('addr')}): this start "
+              f"({self.fence.start if self.fence else '?'}) was replaced by {fence.describe(current)}: this host "
+              f"left the job (cut off, or late); exiting with {decision.RESTART_EXIT_CODE} without training on",
+              file=sys.stderr, flush=True)
+        self._exit(decision.RESTART_EXIT_CODE)
+
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
+            current = self.fenced()
+            if current is not None:
+                self.leave_fenced(current)
+                return
             try:
                 self.write()
             except OSError:  # the driver removed the directory: the run is being torn down

@@ -1,4 +1,5 @@
-"""`megatronapp diagnose` (diagnose.py) and `megatronapp resilience simulate` (simulate.py)."""
+"""`megatronapp diagnose` (diagnose.py) and `megatronapp resilience simulate|watch|store` (simulate.py, driver.py,
+store.py)."""
 from __future__ import annotations
 
 import argparse
@@ -79,6 +80,15 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return 0 if result["completed"] else 1
 
 
+def cmd_store(args: argparse.Namespace) -> int:
+    from megatronapp.resilience.store import serve
+
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port {args.port}: must be a TCP port (1-65535)")
+    serve(args.addr, args.port)
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("diagnose", help="GEMM, memory, pairwise P2P and per-group all-reduce tests; outliers named",
                        description="Run real tests on local ranks and name outliers against the median of their "
@@ -133,3 +143,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="stop when no rank of the round has beaten for S seconds (default: wait)")
     w.add_argument("--json", help="also write the result here")
     w.set_defaults(func=cmd_watch)
+    st = rsub.add_parser("store", help="host the c10d rendezvous store outside the training hosts",
+                         description="Host torchrun's c10d rendezvous store on a machine that does not train, so "
+                                     "that losing any training host (host 0 included) leaves the rendezvous "
+                                     "intact. Every host then runs torchrun with --rdzv-endpoint ADDR:PORT and "
+                                     "--rdzv-conf is_host=0.")
+    st.add_argument("--addr", required=True, help="the address to listen on (one of this host's; never all)")
+    st.add_argument("--port", type=int, default=29400)
+    st.set_defaults(func=cmd_store)

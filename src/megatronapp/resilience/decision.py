@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from megatronapp.files import write_exclusive
 
 # EX_TEMPFAIL (sysexits.h): "temporary failure, the user is invited to retry", which is what a restart is; no
 # Python error (1), signal death (negative) or argparse error (2) produces it.
@@ -49,25 +50,6 @@ def rounds_decided(directory: Path) -> int:
     except FileNotFoundError:
         return 0
     return sum(1 for n in names if _NAME.match(n))
-
-
-def write_exclusive(path: Path, data: bytes) -> None:
-    """Atomically replace `path` in a shared directory: the temporary is created new (O_EXCL, O_NOFOLLOW, a
-    random name), so a planted file or link is never written through, and the rename replaces a link at `path`
-    itself, not what it points to."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)
-    try:
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def write(directory: Path, decision: Decision) -> Path:

@@ -3,7 +3,7 @@
 Per rank: GEMM throughput and a memory write/verify pass with its bandwidth. Per pair of ranks: P2P latency (a
 4-byte ping-pong) and bandwidth (4 MiB one way, acknowledged). Per process group (tp, pp, dp, world): all-reduce
 time of 1 MiB. Outliers are judged against the median of their peers with the robust statistics MegaScan uses
-(`scan.stats.robust_excess`: leave-one-out median for small groups, 1.4826 MAD floored at a fraction of the
+(`scan.detect.stats.robust_excess`: leave-one-out median for small groups, 1.4826 MAD floored at a fraction of the
 reference): a value is an outlier when it is worse than its reference by both a relative margin and a robust z.
 A rank in most of the outlying pairs is named as the likely bad end. On one machine the tests are real but the
 bad machine is one you inject (`--inject slow-compute=RANK:FACTOR`, `slow-link=A-B:MS`), through the same fault
@@ -163,7 +163,7 @@ def diagnose_rank(rank: int, world: int, shape: tuple[int, int, int], inject: li
 def _outliers(values: dict[Any, float], higher_is_better: bool, rel: float = 0.3, zmin: float = 3.0
               ) -> list[dict[str, Any]]:
     """Members worse than their peers' (leave-one-out) median by > rel and > zmin robust sigmas."""
-    from megatronapp.scan.stats import robust_excess
+    from megatronapp.scan.detect.stats import robust_excess
 
     keys = list(values)
     if len(keys) < 2:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatronapp.scan.format import CAT_INDEX, COLUMNS, RankTrace, read_dir
+from megatronapp.scan.read.format import CAT_INDEX, COLUMNS, RankTrace, read_dir
 
 
 def window_range(k: int, interval: int, iterations: int) -> tuple[int, int]:
@@ -94,7 +94,7 @@ class StragglerWatch:
             self.next_window = k + 1
 
     def _analyse(self, traces: list[RankTrace], k: int, first: int, last: int) -> list[Straggler]:
-        from megatronapp.scan.detect import detect
+        from megatronapp.scan.detect.analysis import detect
 
         window = window_slice(traces, first, last)
         have = {t.rank for t in window if len(t)}

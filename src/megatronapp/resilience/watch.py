@@ -54,6 +54,7 @@ _NUM, _INT, _STR = (int, float), (int,), (str,)
 _FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "time": (_NUM, False), "step": (_INT, False), "phase": (_STR, False), "phase_since": (_NUM, False),
     "rank": (_INT, True), "pid": (_INT, True), "label": (_STR, True), "host": (_STR, True), "round": (_INT, True),
+    "addr": (_STR, True), "node": (_INT, True),
     "start": (_STR, True), "layout": ((list,), True), "failed": ((bool,), True), "checkpoint": (_STR, True),
     "tokens_per_s": (_NUM, True), "step_time_s": (_NUM, True), "mem_bytes": (_NUM, True),
     "flight": ((dict,), True), "open_op": ((dict,), True), "last_op": ((dict,), True)}

@@ -21,9 +21,9 @@ from typing import IO, Any
 
 import numpy as np
 
-from megatronapp.scan.align import estimate_offsets, to_reference
-from megatronapp.scan.format import CATS, RankTrace, read_rank
-from megatronapp.scan.traces import read_traces
+from megatronapp.scan.detect.align import estimate_offsets, to_reference
+from megatronapp.scan.read.format import CATS, RankTrace, read_rank
+from megatronapp.scan.read.traces import read_traces
 
 TID_COMPUTE, TID_COMM = 0, 1
 _COMM = CATS.index("comm")
@@ -108,7 +108,7 @@ def flagged_ranks(traces: list[RankTrace], offsets: dict[int, int] | None = None
                   group_limit: int = 8) -> tuple[list[int], list[str]]:
     """(ranks to write, finding labels): what `detect` names on these traces, with `with_peers`. A finding naming
     more than `group_limit` ranks (a whole slow group) adds its members only, or the peers would be most of the job."""
-    from megatronapp.scan.detect import detect
+    from megatronapp.scan.detect.analysis import detect
 
     findings = detect(traces, offsets).findings
     return _with_peers_of(findings, traces, group_limit), [f.describe() for f in findings]
@@ -126,7 +126,7 @@ def flagged_two_level(trace_dir: str | Path, group_limit: int = 8, use_summaries
     """flagged_ranks for a job too large for one table (triage.analyse_two_level): (the traces of the ranks to write,
     finding labels, what the triage read, problems, every rank that has a file). Only the written ranks' files are
     read in full."""
-    from megatronapp.scan.triage import analyse_two_level
+    from megatronapp.scan.detect.triage import analyse_two_level
 
     an, problems, feats = analyse_two_level(trace_dir, with_features=True, use_summaries=use_summaries)
     present = [int(r) for r in np.flatnonzero(feats.coords[:, 0] >= 0)]
@@ -148,7 +148,7 @@ def aggregate(trace_dir: str | Path, out_path: str | Path, offsets: dict[int, in
     nothing is found, no rank at all (the report says so). Flow arrows are kept between written ranks.
     `two_level` (with only_flagged): detect by triage (triage.py) and read only the written ranks in full; their
     clocks are then aligned among themselves (a job too large to hold: 100,096 ranks); `use_summaries` as
-    triage.features'."""
+    features.features'."""
     if two_level and only_flagged and ranks is None:
         traces, labels, note, problems, present = flagged_two_level(trace_dir, use_summaries=use_summaries)
         report: dict[str, Any] = {"out": str(out_path), "ranks": present, "problems": problems, "findings": labels,

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from megatronapp.scan.traces import read_traces
+from megatronapp.scan.read.traces import read_traces
 
 
 def _small_pages() -> None:
@@ -73,7 +73,7 @@ def _load(trace_dir: str, align: bool):
         raise SystemExit(f"scan: no readable rank traces in {trace_dir}")
     offsets = clock = None
     if align:
-        from megatronapp.scan.align import estimate_offsets
+        from megatronapp.scan.detect.align import estimate_offsets
 
         offsets, residual, clock = estimate_offsets(traces)  # clock: per-rank drift too, used with the offsets
         print(f"scan: clocks aligned, median residual {residual / 1e3:.1f} us", file=sys.stderr)
@@ -109,7 +109,7 @@ def _two_level(args: argparse.Namespace) -> bool:
     """Whether `detect` triages first: asked for, or (auto) more spans than one table holds in memory."""
     if args.two_level != "auto":
         return args.two_level == "on"
-    from megatronapp.scan.triage import LARGE_SPANS, estimated_spans
+    from megatronapp.scan.detect.triage import LARGE_SPANS, estimated_spans
 
     try:
         return estimated_spans(args.dir) > LARGE_SPANS
@@ -118,7 +118,7 @@ def _two_level(args: argparse.Namespace) -> bool:
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
-    from megatronapp.scan.detect import detect
+    from megatronapp.scan.detect.analysis import detect
 
     if _two_level(args):
         an, _ = _two_level_analysis(args)
@@ -133,7 +133,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
 def _two_level_analysis(args: argparse.Namespace):
     """Triage, then the full detector on what it chose (triage.analyse_two_level); its problems on stderr.
     Returns (analysis, the triage's Features of every rank)."""
-    from megatronapp.scan.triage import analyse_two_level
+    from megatronapp.scan.detect.triage import analyse_two_level
 
     _tune_memory()
     try:
@@ -149,7 +149,7 @@ def _two_level_analysis(args: argparse.Namespace):
 def _analysis(args: argparse.Namespace, command: str):
     """The analysis `heatmap` and `summary` show: of every rank, or (two-level) of the ranks the triage chose, with
     the others left out and a line on stderr saying so."""
-    from megatronapp.scan.detect import analyse
+    from megatronapp.scan.detect.analysis import analyse
 
     if _two_level(args):
         an, feats = _two_level_analysis(args)
@@ -186,7 +186,7 @@ def cmd_summary(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from megatronapp.scan.simulate import simulate
+    from megatronapp.scan.synth.simulate import simulate
 
     _tune_memory()  # its big per-stage temporaries too: page faults were a third of its system time at 100,096 ranks
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatronapp.scan.detect import Analysis
+from megatronapp.scan.detect.analysis import Analysis
 
 METRICS = {
     "self vs stage": "self time (compute + data + untraced) / stage median",
@@ -37,7 +37,7 @@ def grids(an: Analysis, features=None, max_rows: int | None = None
     """Metric grids of shape (rows, tp), the rank at each cell, and the row labels. Rows are (stage, DP replica);
     past `max_rows` each stage's replicas are binned, a cell showing the rank of its bin named by a finding, else
     the one highest in "self vs stage" (a lone slow rank stays visible; its bin's label says which replicas).
-    `features` (triage.Features, two-level): every rank's own work and host time fill the first two panels."""
+    `features` (features.Features, two-level): every rank's own work and host time fill the first two panels."""
     tb, ph, wt = an.table, an.phases, an.waits
     coords = features.coords if features is not None else tb.coords
     dp_n, pp_n, tp_n = (int(coords[:, i].max()) + 1 for i in range(3))
@@ -212,7 +212,7 @@ def write_html(an: Analysis, path: str | Path, features=None) -> Path:
 
 
 def write(an: Analysis, path: str | Path, features=None) -> Path:
-    """PNG or HTML by the file suffix. `features` (triage.Features of a two-level analysis): every rank drawn."""
+    """PNG or HTML by the file suffix. `features` (features.Features of a two-level analysis): every rank drawn."""
     suffix = Path(path).suffix.lower()
     if suffix == ".png":
         return write_png(an, path, features)

@@ -5,7 +5,7 @@ import warnings
 
 import numpy as np
 
-from megatronapp.scan.detect import Analysis
+from megatronapp.scan.detect.analysis import Analysis
 
 COLUMNS = ("rank", "DP", "PP", "TP", "iter ms", "compute", "data", "gap", "comm", "waited", "others waited",
            "finding")

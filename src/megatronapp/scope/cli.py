@@ -34,6 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--hf", metavar="DIR", help="a local Hugging Face GPT-2 or Llama directory")
     src.add_argument("--checkpoint", metavar="DIR",
                      help="a megatronapp checkpoint (any tp/pp layout: consolidated into one model)")
+    s.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json to read the model's ids with (a checkpoint "
+                   "trained with one needs it named: a path saved in the checkpoint is not opened)")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     s.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1): layers split in stages")
     s.add_argument("--nproc", type=int, default=1, help="local processes (gloo ranks) to serve from (= tp x pp)")
@@ -56,6 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens holding this mass")
     g.add_argument("--greedy", action="store_true")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json to use (a checkpoint trained with one needs "
+                   "it named: a path saved in the checkpoint is not opened)")
     g.set_defaults(func=cmd_generate)
 
 
@@ -78,8 +82,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     src = Path(args.source)
     hf = src.is_dir() and (src / "config.json").is_file() and not (src / "meta.json").is_file()
     try:
-        sm = load_model(argparse.Namespace(hf=str(src) if hf else None, checkpoint=None if hf else str(src)))
-    except (CheckpointError, FileNotFoundError) as e:
+        sm = load_model(argparse.Namespace(hf=str(src) if hf else None, checkpoint=None if hf else str(src),
+                                           tokenizer=args.tokenizer))
+    except (CheckpointError, OSError, ValueError) as e:  # ConfigError (a bad HF directory) is a ValueError
         print(f"megatronapp generate: {e}", file=sys.stderr)
         return 2
     new: list[int] = []
@@ -111,36 +116,34 @@ def load_model(args: argparse.Namespace) -> ScopeModel:
     from megatronapp.scope.generate import ScopeModel
 
     if args.hf:
-        from megatronapp.model.hf import config_from_hf, load_hf_weights
-        from megatronapp.model.transformer import build_model
+        from megatronapp.model.hf import load_hf_model
 
         d = Path(args.hf)
-        cfg = config_from_hf(d)
-        model = build_model(cfg)
-        load_hf_weights(model, d)
+        cfg, model = load_hf_model(d)
         model.eval()
-        return ScopeModel(model, cfg, load_tokenizer(str(d)), name=d.name)
+        return ScopeModel(model, cfg, load_tokenizer(getattr(args, "tokenizer", None) or str(d)), name=d.name)
     if args.checkpoint:
-        return _from_checkpoint(Path(args.checkpoint))
+        return _from_checkpoint(Path(args.checkpoint), getattr(args, "tokenizer", None))
     from megatronapp.scope.default_model import load_default_model
 
     model, cfg, meta = load_default_model()
     return ScopeModel(model, cfg, ByteTokenizer(), name="embedded gpt2-tiny", meta=meta)
 
 
-def _from_checkpoint(path: Path) -> ScopeModel:
+def _from_checkpoint(path: Path, tokenizer: str | None = None) -> ScopeModel:
     """Load a trainer checkpoint of any layout (tp/pp/vpp shards are consolidated into one model)."""
-    from megatronapp.config import RunConfig
     from megatronapp.data.tokenizer import load_tokenizer
     from megatronapp.scope.generate import ScopeModel
     from megatronapp.train import checkpoint as ckpt
+    from megatronapp.train.consolidate import checkpoint_config, tokenizer_spec
     from megatronapp.train.consolidate import load_model as load_consolidated
 
     d = ckpt.resolve(path)
-    run = RunConfig.from_dict(ckpt.load_meta(d)["config"])
+    _, run = checkpoint_config(d)
+    tok = load_tokenizer(tokenizer_spec(d, run, tokenizer))
     model = load_consolidated(d)
     model.eval()
-    return ScopeModel(model, run.model, load_tokenizer(run.train.tokenizer), name=str(d))
+    return ScopeModel(model, run.model, tok, name=str(d))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -221,12 +224,14 @@ def _serve_parallel(args: argparse.Namespace) -> int:
         distributed.check_parallel(args.tp, args.pp, args.nproc)
         cfg, source = distributed.model_config(args.hf, args.checkpoint)
         distributed.check_divisible(cfg, args.tp, source, args.pp)
+        if args.hf or args.checkpoint:  # refused here, not in every rank
+            distributed.tokenizer_of(args.hf, args.checkpoint, getattr(args, "tokenizer", None))
     except (OSError, ValueError, CheckpointError) as e:
         print(f"megatronapp scope: {e}", file=sys.stderr)
         return 2
     spawn(distributed.serve_rank, args.nproc,
           {"hf": args.hf, "checkpoint": args.checkpoint, "tp": args.tp, "pp": args.pp, "host": args.host,
            "port": args.port, "token": args.token, "insecure": args.insecure, "allow_host": args.allow_host,
-           "allow_origin": args.allow_origin,
+           "allow_origin": args.allow_origin, "tokenizer": getattr(args, "tokenizer", None),
            "max_request_bytes": int(args.max_request_mb * 2**20) if args.max_request_mb else None})
     return 0

@@ -69,14 +69,17 @@ def model_config(hf: str | None, checkpoint: str | None = None) -> tuple[ModelCo
     """The config of the model to serve (an HF directory, a checkpoint, else the embedded default) and a name
     for errors."""
     if hf:
-        from megatronapp.model.hf import config_from_hf
+        from megatronapp.model.hf import check_tensors, config_from_hf
 
-        return config_from_hf(Path(hf)), f"--hf {hf}"
+        cfg = config_from_hf(Path(hf))
+        check_tensors(Path(hf), cfg)  # before any rank allocates its shard
+        return cfg, f"--hf {hf}"
     if checkpoint:
         from megatronapp.train import checkpoint as ckpt
+        from megatronapp.train.consolidate import checkpoint_config
 
-        meta = ckpt.load_meta(ckpt.resolve(checkpoint))
-        return ModelConfig(**meta["config"]["model"]), f"--checkpoint {checkpoint}"
+        _, run = checkpoint_config(ckpt.resolve(checkpoint))
+        return run.model, f"--checkpoint {checkpoint}"
     import json
 
     from megatronapp.scope.default_model import ASSETS, META
@@ -84,7 +87,8 @@ def model_config(hf: str | None, checkpoint: str | None = None) -> tuple[ModelCo
     return ModelConfig(**json.loads((ASSETS / META).read_text())["model"]), "the embedded default model"
 
 
-def load_shard(hf: str | None, topo: Topology, checkpoint: str | None = None) -> ScopeModel:
+def load_shard(hf: str | None, topo: Topology, checkpoint: str | None = None,
+               tokenizer: str | None = None) -> ScopeModel:
     """This rank's shard (its TP slice of its stage's layers) of an HF directory, a checkpoint or the embedded
     default model; rank 0 also gets the full final norm and output weight for the logit lens."""
     from megatronapp.data.tokenizer import ByteTokenizer, load_tokenizer
@@ -97,18 +101,17 @@ def load_shard(hf: str | None, topo: Topology, checkpoint: str | None = None) ->
     chunk = TransformerChunk(cfg, lo, hi, stage == 0, stage == topo.pp - 1, tp_group=tp_group)
     load = _loader(hf, checkpoint, topo)
     load(chunk)
-    if hf:
-        tokenizer, name, meta = load_tokenizer(hf), Path(hf).name, {}
-    elif checkpoint:
-        tokenizer, name, meta = _checkpoint_tokenizer(checkpoint), str(checkpoint), {}
+    if hf or checkpoint:
+        tok, meta = load_tokenizer(tokenizer_of(hf, checkpoint, tokenizer)), {}
+        name = Path(hf).name if hf else str(checkpoint)
     else:
         from megatronapp.scope.default_model import load_default_model
 
         _, _, meta = load_default_model()  # checks the files and reads the training metadata
-        tokenizer, name = ByteTokenizer(), "embedded gpt2-tiny"
+        tok, name = ByteTokenizer(), "embedded gpt2-tiny"
     chunk.eval()
     layout = f"tp={topo.tp}" + (f", pp={topo.pp}" if topo.pp > 1 else "")
-    sm = ScopeModel(chunk, cfg, tokenizer, name=f"{name} ({layout})", meta=meta)
+    sm = ScopeModel(chunk, cfg, tok, name=f"{name} ({layout})", meta=meta)
     if topo.world_size > 1:
         sm.lockstep = Lockstep(topo, chunk)
     if topo.pp > 1:
@@ -148,13 +151,16 @@ def _loader(hf: str | None, checkpoint: str | None, topo: Topology) -> Any:
     return load
 
 
-def _checkpoint_tokenizer(checkpoint: str) -> Any:
-    from megatronapp.config import RunConfig
-    from megatronapp.data.tokenizer import load_tokenizer
+def tokenizer_of(hf: str | None, checkpoint: str | None, given: str | None) -> str:
+    """The tokenizer spec to serve with: the user's, an HF directory's own, or what a checkpoint's run used when
+    that is the byte tokenizer (a saved path is not opened on the checkpoint's word: `tokenizer_spec`)."""
+    if given is not None or hf:
+        return given or str(hf)
     from megatronapp.train import checkpoint as ckpt
+    from megatronapp.train.consolidate import checkpoint_config, tokenizer_spec
 
     d = ckpt.resolve(checkpoint)
-    return load_tokenizer(RunConfig.from_dict(ckpt.load_meta(d)["config"]).train.tokenizer)
+    return tokenizer_spec(d, checkpoint_config(d)[1], None)
 
 
 class Lockstep:
@@ -261,7 +267,7 @@ def serve_rank(rank: int, world_size: int, opts: dict[str, Any]) -> None:
     if opts.get("semantics"):
         comm.set_semantics(opts["semantics"])
     topo = topology.build(opts.get("tp", world_size), opts.get("pp", 1), 1)
-    sm = load_shard(opts.get("hf"), topo, opts.get("checkpoint"))
+    sm = load_shard(opts.get("hf"), topo, opts.get("checkpoint"), opts.get("tokenizer"))
     if opts.get("max_request_bytes"):
         sm.max_request_bytes = opts["max_request_bytes"]
     if rank != 0:

@@ -1,12 +1,18 @@
-"""What keeps a MegaScope server from being starved by connections that never ask for anything.
+"""What keeps a MegaScope server from being starved by connections that never finish asking for anything.
 
-Each open TCP connection holds a file descriptor; a client that opens hundreds and sends nothing would otherwise
-use up the process's descriptors, after which `accept()` fails (EMFILE), asyncio logs a traceback per attempt and
-no real browser gets in. So (slowloris defences, as in nginx's `client_header_timeout` and `worker_connections`):
+Each open TCP connection holds a file descriptor; a client that opens hundreds and sends nothing, or trickles a
+request a byte at a time, would otherwise use up the process's descriptors or its connection cap, after which no
+real browser gets in. So (slowloris defences, as nginx's `client_header_timeout`, `client_body_timeout` and
+`worker_connections`):
   * a cap on open HTTP connections, kept below the process's descriptor limit;
-  * a deadline for the first request bytes: a connection that sends nothing for `first_request_s` is closed;
-  * at the cap, the oldest connection that has not sent a byte yet is closed to make room (so a new client
-    gets in while idle ones are pending); when every connection is busy the new one is answered 503 and closed;
+  * a deadline for the whole request, not only its first byte: a connection whose request has not arrived whole
+    `request_s` after it opened (or after its previous response, on a kept-alive connection) is closed, however
+    steadily it trickles;
+  * at the cap, the oldest connection still waiting for its request to arrive whole is closed to make room (so a
+    new client gets in while slow ones are pending); when every connection has a whole request in hand the new
+    one is answered 503 and closed;
+  * a connection upgraded to a WebSocket leaves the gate (the server caps sessions itself, MAX_SESSIONS): it was
+    counted forever before, so 256 page loads left every later request a 503;
   * errors logged once per cause per interval (`RateLimitedLog`), with the number of repeats, never per event.
 """
 from __future__ import annotations
@@ -18,12 +24,14 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 MAX_CONNECTIONS = 256  # open HTTP connections (WebSocket sessions are capped by the server, MAX_SESSIONS)
-FIRST_REQUEST_S = 10.0  # seconds a new connection may take to send its first bytes
+REQUEST_S = 10.0  # seconds a connection may take to send a whole request
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: 34\r\n"
         b"connection: close\r\n\r\nMegaScope is busy: try again later")
+_ARRIVING = (h11.IDLE, h11.SEND_BODY)  # the client's side of a request that has not arrived whole
 
 
 def descriptor_cap(wanted: int) -> int:
@@ -38,37 +46,42 @@ def descriptor_cap(wanted: int) -> int:
 class Gate:
     """Connection bookkeeping shared by every connection of one server (all on the server's event loop)."""
 
-    def __init__(self, max_connections: int = MAX_CONNECTIONS, first_request_s: float = FIRST_REQUEST_S):
+    def __init__(self, max_connections: int = MAX_CONNECTIONS, request_s: float = REQUEST_S):
         self.cap = descriptor_cap(max_connections)
-        self.first_request_s = first_request_s
+        self.request_s = request_s
         self.open: set[Any] = set()
-        self.idle: OrderedDict[int, Any] = OrderedDict()  # connections that have sent nothing yet, oldest first
+        self.waiting: OrderedDict[int, Any] = OrderedDict()  # connections whose request is not whole, oldest first
         self.evicted = 0
         self.refused = 0
+        self.expired = 0
 
     def opened(self, conn: Any) -> bool:
-        """Register a new connection; False when it must be answered 503 (every slot busy)."""
+        """Register a new connection; False when it must be answered 503 (every slot has a request in hand)."""
         if len(self.open) >= self.cap:
-            if not self.idle:
+            if not self.waiting:
                 self.refused += 1
                 return False
-            _, oldest = self.idle.popitem(last=False)
+            _, oldest = self.waiting.popitem(last=False)
             self.evicted += 1
-            oldest.close_idle()
+            oldest.close_waiting()
         self.open.add(conn)
-        self.idle[id(conn)] = conn
         return True
 
-    def spoke(self, conn: Any) -> None:
-        self.idle.pop(id(conn), None)
+    def wait(self, conn: Any) -> None:
+        """`conn` waits for a request (a new connection, or one whose response has gone out)."""
+        self.waiting[id(conn)] = conn
+
+    def arrived(self, conn: Any) -> None:
+        """`conn`'s request arrived whole (or it left HTTP): it is no longer one to evict."""
+        self.waiting.pop(id(conn), None)
 
     def closed(self, conn: Any) -> None:
         self.open.discard(conn)
-        self.idle.pop(id(conn), None)
+        self.waiting.pop(id(conn), None)
 
 
 def protocol_class(gate: Gate) -> type:
-    """uvicorn's h11 HTTP protocol, with `gate`'s cap and first-request deadline."""
+    """uvicorn's h11 HTTP protocol, with `gate`'s cap and whole-request deadline."""
 
     class GatedH11(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
@@ -81,27 +94,51 @@ def protocol_class(gate: Gate) -> type:
                 transport.close()
                 return
             self._gated = True
-            self._deadline = self.loop.call_later(gate.first_request_s, self.close_idle)
+            self._await_request()
+
+        def _await_request(self) -> None:
+            self._stop_clock()
+            gate.wait(self)
+            self._deadline = self.loop.call_later(gate.request_s, self._expire)
+
+        def _stop_clock(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
 
         def data_received(self, data: bytes) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
-                gate.spoke(self)
             super().data_received(data)
+            if self._deadline is not None and self.conn.their_state not in _ARRIVING:
+                self._stop_clock()  # the request is whole (or broken, and answered 400 and closed)
+                gate.arrived(self)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # may already have read a pipelined request whole
+            if self._gated and not self.transport.is_closing() and self.conn.their_state in _ARRIVING:
+                self._await_request()  # a kept-alive connection: its next request has the same deadline
+
+        def handle_websocket_upgrade(self, event: h11.Request) -> None:
+            self._stop_clock()
+            if self._gated:  # from here the WebSocket protocol owns the transport: this one is never told it closed
+                self._gated = False
+                gate.closed(self)
+            super().handle_websocket_upgrade(event)
 
         def connection_lost(self, exc: Exception | None) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
+            self._stop_clock()
             if self._gated:
                 gate.closed(self)
             super().connection_lost(exc)
 
-        def close_idle(self) -> None:
-            """Close a connection that has sent nothing (deadline passed, or evicted at the cap)."""
+        def _expire(self) -> None:
             self._deadline = None
-            gate.spoke(self)
+            gate.expired += 1
+            self.close_waiting()
+
+        def close_waiting(self) -> None:
+            """Close a connection whose request has not arrived whole (deadline passed, or evicted at the cap)."""
+            self._stop_clock()
+            gate.arrived(self)
             if not self.transport.is_closing():
                 self.transport.close()
 

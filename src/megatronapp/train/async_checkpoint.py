@@ -17,6 +17,7 @@ everything before it returns.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from contextlib import nullcontext
@@ -33,18 +34,45 @@ PIECE_NUMEL = 1 << 22  # copy work is shared in pieces of 4 Mi elements, so the 
 # the noise could show (benchmarks/results/checkpoint_stall_nice_writer.json).
 
 
-def snapshot_plan(obj: Any, reuse: Any = None) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+def pin_budget() -> int:
+    """Bytes of page-locked host memory one rank's snapshot may hold: a quarter of the host's memory, shared by the
+    node's ranks (LOCAL_WORLD_SIZE). Pinned memory cannot be swapped or reclaimed, and every rank keeps its
+    snapshot's buffers for reuse: pinning whole states would lock most of a node's memory. Beyond the budget a
+    snapshot uses pageable memory, whose GPU copies block only the thread that makes them."""
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+    return host // (4 * max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def _on_gpu(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda"
+
+
+def _host_empty(x: torch.Tensor, pin: bool) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, pin_memory=pin)
+
+
+def snapshot_plan(obj: Any, reuse: Any = None, pin_bytes: int | None = None
+                  ) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The host-memory structure of a nest of dicts, lists and tuples (other values are shared) and the
     (destination, source) copies that fill it. Tensors of `reuse`, a previous snapshot of the same structure no
     longer in use, are the destinations when shapes and dtypes match: fresh memory costs a page fault per 4 KiB,
-    which is most of a copy's time. Nothing is copied yet."""
+    which is most of a copy's time. New buffers for GPU tensors are pinned (their copies are DMAs) while the pinned
+    bytes stay within `pin_bytes` (default `pin_budget()`). Nothing is copied yet."""
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pin_left = [pin_budget() if pin_bytes is None else pin_bytes]
 
     def plan(x: Any, old: Any) -> Any:
         if isinstance(x, torch.Tensor):
             x = x.detach()
             same = isinstance(old, torch.Tensor) and old.shape == x.shape and old.dtype == x.dtype
-            host = old if same else torch.empty(x.shape, dtype=x.dtype, pin_memory=x.device.type == "cuda")
+            if not same:
+                nbytes = x.numel() * x.element_size()
+                pin = _on_gpu(x) and nbytes <= pin_left[0]
+                pin_left[0] -= nbytes if pin else 0
+            host = old if same else _host_empty(x, pin)
             if host.is_contiguous() and x.is_contiguous() and x.numel() > PIECE_NUMEL:
                 flat_h, flat_x = host.view(-1), x.view(-1)
                 copies.extend((flat_h[i:i + PIECE_NUMEL], flat_x[i:i + PIECE_NUMEL])
@@ -63,21 +91,31 @@ def snapshot_plan(obj: Any, reuse: Any = None) -> tuple[Any, list[tuple[torch.Te
     return plan(obj, reuse), copies
 
 
+def _device_of(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.device | None:
+    """The GPU the state to copy lives on (None for a state in host memory)."""
+    return next((src.device for _, src in copies if src.device.type == "cuda"), None)
+
+
 class _Copier:
     """Runs a snapshot's copies from any number of threads: each takes the next piece not yet taken."""
 
     def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]]):
         self.copies = copies
-        self.cuda = any(src.device.type == "cuda" for _, src in copies)
-        self.stream = torch.cuda.Stream() if self.cuda else None
+        self.device = _device_of(copies)
+        self.cuda = self.device is not None
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         if self.cuda:  # the copies must see the optimizer step that produced the state (on the current stream)
-            self.stream.wait_stream(torch.cuda.current_stream())
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self._next = self._done = 0
         self._cond = threading.Condition()
         self.error: BaseException | None = None
 
     def run(self) -> None:
         """Copy pieces until none is left to take."""
+        if self.cuda:
+            # A new thread's current device is 0: leaving `torch.cuda.stream` would make it current (and create a
+            # CUDA context there, ~0.5 GB, on every rank of a node) unless the thread is on the state's device.
+            torch.cuda.set_device(self.device)
         with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
             while True:
                 with self._cond:

@@ -23,6 +23,7 @@ import io
 import json
 import os
 import random
+import re
 import secrets
 import shutil
 import socket
@@ -154,7 +155,8 @@ def rng_state() -> dict[str, Any]:
              "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # this rank's own GPU only: a resume may see fewer GPUs (or this rank on another index) than the save did
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -166,7 +168,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = state["cuda"]
+        if isinstance(cuda, torch.Tensor):
+            torch.cuda.set_rng_state(cuda, torch.cuda.current_device())
+        else:  # older checkpoints hold every visible GPU's state: restore those of the GPUs still visible
+            for i, s in enumerate(cuda[:torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(s, i)
 
 
 # -- saving ------------------------------------------------------------------------------------------------
@@ -240,6 +247,9 @@ def is_complete(d: Path) -> bool:
     return (d / MARKER).is_file() and (d / "meta.json").is_file()
 
 
+RANK_NAME = re.compile(r"rank\d{5,}\.pt")
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -256,12 +266,19 @@ def verify(d: Path) -> str | None:
         return str(e)
     files = meta.get("files")
     if files is None:  # written before checksums existed: presence only
-        missing = [rank_file(r) for r in range(int(meta.get("world_size", 0))) if not (d / rank_file(r)).is_file()]
-        return f"{missing[0]} is missing" if missing else None
+        world = meta.get("world_size", 0)
+        if isinstance(world, bool) or not isinstance(world, int):
+            return f"meta.json's world_size={str(world)[:40]!r} is not a number of ranks"
+        missing = next((rank_file(r) for r in range(world) if not (d / rank_file(r)).is_file()), None)
+        return f"{missing} is missing" if missing else None
+    if not isinstance(files, dict) or not all(
+            isinstance(i, dict) and isinstance(i.get("bytes"), int) and isinstance(i.get("sha256"), str)
+            for i in files.values()):
+        return "meta.json's files are not a table of rank files with their bytes and sha256"
     for name, info in files.items():
         p = d / name
-        if not p.is_file():
-            return f"{name} is missing"
+        if not RANK_NAME.fullmatch(name) or not p.is_file():  # a name, never a path to elsewhere
+            return f"{name[:80]} is missing"
         if p.stat().st_size != info["bytes"]:
             return f"{name} has {p.stat().st_size} bytes, {info['bytes']} were written (torn)"
         if _sha256(p) != info["sha256"]:
@@ -316,7 +333,7 @@ def _sealed_sha(d: Path) -> str | None:
     """The checksum of meta.json that the marker holds (None: a marker of an older format, or none)."""
     try:
         sealed = json.loads((d / MARKER).read_bytes()[:4096])
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return sealed.get("meta_sha256") if isinstance(sealed, dict) else None
 
@@ -334,6 +351,8 @@ def load_meta(d: Path) -> dict[str, Any]:
         meta = json.loads(data)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} is unreadable: {str(e)[:200]}") from None
+    except RecursionError:
+        raise CheckpointError(f"{path} is unreadable: JSON nested too deep for a meta.json") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{path} does not hold a JSON object")
     return meta
@@ -345,8 +364,10 @@ def load_rank(d: Path, rank: int) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: was the checkpoint saved with the same world size?")
     data = path.read_bytes()
-    expected = load_meta(d).get("files", {}).get(path.name)
-    if expected is not None and hashlib.sha256(data).hexdigest() != expected["sha256"]:
+    files = load_meta(d).get("files")
+    expected = files.get(path.name) if isinstance(files, dict) else None
+    if expected is not None and hashlib.sha256(data).hexdigest() != (
+            expected.get("sha256") if isinstance(expected, dict) else None):
         raise CheckpointError(f"{path} is corrupt or truncated: it fails its checksum; resume from an older step")
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

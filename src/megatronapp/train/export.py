@@ -9,20 +9,29 @@ tokenizer a byte-level vocabulary of 256 tokens whose id is the byte, so ids equ
 
 The source may also be an exported (or any local Hugging Face GPT-2/Llama) directory: it is loaded through
 `model/hf.py`, so exporting an export again reproduces its tensors bit for bit.
+
+What a source names is data: the tokenizer exported is one this process reads and parses as a tokenizer.json
+(the user's `--tokenizer`, a source HF directory's own, or the byte tokenizer's embedded one) and writes out from
+what it parsed; a checkpoint's saved tokenizer path is never opened unless the user names it. Outputs are created
+fresh (`files.replace_with`): a symlink or hard link at OUT/config.json is replaced, not written through, and a
+stale `model.safetensors.index.json` (and the `model-NNNNN-of-NNNNN.safetensors` shards beside it) is removed,
+since loaders prefer an index to the single file written now.
 """
 from __future__ import annotations
 
 import json
-import shutil
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatronapp.config import ConfigError, ModelConfig
+from megatronapp.files import replace_with, write_exclusive
 from megatronapp.model.attention import split_qkv
 
 TOKENIZER_FILE = "tokenizer.json"
+_STALE = re.compile(r"model\.safetensors\.index\.json|model-\d+-of-\d+\.safetensors")  # an earlier sharded export
 
 
 class ExportError(ConfigError):
@@ -33,26 +42,28 @@ def _is_hf_dir(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file() and not (path / "meta.json").is_file()
 
 
-def load_weights(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], str | Path]:
+def load_weights(path: str | Path, tokenizer: str | None = None
+                 ) -> tuple[ModelConfig, dict[str, torch.Tensor], str | Path]:
     """(model config, full unpadded state dict in our names, tokenizer spec) of a trainer checkpoint (any layout;
-    a step directory, `.../checkpoints/latest` or a run directory) or of a local Hugging Face directory."""
+    a step directory, `.../checkpoints/latest` or a run directory) or of a local Hugging Face directory.
+    `tokenizer`: the user's; without one, an HF directory's own tokenizer.json, a checkpoint's only when its run
+    used the byte tokenizer (a saved path is not opened on the checkpoint's word)."""
     p = Path(path)
     if _is_hf_dir(p):
-        from megatronapp.model.hf import config_from_hf, load_hf_weights
-        from megatronapp.model.transformer import build_model, unpadded_state_dict
+        from megatronapp.model.hf import load_hf_model
+        from megatronapp.model.transformer import unpadded_state_dict
 
-        cfg = config_from_hf(p)
-        model = build_model(cfg)
-        load_hf_weights(model, p)
-        return cfg, unpadded_state_dict(model), p if (p / TOKENIZER_FILE).is_file() else "byte"
-    from megatronapp.config import RunConfig
+        cfg, model = load_hf_model(p)
+        own = p if (p / TOKENIZER_FILE).is_file() else "byte"
+        return cfg, unpadded_state_dict(model), tokenizer if tokenizer is not None else own
     from megatronapp.train import checkpoint as ckpt
-    from megatronapp.train.consolidate import consolidate
+    from megatronapp.train.consolidate import checkpoint_config, consolidate, tokenizer_spec
 
     d = ckpt.resolve(p)
-    run = RunConfig.from_dict(ckpt.load_meta(d)["config"])
+    _, run = checkpoint_config(d)
+    spec = tokenizer_spec(d, run, tokenizer)  # before the weights are read: refused at once
     cfg, state = consolidate(d)
-    return cfg, state, run.train.tokenizer
+    return cfg, state, spec
 
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -149,34 +160,52 @@ def byte_tokenizer_json() -> str:
     return tok.to_str(pretty=True)
 
 
-def _write_tokenizer(spec: str | Path, out: Path, cfg: ModelConfig) -> None:
+def _tokenizer_json(spec: str | Path, cfg: ModelConfig) -> str:
+    """tokenizer.json text to export: the byte tokenizer's, or the one at `spec` read, parsed and written back
+    from what was parsed (a file that is no tokenizer is refused, whatever it is or links to)."""
     if str(spec) == "byte":
-        (out / TOKENIZER_FILE).write_text(byte_tokenizer_json())
-    else:
-        src = Path(spec)
-        src = src / TOKENIZER_FILE if src.is_dir() else src
-        if not src.is_file():
-            raise ExportError(f"the run's tokenizer {src} is missing; it is copied into the export as "
-                              f"{TOKENIZER_FILE}: restore it at that path")
-        if src.resolve() != (out / TOKENIZER_FILE).resolve():
-            shutil.copyfile(src, out / TOKENIZER_FILE)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
-              "clean_up_tokenization_spaces": False}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return byte_tokenizer_json()
+    from megatronapp.data.tokenizer import HFTokenizer
+
+    try:
+        tok = HFTokenizer(spec)
+    except (OSError, ValueError) as e:
+        raise ExportError(f"the tokenizer to export: {e}") from None
+    if tok.vocab_size > cfg.vocab_size:
+        raise ExportError(f"tokenizer {tok.path} has {tok.vocab_size} tokens, more than the model's vocabulary of "
+                          f"{cfg.vocab_size}: it is not this model's tokenizer; pass the one it was trained with")
+    return tok.to_json()
 
 
-def export_hf(src: str | Path, out: str | Path) -> Path:
-    """Write the Hugging Face directory `out` for the checkpoint (or HF directory) `src`; returns `out`."""
+def _remove_stale(out: Path) -> list[str]:
+    """Remove an earlier sharded export's index and shards from `out` (loaders would prefer them to the file
+    written now); the names removed."""
+    gone = []
+    for p in sorted(out.iterdir()):
+        if _STALE.fullmatch(p.name) and (p.is_file() or p.is_symlink()):
+            p.unlink()
+            gone.append(p.name)
+    return gone
+
+
+def export_hf(src: str | Path, out: str | Path, tokenizer: str | None = None) -> Path:
+    """Write the Hugging Face directory `out` for the checkpoint (or HF directory) `src`; returns `out`.
+    `tokenizer`: the tokenizer.json to export (a checkpoint trained with one needs it named)."""
     from safetensors.torch import save_file
 
-    cfg, state, tokenizer = load_weights(src)
+    cfg, state, spec = load_weights(src, tokenizer)
     config = hf_config(cfg)
+    tok_json = _tokenizer_json(spec, cfg)  # read and checked before anything is written
     tensors = hf_tensors(cfg, state)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ExportError(f"--hf {out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    _write_tokenizer(tokenizer, out, cfg)
+    _remove_stale(out)
+    replace_with(out / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    write_exclusive(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    write_exclusive(out / TOKENIZER_FILE, tok_json.encode())
+    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+                  "clean_up_tokenization_spaces": False}
+    write_exclusive(out / "tokenizer_config.json", (json.dumps(tok_config, indent=2) + "\n").encode())
     return out

@@ -62,27 +62,13 @@ def full_optimizer_state(d: Path, cfg: ModelConfig) -> tuple[dict[str, dict[str,
     step = 0.0
     for rank in range(int(meta["world_size"])):
         state = ckpt.load_rank(d, rank)
-        coord = state["coord"]
-        if coord["dp"] != 0 and not zero:
-            continue  # plain DP replicas hold the same state
-        for pdims in state.get("partition_dims", []):
-            dims.update(pdims)
-        opt = state["optimizer"]
-        params = _units(state)
-        if zero:
-            units = [(params[i][0], n, params[i][1]) for i, n in opt["layout"]]
-            opt = opt["inner"]
-        else:
-            units = [(name, None, shape) for name, shape in params]
-        for saved, group in zip(opt["param_groups"], _grouped(units, zero)):
-            for key, (name, _, _) in zip(saved["params"], group):
-                s = opt["state"].get(key)
-                if s is None or (name == "output.weight" and cfg.tie_embeddings):
-                    continue  # never stepped, or the last stage's copy of a tied embedding
-                step = float(s["step"])
-                pieces = local.setdefault((coord["tp"], name), {})
-                for m in MOMENTS:
-                    pieces.setdefault(m, []).append((coord["dp"], s[m]))
+        try:
+            step = _collect(state, zero, cfg, local, dims, step)
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
+            # a rank file whose optimizer state is not what meta.json's layout says (an edited `zero`, a forged file)
+            raise ckpt.CheckpointError(f"{d / ckpt.rank_file(rank)}: its optimizer state does not fit meta.json's "
+                                       f"parallel.zero={int(zero)} ({type(e).__name__}: {str(e)[:160]}); was "
+                                       f"meta.json edited?") from None
     shapes = dict(_units(ckpt.load_rank(d, 0)))
     joined: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for (tp, name), by_key in local.items():
@@ -99,6 +85,34 @@ def full_optimizer_state(d: Path, cfg: ModelConfig) -> tuple[dict[str, dict[str,
             full = torch.cat(parts, dim=dims[name]) if name in dims else parts[0]
             out[name][m] = full[:cfg.vocab_size].clone() if name in VOCAB_WEIGHTS else full
     return out, step
+
+
+def _collect(state: dict[str, Any], zero: bool, cfg: ModelConfig, local: dict, dims: dict[str, int],
+             step: float) -> float:
+    """Add one rank file's moments to `local` ((tp, name) -> key -> pieces) and its partition dims to `dims`;
+    returns the optimizer step count (`step` when the file has no stepped state)."""
+    coord = state["coord"]
+    if coord["dp"] != 0 and not zero:
+        return step  # plain DP replicas hold the same state
+    for pdims in state.get("partition_dims", []):
+        dims.update(pdims)
+    opt = state["optimizer"]
+    params = _units(state)
+    if zero:
+        units = [(params[i][0], n, params[i][1]) for i, n in opt["layout"]]
+        opt = opt["inner"]
+    else:
+        units = [(name, None, shape) for name, shape in params]
+    for saved, group in zip(opt["param_groups"], _grouped(units, zero)):
+        for key, (name, _, _) in zip(saved["params"], group):
+            s = opt["state"].get(key)
+            if s is None or (name == "output.weight" and cfg.tie_embeddings):
+                continue  # never stepped, or the last stage's copy of a tied embedding
+            step = float(s["step"])
+            pieces = local.setdefault((coord["tp"], name), {})
+            for m in MOMENTS:
+                pieces.setdefault(m, []).append((coord["dp"], s[m]))
+    return step
 
 
 def _local_shape(d: Path, name: str, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatronapp import startup, tracing
+from megatronapp import gpu_setup, startup, tracing
 from megatronapp.config import FBD_TRAIN, RunConfig, micro_batch_size, plugin_entries, validate
 from megatronapp.data.dataset import build_batch_source, build_valid_source, split_microbatches
 from megatronapp.data.prefetch import Prefetcher
 from megatronapp.model.transformer import TransformerChunk, sync_sequence_parallel_grads
-from megatronapp.parallel import comm, emulation
+from megatronapp.parallel import comm, emulation, host_copy
 from megatronapp.parallel import topology as topology_mod
 from megatronapp.parallel.data_parallel import GradReducer
 from megatronapp.parallel.distributed_optimizer import DistributedOptimizer
@@ -146,8 +146,11 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if (
             dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
         torch.manual_seed(t.seed)
+        gpu_setup.math_modes(self.device, t.tf32)
         comm.set_semantics(p.comm_semantics)
-        self.topo = topology_mod.build(p.tp, p.pp, p.dp, rank)
+        # a dynamic schedule (a module's factory) makes per-task decisions that TP peers share on the host
+        self.topo = topology_mod.build(p.tp, p.pp, p.dp, rank,
+                                       tp_control=plugins.schedule_factory(p.schedule) is not None)
         self.rank = self.topo.rank
         self.out = Path(t.out)
         self.chunks = build_chunks(cfg, self.topo, self.device)
@@ -281,13 +284,12 @@ class Trainer:
         read = (lambda: self._read(self.step)) if source is None else (lambda: source.get(index))
         if tp.size == 1:  # nobody to share with: no staging tensor, no broadcast
             ids, labels = read()
-            return split_microbatches(ids.to(self.device, non_blocking=True),
-                                      labels.to(self.device, non_blocking=True), m)
+            return split_microbatches(*(host_copy.to_device(t, self.device) for t in (ids, labels)), m)
         both = torch.empty((2, self.data.local_batch, cfg.train.seq_len), dtype=torch.long, device=self.device)
         if tp.ranks[0] == self.rank:
             ids, labels = read()
-            both[0].copy_(ids, non_blocking=True)  # pinned by the prefetch worker on CUDA
-            both[1].copy_(labels, non_blocking=True)
+            host_copy.copy_into(both[0], ids)  # pinned by the prefetch worker on CUDA (else pinned here)
+            host_copy.copy_into(both[1], labels)
         comm.broadcast(both, tp.ranks[0], tp)
         return split_microbatches(both[0], both[1], m)
 
@@ -388,6 +390,7 @@ def train(cfg: RunConfig, threads: int | None = None) -> dict[str, Any]:
     from megatronapp.launch import external_launch, init_distributed
 
     validate(cfg)
+    prepare_gpu_launch(cfg)
     if cfg.parallel.fbd:  # MegaFBD owns its run loop; reached by import path, so the engine imports no module
         return plugins.resolve(FBD_TRAIN, "parallel.fbd")(cfg, threads)
     plugins.resolve_all(plugin_entries(cfg))  # a bad --attach fails here, once, not in every spawned rank
@@ -398,6 +401,16 @@ def train(cfg: RunConfig, threads: int | None = None) -> dict[str, Any]:
             return run_rank(rank, world, cfg.to_dict())
     with ckpt.OutLock(cfg.train.out):  # two jobs writing one run directory would corrupt each other's steps
         return _train_local(cfg, threads)
+
+
+def prepare_gpu_launch(cfg: RunConfig) -> None:
+    """Before any rank touches a GPU: refuse emulated NCCL rules on NCCL, and put what CUDA reads at context
+    creation into this process's environment, which torchrun's rank (this process) and spawned ranks inherit."""
+    from megatronapp.launch import pick_backend
+
+    backend = pick_backend(cfg.parallel.backend)
+    gpu_setup.check_semantics(cfg, backend)
+    os.environ.update(gpu_setup.launch_env(cfg, backend))
 
 
 def _train_local(cfg: RunConfig, threads: int | None) -> dict[str, Any]:
