@@ -151,3 +151,22 @@ def test_kill_and_stop_drills_parse_and_refuse_unknown_phases():
         parse("kill=1:2:update")
     with pytest.raises(ConfigError, match="expected kill=RANK:STEP:PHASE"):
         parse("kill=1:2")
+
+
+def test_a_default_group_that_failed_to_form_does_not_rename_the_next_one(store):
+    """A generation that ended while forming leaves torch's group counter advanced; the next join names its group
+    as a fresh process does, or the two would wait for each other's keys forever."""
+    from megatronapp.resilience.member import restart_group_names
+
+    conn = store()
+    with pytest.raises(Exception):  # noqa: B017 - any error: the second rank never comes
+        dist.init_process_group("gloo", store=dist.PrefixStore("g0/", conn), rank=0, world_size=2,
+                                timeout=datetime.timedelta(seconds=1))
+    assert not dist.is_initialized()
+    restart_group_names()
+    dist.init_process_group("gloo", store=dist.PrefixStore("g1/", conn), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=10))
+    try:
+        assert any(k.startswith("g1//0/") for k in conn.list_keys()), conn.list_keys()
+    finally:
+        dist.destroy_process_group()

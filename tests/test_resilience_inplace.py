@@ -89,7 +89,7 @@ def _assert_healthy_ranks_kept(out: Path) -> list[dict]:
 
 def _opts(**over) -> Options:
     return Options(**{"heartbeat_s": 0.3, "max_restarts": 8, "diagnose_on_restart": False, "spares": 1,
-                      "hang_timeout_s": 30.0, **over})
+                      "hang_timeout_s": 30.0, "form_timeout_s": 60.0, **over})
 
 
 def test_kills_at_every_phase_and_a_stop_are_replaced_in_place_bit_identical(tmp_path, baseline):

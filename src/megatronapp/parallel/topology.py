@@ -167,10 +167,12 @@ class Topology:
         return "\n".join(lines)
 
 
-def build(tp: int, pp: int, dp: int, rank: int | None = None, tp_control: bool = False) -> Topology:
+def build(tp: int, pp: int, dp: int, rank: int | None = None, tp_control: bool = False,
+          timeout: Any = None) -> Topology:
     """Create the topology and, when torch.distributed is initialised, this rank's process groups. `tp_control`:
     also a host-side (gloo) group of the TP peers, `tp.ctl`, for per-task decisions (MegaDPP with TP), when the TP
-    group is NCCL's: an object broadcast over NCCL costs host-device synchronisations per task."""
+    group is NCCL's: an object broadcast over NCCL costs host-device synchronisations per task. `timeout` (a
+    timedelta): the groups' timeout, their forming included (None: torch's default)."""
     initialized = dist.is_available() and dist.is_initialized()
     if rank is None:
         rank = dist.get_rank() if initialized else 0
@@ -186,20 +188,20 @@ def build(tp: int, pp: int, dp: int, rank: int | None = None, tp_control: bool =
         # before, so every rank must make the same number of groups: a middle stage makes a one-member
         # tied-embedding group where the end stages make a two-member one.
         if initialized and (len(ranks) > 1 or (name == "embd" and topo.pp > 2)):
-            pg = dist.new_group(list(ranks), use_local_synchronization=True)
+            pg = dist.new_group(list(ranks), use_local_synchronization=True, timeout=timeout)
         topo.groups[name] = Group(name, ranks, pg)
     tp_group = topo.groups["tp"]
     if tp_control and tp_group.pg is not None and dist.get_backend(tp_group.pg) == "nccl":
         # every rank makes it (each has TP peers), so the local-synchronisation group count stays equal
         topo.groups["tp.ctl"] = Group("tp.ctl", tp_group.ranks, dist.new_group(
-            list(tp_group.ranks), backend="gloo", use_local_synchronization=True))
+            list(tp_group.ranks), backend="gloo", use_local_synchronization=True, timeout=timeout))
     if pp > 1 and LINKS == "column":
         ranks = topo.pp_ranks(rank)
         for name in CHANNELS:
-            pg = dist.new_group(list(ranks), use_local_synchronization=True) if initialized else None
+            pg = dist.new_group(list(ranks), use_local_synchronization=True, timeout=timeout) if initialized else None
             topo.groups[name] = Group(name, ranks, pg)
     elif pp > 1:
-        make_links(topo, lambda ranks: dist.new_group(list(ranks), use_local_synchronization=True)
+        make_links(topo, lambda ranks: dist.new_group(list(ranks), use_local_synchronization=True, timeout=timeout)
                    if initialized else None, warm=initialized)
     topo.groups["world"] = Group("world", tuple(range(topo.world_size)), dist.group.WORLD if initialized else None)
     return topo

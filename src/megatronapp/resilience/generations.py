@@ -268,13 +268,17 @@ class GenerationJob:
         return judge_hang(beats, self.world, self.labels, idle, timeout, stale, self._state)
 
     def _formation_failure(self, now: float) -> Failure:
-        """A generation that did not commit a step within form_timeout_s: blame its first member that did not
-        take its state (it is stuck or slow), else the lowest rank."""
-        late = sorted(self.pending) or [0]
-        r = late[0]
+        """A generation that did not commit a step within form_timeout_s: blame its first member that never began
+        to join it (stuck in an earlier generation), else the first that did not take its state (stuck or slow),
+        else the lowest rank. Being a hang, the culprit is killed and replaced."""
+        absent = [r for r in range(self.world) if not self.store.check([gp.mark_key(self.g, "plan", r)])]
+        if absent:
+            r, why = absent[0], "never began to join it"
+        else:
+            r = (sorted(self.pending) or [0])[0]
+            why = "had not taken its state" if self.pending else "did not commit"
         return Failure("hang", r, self.labels[r], f"generation {self.g} did not commit a step within "
-                       f"{now - self.generation_at:.0f} s; rank {r} had not taken its state", self._beat_step(r),
-                       now, noticed_at=now)
+                       f"{now - self.generation_at:.0f} s; rank {r} {why}", self._beat_step(r), now, noticed_at=now)
 
     def _completed(self) -> dict[str, Any] | Failure:
         if not self.result.is_file():
@@ -305,6 +309,7 @@ class GenerationJob:
             raise SupervisorGaveUp(f"gave up after {self.opts.max_restarts} in-place recoveries; last failure: "
                                    f"rank {failure.rank} ({failure.label}): {failure.message}")
         lost = sorted(codes)
+        self.established -= set(lost)  # a rank's state died with its process: whoever takes it over has none yet
         newcomers = sorted(set(lost) | (self.pending - self.established))  # a survivor's state is good
         if self.commits == 0 and not all(r in self.established for r in range(self.world) if r not in lost):
             source = "start"
@@ -392,8 +397,9 @@ class GenerationJob:
                  f"noticed (state from {rec['source']})")
 
     def account(self) -> dict[str, Any]:
-        """What this job's in-place recoveries did, for the run summary."""
-        return {"generations": self.g + 1, "replacements": self.replacements,
+        """What this job's in-place recoveries did, for the run summary (its failures in order, the one that ended
+        the job in a full restart included)."""
+        return {"generations": self.g + 1, "failures": list(self.failures), "replacements": self.replacements,
                 "inplace_recoveries": self.recoveries}
 
     def _event(self, record: dict[str, Any]) -> None:

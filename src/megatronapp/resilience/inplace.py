@@ -41,6 +41,11 @@ def enter(member: Member, cfg: RunConfig, g: int) -> tuple[Trainer, AfterStep | 
     while True:
         try:
             plan = member.join(g)
+            if plan.source == "peer" and trainer is None and member.rank not in plan.newcomers:
+                # a process without state named a survivor: the plan is wrong; this rank fails (and is replaced)
+                # rather than train from a fresh model beside peers that hold the run's state
+                raise gp.ProtocolError(f"plan of generation {plan.generation}: rank {member.rank} holds no state "
+                                       f"but is not among the newcomers {plan.newcomers}")
             if plan.source == "start" or trainer is None:  # build (again): nothing kept is known to be good
                 if trainer is not None:
                     trainer.close()
@@ -53,8 +58,9 @@ def enter(member: Member, cfg: RunConfig, g: int) -> tuple[Trainer, AfterStep | 
             else:
                 comm.CONTEXT.new_generation(plan.generation)
                 p = cfg.parallel
-                topology_mod.adopt(trainer.topo, topology_mod.build(p.tp, p.pp, p.dp, member.rank))
-            member.mark("groups")
+                topology_mod.adopt(trainer.topo, topology_mod.build(p.tp, p.pp, p.dp, member.rank,
+                                                                    timeout=member.form_timeout))
+            member.formed(trainer.topo)
             after = member.take_state(trainer, plan, after)
             member.mark("state")
             trainer.commit = member.commit

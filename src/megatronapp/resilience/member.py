@@ -45,13 +45,21 @@ def connect(port: int, timeout: datetime.timedelta) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
 
 
+class GenerationEnded(RuntimeError):
+    """The generation this rank is joining ended before the rank was in it."""
+
+
 class Member:
     """This process's part in the job's generations, as rank `rank` (a spare learns its rank later)."""
 
     def __init__(self, port: int, rank: int | None, world: int, backend: str, timeout_s: float = 300.0,
-                 victim_wait_s: float = 60.0):
+                 victim_wait_s: float = 60.0, form_timeout_s: float = 30.0):
         self.port, self.rank, self.world, self.backend = port, rank, world, backend
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        # A group's timeout while it forms. A peer that dies while gloo connects a group's pairs leaves the others
+        # waiting in `Pair::connect` for the group's whole timeout: no closed socket releases that wait (seen on
+        # torch 2.13), so a generation's groups form under this shorter one and get `timeout` once they exist.
+        self.form_timeout = datetime.timedelta(seconds=form_timeout_s)
         self.victim_wait_s = victim_wait_s  # a rank whose collective failed waits this long for the generation's end
         self.control = connect(port, WEEK)
         self._watch_store = connect(port, WEEK)
@@ -98,8 +106,14 @@ class Member:
             self._lock.notify_all()
         self.mark("plan")
         self.store = connect(self.port, self.timeout)
+        with self._lock:
+            self._sockets.forming()
+            released = self._shut
+        if released:  # the generation ended before its store connection existed: nothing would release it now
+            raise GenerationEnded(f"generation {g} ended while rank {self.rank} joined it")
+        restart_group_names()
         dist.init_process_group(self.backend, store=dist.PrefixStore(gp.prefix(g), self.store), rank=self.rank,
-                                world_size=self.world, timeout=self.timeout)
+                                world_size=self.world, timeout=self.form_timeout)
         self.mark("joined")
         self.commit = StepCommit(self.store, self.control, g, self.world)
         return plan
@@ -121,6 +135,17 @@ class Member:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001, S110 - groups aborted (NCCL) or half made: nothing left to release
                 pass
+
+    def formed(self, topo: Any) -> None:
+        """Every process group of the generation exists (the default one and `topo`'s): they get the operations'
+        timeout, and leaving the generation now shuts down all of its sockets."""
+        groups = {id(g.pg): g.pg for g in [*topo.groups.values(), *topo.links.values()] if g.pg is not None}
+        for pg in groups.values():
+            dist.distributed_c10d._set_pg_timeout(self.timeout, pg)
+        with self._lock:
+            if self._sockets is not None:
+                self._sockets.formed()
+        self.mark("groups")
 
     def _release(self) -> None:
         with self._lock:
@@ -202,8 +227,9 @@ class Member:
                 plan = self.join(self.next_generation(self.g))
                 comm.CONTEXT.new_generation(plan.generation)
                 p = trainer.cfg.parallel
-                topology_mod.adopt(trainer.topo, topology_mod.build(p.tp, p.pp, p.dp, trainer.rank))
-                self.mark("groups")
+                topology_mod.adopt(trainer.topo, topology_mod.build(p.tp, p.pp, p.dp, trainer.rank,
+                                                                    timeout=self.form_timeout))
+                self.formed(trainer.topo)
                 after = self.take_state(trainer, plan, after)
                 self.mark("state")
                 trainer.commit = self.commit
@@ -212,6 +238,19 @@ class Member:
                 if not self.generation_failure(e, trainer.step):
                     raise
                 exc = e
+
+
+def restart_group_names() -> None:
+    """Make this process name its next default group as every other member of a generation names it ("0").
+
+    torch names a process group from a process-wide counter (its store keys start with the name) and resets the
+    counter only when a formed WORLD group is destroyed. An `init_process_group` that failed (a generation that
+    ended while it formed) leaves the counter advanced and no group to destroy: this rank would then wait for keys
+    of another name than a newcomer's or a survivor's whose last generation formed, and the generation would never
+    form. There is no public reset, so the counter is set where torch's own destroy sets it."""
+    if dist.is_initialized():
+        raise RuntimeError("a generation's default group is joined only after the previous one was destroyed")
+    dist.distributed_c10d._world.group_count = 0
 
 
 def _exit(msg: str) -> None:

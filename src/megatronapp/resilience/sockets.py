@@ -70,10 +70,24 @@ class GenerationSockets:
 
     def __init__(self) -> None:
         self.before = set(socket_inodes().values())  # taken before the generation's first connection
+        self.store: set[int] | None = None  # while the groups form: the inodes of the store connection alone
+
+    def forming(self) -> None:
+        """The generation's store connection is made and its groups are about to form: until `formed()`, leaving
+        shuts down the store connection only. A rank blocked in the rendezvous waits on the store, which that
+        releases; its half-made gloo pairs are torn down by torch as the group's construction fails (a pair
+        socket shut in the middle of gloo's connect handshake was seen to leave the pair waiting for gloo's whole
+        timeout, with the rendezvous of the next generation waiting on it)."""
+        self.store = set(socket_inodes().values()) - self.before
+
+    def formed(self) -> None:
+        """The generation's groups exist: leaving shuts down every socket opened since joining."""
+        self.store = None
 
     def new(self) -> list[int]:
-        """Descriptors of the sockets opened since (the generation's)."""
-        return [fd for fd, inode in socket_inodes().items() if inode not in self.before]
+        """Descriptors of the sockets opened since (the generation's); while its groups form, the store's only."""
+        return [fd for fd, inode in socket_inodes().items()
+                if inode not in self.before and (self.store is None or inode in self.store)]
 
     def leave(self) -> int:
         """Release every operation of this generation, here and at its peers: abort NCCL communicators, shut down

@@ -211,8 +211,9 @@ def attempt_config(cfg: RunConfig, number: int, log: Callable[[str], None],
 
 
 def supervise(cfg: RunConfig, opts: Options | None = None, log: Callable[[str], None] = _log) -> dict[str, Any]:
-    """Run the job under the driver; returns the final run summary plus `restarts`, `failures` and
-    `recovery_s` (failure detected -> first step of the resumed run done)."""
+    """Run the job under the driver; returns the final run summary plus `restarts`, `failures` (every failure in
+    order, those recovered in place with spares included) and `recovery_s` (failure detected -> first step of the
+    resumed run done, for full restarts)."""
     opts = opts or Options()
     if "TORCHELASTIC_RUN_ID" in os.environ or "GROUP_RANK" in os.environ:
         raise ConfigError("--supervise launches and watches its ranks on this machine; it does not run under "
@@ -230,7 +231,8 @@ def supervise(cfg: RunConfig, opts: Options | None = None, log: Callable[[str], 
         # same cores made a shrunk 1-rank attempt's steps take > 4 s at load 30 as OpenMP threads spun)
         cpus = os.cpu_count() or 1
         opts = dataclasses.replace(opts, threads=opts.threads or max(1, cpus // cfg.parallel.world_size))
-    failures: list[Failure] = []
+    failures: list[Failure] = []  # the failures that restarted every rank
+    seen: list[Failure] = []  # every failure in order, those recovered in place included (the summary's)
     recovery_s: list[float] = []
     evicted: list[dict[str, Any]] = []
     diagnoses: list[dict[str, Any]] = []
@@ -257,9 +259,10 @@ def supervise(cfg: RunConfig, opts: Options | None = None, log: Callable[[str], 
             for key in inplace:
                 inplace[key] += att.inplace.get(key, [])
             generations += att.inplace.get("generations", 0)
+            seen += [f for f in att.inplace.get("failures", []) if f is not outcome]
             if not isinstance(outcome, Failure):
                 outcome.update(stragglers=[dataclasses.asdict(s) for s in stragglers])
-                outcome.update(restarts=number, failures=[dataclasses.asdict(f) for f in failures],
+                outcome.update(restarts=number, failures=[dataclasses.asdict(f) for f in seen],
                                recovery_s=recovery_s, evicted=evicted, diagnoses=diagnoses, dp=layout.parallel.dp)
                 if opts.spares:
                     outcome.update(generations=generations, **inplace)
@@ -267,6 +270,7 @@ def supervise(cfg: RunConfig, opts: Options | None = None, log: Callable[[str], 
                 _merge_summary(out / "summary.json", outcome)
                 return outcome
             failures.append(outcome)
+            seen.append(outcome)
             _event(events, {"event": "failure", "attempt": number, **dataclasses.asdict(outcome)})
             if outcome.kind == "exit":
                 log(f"rank {outcome.rank} ({outcome.label}) failed at step {outcome.step}: {outcome.message}")
@@ -279,7 +283,7 @@ def supervise(cfg: RunConfig, opts: Options | None = None, log: Callable[[str], 
             done = _already_finished(cfg)
             if done is not None:  # it failed after its final checkpoint (e.g. while exiting): nothing to redo
                 log(f"the final checkpoint {done['checkpoint']} is complete: not restarting")
-                done.update(restarts=number - 1, failures=[dataclasses.asdict(f) for f in failures],
+                done.update(restarts=number - 1, failures=[dataclasses.asdict(f) for f in seen],
                             recovery_s=recovery_s, evicted=evicted, diagnoses=diagnoses)
                 return done
             if number > opts.max_restarts:
