@@ -6,11 +6,13 @@ Each job survives a sequence of failures at different phases of a step (drills, 
 covers many: job 1 kills a TP rank in forward, a PP rank in backward, a DP replica's rank in the gradient
 reduction, a rank in the optimizer update (after the step's commit point: rolled forward), a rank during its
 checkpoint's background copy, and SIGSTOPs a rank; job 2 kills two ranks of different DP replicas in the same
-step, kills the spare that takes one of them over while it joins, and hangs a rank (named by the hang timeout,
-killed, replaced). One uninterrupted run is the reference of both.
+step, kills the spare that takes one of them over once the generation's groups exist and its state is on the
+way, and hangs a rank (named by the hang timeout, killed, replaced). One uninterrupted run is the reference of
+both.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -20,9 +22,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatronapp.cli import build_parser, config_from_args
 from megatronapp.config import RunConfig
+from megatronapp.resilience import generation_protocol as gp
+from megatronapp.resilience import generations
 from megatronapp.resilience.supervisor import Options, supervise
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.metrics import read_metrics
@@ -114,26 +119,41 @@ def test_kills_at_every_phase_and_a_stop_are_replaced_in_place_bit_identical(tmp
     _assert_bit_identical(out, baseline)
 
 
-def _kill_first_newcomer(out: Path, killed: list[int], stop: threading.Event) -> None:
-    """SIGKILL the spare that takes over in the first recovery, as soon as it is assigned (it is joining)."""
+def _kill_first_newcomer(out: Path, ports: list[int], killed: list[int], stop: threading.Event) -> None:
+    """SIGKILL the spare that takes over in the first recovery while it takes over: once its generation's process
+    groups exist (its `groups` mark in the supervisor's store) and its state is being sent to it. (Killed earlier,
+    while gloo connects the generation's pairs, it can leave peers waiting in gloo's connect: docs/resilience.md.)"""
+    store = None
     while not stop.is_set():
         path = out / "resilience.jsonl"
         gens = [e for e in _events(out) if e["event"] == "generation" and e["replaced"]] if path.is_file() else []
-        if gens:
-            pid = next(iter(gens[0]["replaced"].values()))["new_pid"]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-            return
+        if gens and ports:
+            g, (rank, swap) = gens[0]["generation"], next(iter(gens[0]["replaced"].items()))
+            store = store or dist.TCPStore("127.0.0.1", ports[0], None, False,
+                                           timeout=datetime.timedelta(seconds=30))
+            if store.check([gp.mark_key(g, "groups", int(rank))]) or gens[-1]["generation"] > g:
+                os.kill(swap["new_pid"], signal.SIGKILL)
+                killed.append(swap["new_pid"])
+                return
         time.sleep(0.01)
 
 
-def test_two_replicas_at_once_a_spare_killed_while_taking_over_and_a_hang(tmp_path, baseline):
+def test_two_replicas_at_once_a_spare_killed_while_taking_over_and_a_hang(tmp_path, baseline, monkeypatch):
     out = tmp_path / "run"
     drills = ["kill=0:2:backward", "kill=7:2:backward",  # DP replica 0 and DP replica 1, in the same step
               "hang=5:7"]  # rank 5 blocks at iteration 7, its heartbeat alive: named by the hang timeout
+    ports: list[int] = []  # the supervisor's store (it runs in this process), for the saboteur to watch
+    real_store = generations._store
+
+    def spied_store(*args):
+        store, sock = real_store(*args)
+        ports.append(store.port)
+        return store, sock
+
+    monkeypatch.setattr(generations, "_store", spied_store)
     killed: list[int] = []
     stop = threading.Event()
-    saboteur = threading.Thread(target=_kill_first_newcomer, args=(out, killed, stop), daemon=True)
+    saboteur = threading.Thread(target=_kill_first_newcomer, args=(out, ports, killed, stop), daemon=True)
     saboteur.start()
     logs: list[str] = []
     try:

@@ -53,7 +53,8 @@ def enter(member: Member, cfg: RunConfig, g: int) -> tuple[Trainer, AfterStep | 
                 comm.reset()
                 comm.CONTEXT.new_generation(plan.generation)
                 startup.phase("model build")
-                trainer = Trainer(cfg, member.rank)  # its groups from this generation's store; a resume loads
+                # its groups from this generation's store (formed under the short timeout); a resume loads
+                trainer = Trainer(cfg, member.rank, group_timeout=member.form_timeout)
                 trainer.hooks.on("step_start", member.note_step)
             else:
                 comm.CONTEXT.new_generation(plan.generation)

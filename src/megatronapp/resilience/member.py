@@ -143,8 +143,12 @@ class Member:
         for pg in groups.values():
             dist.distributed_c10d._set_pg_timeout(self.timeout, pg)
         with self._lock:
-            if self._sockets is not None:
-                self._sockets.formed()
+            self._sockets.formed()
+            ended = self._shut
+            if ended:  # the generation ended while its groups formed: only the store connection was shut then
+                self._sockets.leave()
+        if ended:
+            raise GenerationEnded(f"generation {self.g} ended while rank {self.rank} formed its groups")
         self.mark("groups")
 
     def _release(self) -> None:

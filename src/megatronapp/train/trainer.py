@@ -140,7 +140,9 @@ class Trainer:
     role = "coupled"  # summary.json's `role` (MegaFBD's ranks are "backward" or "forward")
     reports_loss = True  # every rank learns the step's loss (global_loss)
 
-    def __init__(self, cfg: RunConfig, rank: int = 0):
+    def __init__(self, cfg: RunConfig, rank: int = 0, group_timeout: Any = None):
+        """`group_timeout` (a timedelta): the timeout of the process groups this builds (None: torch's default);
+        in-place recovery forms a generation's groups under a short one."""
         self.cfg = cfg
         p, t = cfg.parallel, cfg.train
         self.device = torch.device("cuda", torch.cuda.current_device()) if (
@@ -150,7 +152,8 @@ class Trainer:
         comm.set_semantics(p.comm_semantics)
         # a dynamic schedule (a module's factory) makes per-task decisions that TP peers share on the host
         self.topo = topology_mod.build(p.tp, p.pp, p.dp, rank,
-                                       tp_control=plugins.schedule_factory(p.schedule) is not None)
+                                       tp_control=plugins.schedule_factory(p.schedule) is not None,
+                                       timeout=group_timeout)
         self.rank = self.topo.rank
         self.out = Path(t.out)
         self.chunks = build_chunks(cfg, self.topo, self.device)
