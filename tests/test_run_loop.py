@@ -129,3 +129,62 @@ def test_a_failing_step_fires_failure_then_shutdown_and_closes(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
         loop.run(role, world=1)
     assert seen == ["failure boom"] and role.calls[-2:] == [("close",), ("detach", False)]
+
+
+def test_a_recovered_step_runs_again_and_a_failed_save_is_redone_without_logging_twice(tmp_path):
+    role = _Role(_cfg(tmp_path, steps=5, save_interval=2, progress=False))
+    failures = {"step": [3], "save": [4]}  # the step after step 2 fails once; the save of step 4 fails once
+    seen: list[tuple] = []
+    step, save = role.train_step, role.save
+
+    def flaky_step() -> dict:
+        if role.step + 1 in failures["step"]:
+            failures["step"].remove(role.step + 1)
+            raise RuntimeError("a peer's connection closed")
+        return step()
+
+    def flaky_save() -> Path:
+        if role.step in failures["save"]:
+            failures["save"].remove(role.step)
+            raise RuntimeError("a peer's connection closed in the checkpoint barrier")
+        return save()
+
+    def recover(e: BaseException, after: loop.AfterStep) -> loop.AfterStep:
+        seen.append((str(e)[:6], after.step, after.done))
+        return after
+
+    role.train_step, role.save = flaky_step, flaky_save
+    summary = loop.run(role, world=1, recover=recover)
+    # the failed step left the rank after step 2, all done; the failed save after step 4, logged but not saved
+    assert seen == [("a peer", 2, 2), ("a peer", 4, 1)]
+    assert [c for c in role.calls if c[0] == "save"] == [("save", 2), ("save", 4), ("save", 5)]
+    recs = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5] and not any(r.get("replayed") for r in recs)
+    assert summary["steps"] == 5 and summary["losses"] == [9, 8, 7, 6, 5]
+
+
+def test_an_unrecovered_error_fails_the_run(tmp_path):
+    role = _Role(_cfg(tmp_path, steps=3, progress=False))
+
+    def broken() -> dict:
+        raise ValueError("a bug")
+
+    role.train_step = broken
+    with pytest.raises(ValueError, match="a bug"):
+        loop.run(role, world=1, recover=lambda e, after: None)
+
+
+def test_a_newcomer_resumes_its_sources_work_and_logs_only_what_the_lead_had_not(tmp_path):
+    loop.run(_Role(_cfg(tmp_path, steps=4, progress=False)), world=1)  # the first lead logged steps 1-4
+    rec = {"loss": 6.0, "grad_norm": 1.0, "lr": 0.1, "step_time": 0.5, "step": 4, "tokens_per_s": 1.0, "mfu": 0.0,
+           "mem_bytes": 0}
+    role = _Role(_cfg(tmp_path, steps=6, eval_interval=4, save_interval=4, progress=False), step=4)
+    ends: list[int] = []
+    role.hooks.on("step_end", lambda step, r: ends.append(step))
+    # handed over while its source had not evaluated step 4 yet: the newcomer evaluates and saves it with the rest
+    loop.run(role, world=1, resume=loop.AfterStep(4, dict(rec), done=0, ran_here=False))
+    assert [c for c in role.calls if c[0] in ("evaluate", "save")] == [("evaluate", 4), ("save", 4), ("evaluate", 6),
+                                                                       ("save", 6)]
+    assert ends == [4, 5, 6]
+    recs = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]  # step 4 was in the file: not logged again

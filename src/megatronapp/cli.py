@@ -166,6 +166,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="restart at once, without running the diagnostics on the job's ranks first")
     g.add_argument("--diagnose-budget", type=float, default=120.0, metavar="S",
                    help="wall-clock budget of the diagnostics before a restart (default 120)")
+    g.add_argument("--spares", type=int, default=0, metavar="K",
+                   help="K warm spare processes (torch and the trainer imported): a failed rank is replaced in "
+                        "place, the healthy ranks keep running and no committed step is lost (default 0: restart "
+                        "every rank from the newest checkpoint)")
     g.add_argument("--allow-shrink", action="store_true",
                    help="restart without the evicted rank's DP replica (dp-1, same global batch; plain "
                         "optimizer only) instead of with the same layout")
@@ -315,13 +319,15 @@ def _train_supervised(cfg: RunConfig, args: argparse.Namespace) -> int:
         raise ConfigError(f"--straggler-windows {args.straggler_windows}: must be >= 1")
     if args.straggler_min_slowdown < 1.0:
         raise ConfigError(f"--straggler-min-slowdown {args.straggler_min_slowdown}: must be >= 1.0 (a factor)")
+    if args.spares < 0:
+        raise ConfigError(f"--spares {args.spares}: must be >= 0")
     if args.evict_stragglers and not cfg.trace.enabled:
         raise ConfigError("--evict-stragglers needs --trace: stragglers are found in the MegaScan trace windows")
     opts = supervisor.Options(hang_timeout_s=args.hang_timeout, max_restarts=args.max_restarts,
                               heartbeat_s=args.heartbeat_interval, diagnose_on_restart=args.diagnose_on_restart,
                               diagnose_budget_s=args.diagnose_budget, allow_shrink=args.allow_shrink,
                               straggler_windows=args.straggler_windows, evict_stragglers=args.evict_stragglers,
-                              straggler_min_slowdown=args.straggler_min_slowdown)
+                              straggler_min_slowdown=args.straggler_min_slowdown, spares=args.spares)
     try:
         summary = supervisor.supervise(cfg, opts)
     except supervisor.SupervisorGaveUp as e:
@@ -332,6 +338,8 @@ def _train_supervised(cfg: RunConfig, args: argparse.Namespace) -> int:
     evicted += "".join(f"; evicted rank {e['rank']} ({e['label']})" for e in summary.get("evicted", []))
     if summary.get("dp", cfg.parallel.dp) != cfg.parallel.dp:
         evicted += f"; finished on dp={summary['dp']}"
+    if summary.get("replacements"):
+        evicted += f"; {len(summary['replacements'])} rank(s) replaced in place"
     print(f"final loss {summary['final_loss']:.4f} after {summary['steps']} steps, {summary['restarts']} "
           f"restart(s){evicted}; run files in {summary['out']}")
     return 0

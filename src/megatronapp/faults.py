@@ -15,6 +15,10 @@ Specs (one per `--inject`):
                              sum, marker, commit: `checkpoint.SAVE_STAGES`; marker and commit are rank 0's, the
                              committer's); with RESTART, only in that torchrun restart (TORCHELASTIC_RESTART_COUNT),
                              so one torchrun job with --max-restarts can drill every stage in turn
+  kill=RANK:STEP:PHASE       RANK SIGKILLs itself in iteration STEP (0-based, as hang) when it enters PHASE:
+                             forward, backward (its first such task), reduce (its first DP collective: the
+                             gradient reduction), optimizer (the update, after the step's commit point)
+  stop=RANK:STEP:PHASE       the same with SIGSTOP: the process freezes (a hang a supervisor must name)
 The nominal wire time of a message is its bytes at WIRE_GBPS (the loopback wire of one machine is otherwise
 far faster than any real link, so a factor of it would change nothing).
 Faults act through the engine's seams only: span sinks (`megatronapp.tracing`) and comm interceptors
@@ -46,7 +50,10 @@ KINDS = {
     "slow-wire": "slow-wire=A-B:FACTOR (e.g. slow-wire=1-2:4)",
     "jitter": "jitter=A-B:lognormal:SIGMA (e.g. jitter=1-2:lognormal:0.5)",
     "kill-save": "kill-save=RANK:STEP:STAGE[:RESTART] (e.g. kill-save=1:4:sum)",
+    "kill": "kill=RANK:STEP:PHASE (e.g. kill=5:3:backward)",
+    "stop": "stop=RANK:STEP:PHASE (e.g. stop=2:4:forward)",
 }
+PHASES = ("forward", "backward", "reduce", "optimizer")  # where a kill or stop drill fires in its step
 WIRE_GBPS = 1.0  # nominal link bandwidth for slow-wire and jitter, GB/s
 
 
@@ -84,7 +91,8 @@ def parse(spec: str) -> Fault:
     if kind not in KINDS:
         raise ConfigError(f"--inject {spec!r}: unknown fault {kind!r}; choose one of: " + "; ".join(KINDS.values()))
     parts = rest.split(":")
-    want = {"slow-compute": 2, "slow-link": 2, "pause": 3, "hang": 2, "slow-wire": 2, "jitter": 3, "kill-save": 3}[kind]
+    want = {"slow-compute": 2, "slow-link": 2, "pause": 3, "hang": 2, "slow-wire": 2, "jitter": 3, "kill-save": 3,
+            "kill": 3, "stop": 3}[kind]
     if kind == "kill-save" and len(parts) == 4:
         want = 4
     if not eq or len(parts) != want or not all(parts):
@@ -98,6 +106,11 @@ def parse(spec: str) -> Fault:
             raise ConfigError(f"--inject {spec!r}: stage {parts[2]} is reached by rank 0 only (the committer)")
         return Fault(kind, (rank,), step=_num(spec, "STEP", parts[1], int, 1), stage=parts[2],
                      restart=_num(spec, "RESTART", parts[3], int, 0) if want == 4 else 0, spec=spec)
+    if kind in ("kill", "stop"):
+        if parts[2] not in PHASES:
+            raise ConfigError(f"--inject {spec!r}: unknown phase {parts[2]!r}; choose one of: " + ", ".join(PHASES))
+        return Fault(kind, (_num(spec, "RANK", parts[0], int, 0),), step=_num(spec, "STEP", parts[1], int, 0),
+                     stage=parts[2], spec=spec)
     if kind == "slow-compute":
         factor = _num(spec, "FACTOR", parts[1], float, 1.0)
         return Fault(kind, (_num(spec, "RANK", parts[0], int, 0),), factor=factor, spec=spec)
@@ -163,19 +176,25 @@ class Injector:
                        if f.kind == "kill-save" and f.ranks[0] == rank and f.restart == restart}
         if self._kills:
             ckpt.on_save_stage(self._save_stage)
+        # kill/stop drills: (iteration, phase) -> signal, fired once
+        self._signals = {(f.step, f.stage): signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP
+                         for f in faults if f.kind in ("kill", "stop") and f.ranks[0] == rank}
+        self.iteration = -1
         self._release = threading.Event()
         self._open = _OpenCompute()
         self.hung_at: int | None = None
-        self.installed_sink = bool(self._slow or self._pauses or self._hangs)
+        self.installed_sink = bool(self._slow or self._pauses or self._hangs or self._signals)
         if self.installed_sink:
             tracing.install(self)
-        if self._links or self._wires:
+        if self._links or self._wires or any(phase == "reduce" for _, phase in self._signals):
             comm.add_interceptor(self.intercept)
 
     # SpanSink: only compute and layer spans are timed, everything else costs one comparison. A layer span is
     # stretched at its own close; the compute span around it then stretches only its time outside layers (each
     # thread keeps a stack of its open compute spans' already-stretched time).
     def open(self, name: str, cat: str, meta: dict[str, Any]) -> Any:
+        if self._signals and name in ("forward", "backward", "optimizer"):
+            self._drill(name)
         if not self._slow or cat not in ("compute", "layer"):
             return None
         inner = None
@@ -202,9 +221,18 @@ class Injector:
             stack[-1][0] += elapsed + stretch
             stack[-1][1] += waited
 
+    def _drill(self, phase: str) -> None:
+        """A kill or stop drill of this iteration and phase: signal this process, once."""
+        sig = self._signals.pop((self.iteration, phase), None)
+        if sig is not None:
+            print(f"megatronapp: fault drill: rank {self.rank} sends itself {signal.Signals(sig).name} in iteration "
+                  f"{self.iteration} at '{phase}'", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), sig)
+
     def step(self, iteration: int, begin: bool) -> None:
         if not begin:
             return
+        self.iteration = iteration
         if iteration in self._hangs and not self._release.is_set():
             self.hung_at = iteration
             self._release.wait()  # a hang drill: only remove() (or the process dying) ends it
@@ -215,6 +243,8 @@ class Injector:
     def intercept(self, op: comm.CommOp) -> float | None:
         """Delay sends over a slow link, and collectives whose group holds both of its ends (the caller stalls);
         return the late delivery of a send over a slow or jittery wire (the caller goes on)."""
+        if self._signals and op.group == "dp" and op.peer is None:  # the step's first DP collective: reduction
+            self._drill("reduce")
         late = 0.0
         if op.name == "send":
             for f in self._wires:

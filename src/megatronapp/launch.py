@@ -222,7 +222,8 @@ class RankExit:
         return RankFailed(self.rank, self.message, self.tb, self.signum)
 
 
-def _loopback_env() -> dict[str, str]:
+def loopback_env() -> dict[str, str]:
+    """The environment that keeps a local job's gloo on the loopback interface."""
     # gloo binds to the interface its host name resolves to; a local job needs loopback only.
     if "GLOO_SOCKET_IFNAME" not in os.environ and Path("/sys/class/net/lo").exists():
         return {"GLOO_SOCKET_IFNAME": "lo"}
@@ -313,7 +314,7 @@ def start(fn: Callable, nproc: int, *args: Any, backend: str = "gloo", threads: 
     method = start_method(backend, prelude)
     ctx = mp.get_context(method)
     rundir = Path(tempfile.mkdtemp(prefix="megatronapp-job-"))
-    full_env = {"MEGATRONAPP_RUN_ID": uuid.uuid4().hex[:12], **_loopback_env(), **(env or {})}
+    full_env = {"MEGATRONAPP_RUN_ID": uuid.uuid4().hex[:12], **loopback_env(), **(env or {})}
     if method == "forkserver":
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server first starts; later calls no-ops
         full_env = {**os.environ, **full_env, _FULL_ENV: "1"}

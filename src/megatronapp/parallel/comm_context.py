@@ -80,6 +80,22 @@ class CommContext:
         self._wires.clear()
         self._backends.clear()
 
+    def new_generation(self, epoch: int) -> None:
+        """Join a new generation of process groups in the same run (resilience's in-place recovery): forget what
+        belonged to the old groups (sequence numbers, the flight recorder, wires, backends: a new group may reuse
+        a dead one's id) but keep the run's interceptors and strict mode, re-made under `epoch`, which every member
+        of the generation passes alike (its number), so a newcomer and the survivors key the store the same."""
+        with self._seq_lock:
+            self._seq.clear()
+        self.flight.clear()
+        for w in self._wires.values():
+            w.close()
+        self._wires.clear()
+        self._backends.clear()
+        self.epoch = epoch
+        if self.strict is not None:
+            self.set_semantics(self.mode)
+
     def add_interceptor(self, fn: Interceptor) -> None:
         self.interceptors.append(fn)
 

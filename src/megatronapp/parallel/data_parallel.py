@@ -159,6 +159,15 @@ class GradReducer:
             b.ready.clear()
         self._next = 0
 
+    def reset(self) -> None:
+        """Forget a step that will not finish (a failed generation): its collectives' handles and readiness. The
+        gradients themselves are zeroed by the next step's `zero_grad`."""
+        self._armed, self._next = None, 0
+        for buckets in self.buckets.values():
+            for b in buckets:
+                b.handle = None
+                b.ready.clear()
+
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()

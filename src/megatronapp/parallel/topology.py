@@ -167,10 +167,12 @@ class Topology:
         return "\n".join(lines)
 
 
-def build(tp: int, pp: int, dp: int, rank: int | None = None, tp_control: bool = False) -> Topology:
+def build(tp: int, pp: int, dp: int, rank: int | None = None, tp_control: bool = False,
+          timeout: Any = None) -> Topology:
     """Create the topology and, when torch.distributed is initialised, this rank's process groups. `tp_control`:
     also a host-side (gloo) group of the TP peers, `tp.ctl`, for per-task decisions (MegaDPP with TP), when the TP
-    group is NCCL's: an object broadcast over NCCL costs host-device synchronisations per task."""
+    group is NCCL's: an object broadcast over NCCL costs host-device synchronisations per task. `timeout` (a
+    timedelta): the groups' timeout, their forming included (None: torch's default)."""
     initialized = dist.is_available() and dist.is_initialized()
     if rank is None:
         rank = dist.get_rank() if initialized else 0
@@ -186,23 +188,37 @@ def build(tp: int, pp: int, dp: int, rank: int | None = None, tp_control: bool =
         # before, so every rank must make the same number of groups: a middle stage makes a one-member
         # tied-embedding group where the end stages make a two-member one.
         if initialized and (len(ranks) > 1 or (name == "embd" and topo.pp > 2)):
-            pg = dist.new_group(list(ranks), use_local_synchronization=True)
+            pg = dist.new_group(list(ranks), use_local_synchronization=True, timeout=timeout)
         topo.groups[name] = Group(name, ranks, pg)
     tp_group = topo.groups["tp"]
     if tp_control and tp_group.pg is not None and dist.get_backend(tp_group.pg) == "nccl":
         # every rank makes it (each has TP peers), so the local-synchronisation group count stays equal
         topo.groups["tp.ctl"] = Group("tp.ctl", tp_group.ranks, dist.new_group(
-            list(tp_group.ranks), backend="gloo", use_local_synchronization=True))
+            list(tp_group.ranks), backend="gloo", use_local_synchronization=True, timeout=timeout))
     if pp > 1 and LINKS == "column":
         ranks = topo.pp_ranks(rank)
         for name in CHANNELS:
-            pg = dist.new_group(list(ranks), use_local_synchronization=True) if initialized else None
+            pg = dist.new_group(list(ranks), use_local_synchronization=True, timeout=timeout) if initialized else None
             topo.groups[name] = Group(name, ranks, pg)
     elif pp > 1:
-        make_links(topo, lambda ranks: dist.new_group(list(ranks), use_local_synchronization=True)
+        make_links(topo, lambda ranks: dist.new_group(list(ranks), use_local_synchronization=True, timeout=timeout)
                    if initialized else None, warm=initialized)
     topo.groups["world"] = Group("world", tuple(range(topo.world_size)), dist.group.WORLD if initialized else None)
     return topo
+
+
+def adopt(topo: Topology, fresh: Topology) -> None:
+    """Give `topo`'s groups the process groups of `fresh`, a topology of the same layout and rank built in a new
+    generation (resilience's in-place recovery): every object holding one of `topo`'s `Group`s (layers, reducer,
+    optimizer, pipeline links) then talks over the new generation's groups."""
+    if (fresh.tp, fresh.pp, fresh.dp, fresh.rank) != (topo.tp, topo.pp, topo.dp, topo.rank) \
+            or fresh.groups.keys() != topo.groups.keys() or fresh.links.keys() != topo.links.keys():
+        raise ValueError("a new generation's topology must have this rank's layout and groups")
+    for mine, new in [*((topo.groups[k], g) for k, g in fresh.groups.items()),
+                      *((topo.links[k], g) for k, g in fresh.links.items())]:
+        if mine.ranks != new.ranks:
+            raise ValueError(f"group {mine.name}: members {new.ranks} in the new generation, {mine.ranks} before")
+        mine.pg = new.pg
 
 
 def make_links(topo: Topology, new_group: Callable[[tuple[int, ...]], Any], warm: bool,

@@ -105,6 +105,15 @@ class PipelineExecutor:
         self.links = StageLinks(topo, act_shape, act_dtype, self.device, overlap=pp_overlap) if topo.pp > 1 else None
         self.steps = 0
 
+    def reset(self) -> None:
+        """Drop a step that will not finish (a failed generation): fresh pipeline links (no receive posted on the
+        old groups, nothing arrived), a split backward switched off, and the message step counter back to 0,
+        as every member of the new generation sets it (a newcomer's executor starts there)."""
+        self.links = StageLinks(self.topo, self.act_shape, self.act_dtype, self.device,
+                                overlap=self.links.overlap) if self.links is not None else None
+        weight_grad.set_split(False)
+        self.steps = 0
+
     # -- geometry ---------------------------------------------------------------------------------------
     def _v(self, chunk: int) -> int:
         return chunk * self.pp + self.stage

@@ -25,12 +25,14 @@ from megatronapp import launch
 from megatronapp.config import ConfigError, RunConfig, plugin_entries, validate
 from megatronapp.parallel.topology import coord_of
 from megatronapp.resilience import agent, recovery, shrink
+from megatronapp.resilience.generations import EARLY_HEARTBEAT, GenerationJob, SupervisorGaveUp
 from megatronapp.resilience.stragglers import Straggler, StragglerWatch
 from megatronapp.resilience.watch import (
     Failure,
     ProgressClock,
     default_hang_timeout,  # noqa: F401  (imported from here by callers)
     judge_hang,
+    process_state,
     read_beats,
     settle,
 )
@@ -39,7 +41,6 @@ from megatronapp.train import plugins
 from megatronapp.train.trainer import run_rank
 
 AGENT_PLUGIN = "megatronapp.resilience.agent:plugin"
-EARLY_HEARTBEAT = "megatronapp.resilience.agent:early_start"
 
 
 @dataclass
@@ -57,21 +58,16 @@ class Options:
     straggler_windows: int = 3  # with tracing on: a MegaScan finding repeated over this many windows is reported
     straggler_min_slowdown: float = 1.10  # ... if it slows its rank by at least this factor
     evict_stragglers: bool = False  # ... and treated as a failure (stop, diagnose, evict, restart)
-
-
-class SupervisorGaveUp(RuntimeError):
-    pass
+    # in-place recovery (generations.py): warm spares; without one, a failure restarts every rank
+    spares: int = 0
+    spare_wait_s: float = 120.0  # a failure finding no ready spare waits this long for a starting one
+    stop_after_s: float = 1.0  # a rank's process stopped (SIGSTOP) this long is a hang, killed and replaced
+    form_timeout_s: float = 120.0  # a generation after a recovery must commit a step within this
+    left_grace_s: float = 1.0  # a rank that left while none died: acted on after this (a death is seen first)
 
 
 def _log(msg: str) -> None:
     print(f"megatronapp supervisor: {msg}", file=sys.stderr, flush=True)
-
-
-def _process_state(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 class Attempt:
@@ -87,6 +83,7 @@ class Attempt:
         self.step_times: list[float] = []
         self.first_step_at: float | None = None
         self.watch: StragglerWatch | None = None
+        self.inplace: dict[str, Any] = {}  # with spares: the in-place recoveries of this attempt
         tc = cfg.trace
         if tc.enabled and opts.straggler_windows > 0:
             self.watch = StragglerWatch(Path(tc.dir or self.out / "trace"), tc.interval, tc.iterations, self.world,
@@ -96,6 +93,12 @@ class Attempt:
         return read_beats(self.hb_dir, self.world)
 
     def run(self) -> dict[str, Any] | Failure:
+        if self.opts.spares:  # the ranks recover in place while they can (generations.py)
+            job = GenerationJob(self.cfg, self.opts, self.log, self.out / "resilience.jsonl", self.number)
+            try:
+                return job.run()
+            finally:
+                self.first_step_at, self.step_times, self.inplace = job.first_step_at, job.step_times, job.account()
         shutil.rmtree(self.hb_dir, ignore_errors=True)
         self.hb_dir.mkdir(parents=True)
         result = self.out / ".result.json"
@@ -112,7 +115,7 @@ class Attempt:
 
     def _watch(self, job: launch.LocalJob, result: Path) -> dict[str, Any] | Failure:
         clock = ProgressClock(self.world, self.opts.hang_timeout_s, self.opts.startup_timeout_s, early=True,
-                              state_of=lambda r: _process_state(job.pids[r]))
+                              state_of=lambda r: process_state(job.pids[r]))
         while True:
             job.wait(0.2)
             if job.exits():
@@ -167,14 +170,14 @@ class Attempt:
     def _settle(self, beats: dict[int, dict[str, Any]], job: launch.LocalJob,
                 stale_after: float) -> dict[int, dict[str, Any]]:
         """Wait briefly for late heartbeats of ranks that still run (`watch.settle`)."""
-        return settle(beats, self.beats, lambda r: _process_state(job.pids[r]), stale_after, self.opts.heartbeat_s)
+        return settle(beats, self.beats, lambda r: process_state(job.pids[r]), stale_after, self.opts.heartbeat_s)
 
     def _hang_failure(self, beats: dict[int, dict[str, Any]], job: launch.LocalJob, idle_s: float,
                       timeout: float) -> Failure:
         stale_after = max(3 * self.opts.heartbeat_s, 2.0)
         beats = self._settle(beats, job, stale_after)
         return judge_hang(beats, self.world, self.labels, idle_s, timeout, stale_after,
-                          lambda r: _process_state(job.pids[r]))
+                          lambda r: process_state(job.pids[r]))
 
 
 def attempt_config(cfg: RunConfig, number: int, log: Callable[[str], None],
@@ -208,8 +211,9 @@ def attempt_config(cfg: RunConfig, number: int, log: Callable[[str], None],
 
 
 def supervise(cfg: RunConfig, opts: Options | None = None, log: Callable[[str], None] = _log) -> dict[str, Any]:
-    """Run the job under the driver; returns the final run summary plus `restarts`, `failures` and
-    `recovery_s` (failure detected -> first step of the resumed run done)."""
+    """Run the job under the driver; returns the final run summary plus `restarts`, `failures` (every failure in
+    order, those recovered in place with spares included) and `recovery_s` (failure detected -> first step of the
+    resumed run done, for full restarts)."""
     opts = opts or Options()
     if "TORCHELASTIC_RUN_ID" in os.environ or "GROUP_RANK" in os.environ:
         raise ConfigError("--supervise launches and watches its ranks on this machine; it does not run under "
@@ -227,11 +231,14 @@ def supervise(cfg: RunConfig, opts: Options | None = None, log: Callable[[str], 
         # same cores made a shrunk 1-rank attempt's steps take > 4 s at load 30 as OpenMP threads spun)
         cpus = os.cpu_count() or 1
         opts = dataclasses.replace(opts, threads=opts.threads or max(1, cpus // cfg.parallel.world_size))
-    failures: list[Failure] = []
+    failures: list[Failure] = []  # the failures that restarted every rank
+    seen: list[Failure] = []  # every failure in order, those recovered in place included (the summary's)
     recovery_s: list[float] = []
     evicted: list[dict[str, Any]] = []
     diagnoses: list[dict[str, Any]] = []
     stragglers: list[Straggler] = []
+    inplace: dict[str, list] = {"replacements": [], "inplace_recoveries": []}
+    generations = 0
     layout, replicas = cfg, None
     with ckpt.OutLock(out):
         number = 0
@@ -249,14 +256,21 @@ def supervise(cfg: RunConfig, opts: Options | None = None, log: Callable[[str], 
                                 **({"upper_bound": True} if bound else {})})
             if att.watch is not None:
                 stragglers += att.watch.reported
+            for key in inplace:
+                inplace[key] += att.inplace.get(key, [])
+            generations += att.inplace.get("generations", 0)
+            seen += [f for f in att.inplace.get("failures", []) if f is not outcome]
             if not isinstance(outcome, Failure):
                 outcome.update(stragglers=[dataclasses.asdict(s) for s in stragglers])
-                outcome.update(restarts=number, failures=[dataclasses.asdict(f) for f in failures],
+                outcome.update(restarts=number, failures=[dataclasses.asdict(f) for f in seen],
                                recovery_s=recovery_s, evicted=evicted, diagnoses=diagnoses, dp=layout.parallel.dp)
+                if opts.spares:
+                    outcome.update(generations=generations, **inplace)
                 _event(events, {"event": "completed", "attempt": number, "steps": outcome.get("steps")})
                 _merge_summary(out / "summary.json", outcome)
                 return outcome
             failures.append(outcome)
+            seen.append(outcome)
             _event(events, {"event": "failure", "attempt": number, **dataclasses.asdict(outcome)})
             if outcome.kind == "exit":
                 log(f"rank {outcome.rank} ({outcome.label}) failed at step {outcome.step}: {outcome.message}")
@@ -269,7 +283,7 @@ def supervise(cfg: RunConfig, opts: Options | None = None, log: Callable[[str], 
             done = _already_finished(cfg)
             if done is not None:  # it failed after its final checkpoint (e.g. while exiting): nothing to redo
                 log(f"the final checkpoint {done['checkpoint']} is complete: not restarting")
-                done.update(restarts=number - 1, failures=[dataclasses.asdict(f) for f in failures],
+                done.update(restarts=number - 1, failures=[dataclasses.asdict(f) for f in seen],
                             recovery_s=recovery_s, evicted=evicted, diagnoses=diagnoses)
                 return done
             if number > opts.max_restarts:
@@ -308,7 +322,8 @@ def _already_finished(cfg: RunConfig) -> dict[str, Any] | None:
 def _merge_summary(path: Path, outcome: dict[str, Any]) -> None:
     """Add the driver's account (restarts, failures, evictions, diagnoses, stragglers, final dp) to the run's
     summary.json, which rank 0 wrote without it."""
-    keys = ("restarts", "failures", "recovery_s", "evicted", "diagnoses", "stragglers", "dp")
+    keys = ("restarts", "failures", "recovery_s", "evicted", "diagnoses", "stragglers", "dp", "generations",
+            "replacements", "inplace_recoveries")
     try:
         summary = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, json.JSONDecodeError):

@@ -35,6 +35,14 @@ class Failure:
     noticed_at: float | None = None  # an exit: when the driver saw it (detected_at is after the job was stopped)
 
 
+def process_state(pid: int) -> str | None:
+    """A local process's state letter from /proc ('R', 'S', 'T' stopped, 'Z' dead), None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def default_hang_timeout(step_times: list[float]) -> float:
     """Sized from measured step times: 10x the slowest seen, at least 30 s."""
     return max(30.0, 10.0 * max(step_times)) if step_times else 30.0

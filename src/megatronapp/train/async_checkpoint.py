@@ -168,6 +168,7 @@ class AsyncSaver:
         self._error: BaseException | None = None
         self._pending: int | None = None
         self._buffers: Any = None  # the previous snapshot: its memory is reused once its save is done
+        self._cancel = threading.Event()  # abandon(): stop waiting for other ranks' files
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], attempt: str | None = None) -> float:
         """Snapshot `state` and write it in the background; returns the seconds this call held up training
@@ -215,10 +216,26 @@ class AsyncSaver:
         tmp = ckpt.temp_dir(self.root, step, attempt)
         deadline = time.monotonic() + self.finalize_timeout_s
         while not all((tmp / f"{ckpt.rank_file(r)}.sum").is_file() for r in range(self.world)):
+            if self._cancel.is_set():
+                raise ckpt.CheckpointError(f"checkpoint step {step}: abandoned (the job's generation failed)")
             if time.monotonic() > deadline:
                 raise ckpt.CheckpointError(f"checkpoint step {step}: not every rank wrote its file within "
                                            f"{self.finalize_timeout_s:.0f} s; the step stays incomplete")
             time.sleep(0.01)
+
+    def abandon(self) -> int | None:
+        """Give up the save in flight: its job's generation failed, so another rank's file may never come. Rank 0
+        stops waiting for the files, this rank's own copy and write end (they touch no process group), and the
+        save is forgotten, its error included; the step stays incomplete unless it was already committed. Returns
+        the abandoned save's step, or None."""
+        if self._thread is None:
+            return None
+        self._cancel.set()
+        self._copier = None  # the background thread finishes the copy before it writes
+        self._thread.join()
+        self._thread, self._error, self._cancel = None, None, threading.Event()
+        step, self._pending = self._pending, None
+        return step
 
     def done(self) -> bool:
         """Whether no save is in flight any more (its background work has ended; `wait()` still reports it)."""

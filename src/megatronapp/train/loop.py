@@ -21,6 +21,8 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -88,6 +90,7 @@ class _Report:
     def step(self, rec: dict[str, Any]) -> None:
         if rec["step"] <= self.logged:
             rec["replayed"] = True
+        self.logged = max(self.logged, rec["step"])  # a step run again later (a rollback) is marked too
         if not self.lead:
             return
         self.log.log(rec)
@@ -104,9 +107,30 @@ class _Report:
             self.tb.close()
 
 
-def run(role: RankRole, world: int, result_path: str | None = None) -> dict[str, Any]:
+@dataclass
+class AfterStep:
+    """Where a rank stands in the work after its last committed step `step` (its record, if this process ran or
+    was handed it): `done` 0: nothing yet; 1: evaluated, logged and announced (step_end); 2: saved too. A
+    recovery redoes what not every rank finished, and a newcomer is handed its source's."""
+
+    step: int
+    record: dict[str, Any] | None = None
+    done: int = 2
+    ran_here: bool = True  # False: handed over by a peer (its lead logged it if the metrics file has it)
+
+
+# A recovery handler (resilience's in-place recovery): called with the error that ended the step and where the
+# rank stood; returns where it stands in the new generation of process groups (the same, or a checkpoint's step
+# after a rollback), or None when the error is not one it recovers from (the run then fails as without it).
+Recover = Callable[[BaseException, AfterStep], "AfterStep | None"]
+
+
+def run(role: RankRole, world: int, result_path: str | None = None, recover: Recover | None = None,
+        resume: AfterStep | None = None) -> dict[str, Any]:
     """Train `role` to `train.steps` with everything around the steps (module docstring); returns the run
-    summary, which rank 0 also writes to summary.json (and to `result_path`, for the launcher)."""
+    summary, which rank 0 also writes to summary.json (and to `result_path`, for the launcher). With `recover`,
+    a failed step goes to it, and the run goes on in the generation it joined; `resume`: this rank joins a run
+    in progress where its source stood (a newcomer of in-place recovery)."""
     cfg, t = role.cfg, role.cfg.train
     lead = role.rank == 0
     # the MFU denominator: a vendor peak, or this device's measured matmul rate (only where MFU is counted)
@@ -118,31 +142,37 @@ def run(role: RankRole, world: int, result_path: str | None = None) -> dict[str,
     # ranks of the job, forward instances included.
     flops_tok = cfg.model.flops_per_token(t.seq_len)
     tokens_per_step = t.global_batch_size * t.seq_len
-    history: list[dict[str, Any]] = []
+    steps = _Steps(role, report, flops_tok, tokens_per_step, peak, world)
+    # a run that starts at its last step still writes its final checkpoint, as a resumed run always did
+    after = resume or AfterStep(role.step, done=1 if role.step >= t.steps else 2)
     start_step, t_start = role.step, time.perf_counter()
-    ckpt_dir = None
+    rejoined = resume is not None
     failed = False
     try:
         role.attach_plugins()  # inside the try: a plug-in that fails to attach still gets the others shut down
-        while role.step < t.steps:
-            role.hooks.fire("step_start", role.step)
-            with tracing.step(role.step):
-                rec = role.train_step()
-            if role.reports_loss:
-                tps = tokens_per_step / rec["step_time"]
-                rec.update(step=role.step, tokens_per_s=tps, mfu=mfu(tps, flops_tok, peak, world),
-                           mem_bytes=peak_memory_bytes(role.device))
-                if t.eval_interval and (role.step % t.eval_interval == 0 or role.step == t.steps):
-                    rec["val_loss"] = role.evaluate()  # a forward-only pass of the whole pipeline
-                report.step(rec)
-                history.append(rec)
-            else:  # plug-ins reading the engine's record keys get NaN where no loss is computed
-                rec.update(loss=math.nan, grad_norm=math.nan, lr=math.nan, step=role.step)
-            role.hooks.fire("step_end", role.step, rec)
-            if t.save_interval and role.step % t.save_interval == 0 and role.step < t.steps:
-                role.save()
-        ckpt_dir = role.save()  # the final checkpoint (None on a rank that holds no state)
-        role.finish_saves()
+        while True:
+            try:
+                if rejoined:
+                    after = _agree(role, after)
+                    rejoined = False
+                while True:
+                    steps.after_step(after)
+                    if role.step >= t.steps:
+                        break
+                    role.hooks.fire("step_start", role.step)
+                    with tracing.step(role.step):
+                        rec = role.train_step()
+                    after = AfterStep(role.step, steps.measured(rec), done=0)
+                role.finish_saves()
+                wall = time.perf_counter() - t_start
+                summary = _summary(role, world, steps.history, tokens_per_step * max(1, role.step - start_step)
+                                   / wall, steps.ckpt_dir, peak_what)
+                break
+            except BaseException as e:
+                again = recover(e, after) if recover is not None else None
+                if again is None:
+                    raise
+                after, rejoined = again, True
     except BaseException as e:
         failed = True
         role.hooks.teardown("failure", e, raise_errors=False)  # the run's own error is what propagates
@@ -151,12 +181,64 @@ def run(role: RankRole, world: int, result_path: str | None = None) -> dict[str,
         role.close()  # data workers stop on a normal end and on a failure alike
         role.detach_plugins(raise_errors=not failed)
         report.close()
-    wall = time.perf_counter() - t_start
-    summary = _summary(role, world, history, tokens_per_step * max(1, role.step - start_step) / wall, ckpt_dir,
-                       peak_what)
     if lead:
         _write(role, summary, report.progress, result_path)
     return summary
+
+
+class _Steps:
+    """A rank's per-step bookkeeping around `train_step`: the record's rates, and the work after each step."""
+
+    def __init__(self, role: RankRole, report: _Report, flops_tok: float, tokens_per_step: int, peak: float,
+                 world: int):
+        self.role, self.report, self.t = role, report, role.cfg.train
+        self.flops_tok, self.tokens_per_step, self.peak, self.world = flops_tok, tokens_per_step, peak, world
+        self.history: list[dict[str, Any]] = []
+        self.ckpt_dir: Path | None = None
+
+    def measured(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """The step's record with its step number and, where a loss is reported, rates and memory."""
+        role = self.role
+        if role.reports_loss:
+            tps = self.tokens_per_step / rec["step_time"]
+            rec.update(step=role.step, tokens_per_s=tps, mfu=mfu(tps, self.flops_tok, self.peak, self.world),
+                       mem_bytes=peak_memory_bytes(role.device))
+        else:  # plug-ins reading the engine's record keys get NaN where no loss is computed
+            rec.update(loss=math.nan, grad_norm=math.nan, lr=math.nan, step=role.step)
+        return rec
+
+    def after_step(self, after: AfterStep) -> None:
+        """Finish the work after step `after.step` that is not done: evaluate (a collective), log, step_end; then
+        the checkpoint (every `save_interval` steps and at the end)."""
+        role, t, step, rec = self.role, self.t, after.step, after.record
+        if after.done < 1:
+            if role.reports_loss and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
+                val = role.evaluate()  # a forward-only pass of the whole pipeline
+                if rec is not None:
+                    rec["val_loss"] = val
+            if rec is not None:
+                if role.reports_loss:
+                    if after.ran_here or rec["step"] > self.report.logged:
+                        self.report.step(rec)
+                    self.history.append(rec)
+                role.hooks.fire("step_end", step, rec)
+            after.done = 1
+        if after.done < 2:
+            if step == t.steps or (t.save_interval and step % t.save_interval == 0):
+                self.ckpt_dir = role.save()  # the final one: None on a rank that holds no state
+            after.done = 2
+
+
+def _agree(role: RankRole, after: AfterStep) -> AfterStep:
+    """After joining a new generation: every rank resumes the work after the step where the least advanced rank
+    stands (a collective over the job; all must stand after the same step)."""
+    v = torch.tensor([after.done, after.step, -after.step], dtype=torch.int64, device=role.device)
+    comm.all_reduce(v, role.topo.groups["world"], op="min", label="resume point")
+    done, low, high = (int(x) for x in v.tolist())
+    if low != -high:
+        raise RuntimeError(f"the ranks of a new generation stand after different steps ({low} to {-high}); the "
+                           f"step transaction should make that impossible")
+    return AfterStep(after.step, after.record, min(done, after.done), after.ran_here)
 
 
 def _summary(role: RankRole, world: int, history: list[dict[str, Any]], tokens_per_s: float,

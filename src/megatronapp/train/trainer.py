@@ -112,9 +112,10 @@ def held_out_loss(iters: int, batch: Callable[[int], Any], forward: Callable[[An
 def finish_step(chunks: list[torch.nn.Module], topo: topology_mod.Topology, optimizer: Any, reducer: GradReducer,
                 cfg: RunConfig, step: int, losses: list[float], device: torch.device,
                 before_update: Any = None) -> tuple[float, float, float]:
-    """After the step's backwards: DP reduction, replicated gradients, global clipping, LR and optimizer step.
-    `before_update()`, if given, runs right before the optimizer changes parameters or state (the checkpoint
-    snapshot barrier). Returns (global loss, gradient norm before clipping, learning rate)."""
+    """After the step's backwards: DP reduction, replicated gradients, global clipping, the step's loss, LR and
+    optimizer step. `before_update()`, if given, runs right before the optimizer changes parameters or state (the
+    checkpoint snapshot barrier, and a plug-in's commit point): every collective of the step that precedes the
+    update has completed by then. Returns (global loss, gradient norm before clipping, learning rate)."""
     reducer.finish()
     if isinstance(reducer, DistributedOptimizer):  # ZeRO-1: each rank holds its slice of the reduced gradient
         reducer.sync_replicated_grads(cfg.parallel.sequence_parallel)
@@ -122,13 +123,15 @@ def finish_step(chunks: list[torch.nn.Module], topo: topology_mod.Topology, opti
     else:
         sync_replicated_grads(chunks, topo, cfg.parallel.sequence_parallel)
         grad_norm = clip_grad_norm(chunks, topo, cfg.train.grad_clip)
+    # the loss before the update: a step's collectives then all precede its commit point (train/loop.py)
+    loss = global_loss(losses, topo, device)
     lr = lr_at(step, cfg.train)
     set_lr(optimizer, lr)
     if before_update is not None:
         before_update()
     with tracing.span("optimizer", "optimizer"), emulation.optimizer_task():
         optimizer.step()
-    return global_loss(losses, topo, device), grad_norm, lr
+    return loss, grad_norm, lr
 
 
 class Trainer:
@@ -137,7 +140,9 @@ class Trainer:
     role = "coupled"  # summary.json's `role` (MegaFBD's ranks are "backward" or "forward")
     reports_loss = True  # every rank learns the step's loss (global_loss)
 
-    def __init__(self, cfg: RunConfig, rank: int = 0):
+    def __init__(self, cfg: RunConfig, rank: int = 0, group_timeout: Any = None):
+        """`group_timeout` (a timedelta): the timeout of the process groups this builds (None: torch's default);
+        in-place recovery forms a generation's groups under a short one."""
         self.cfg = cfg
         p, t = cfg.parallel, cfg.train
         self.device = torch.device("cuda", torch.cuda.current_device()) if (
@@ -147,7 +152,8 @@ class Trainer:
         comm.set_semantics(p.comm_semantics)
         # a dynamic schedule (a module's factory) makes per-task decisions that TP peers share on the host
         self.topo = topology_mod.build(p.tp, p.pp, p.dp, rank,
-                                       tp_control=plugins.schedule_factory(p.schedule) is not None)
+                                       tp_control=plugins.schedule_factory(p.schedule) is not None,
+                                       timeout=group_timeout)
         self.rank = self.topo.rank
         self.out = Path(t.out)
         self.chunks = build_chunks(cfg, self.topo, self.device)
@@ -185,6 +191,9 @@ class Trainer:
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.dtype == "bf16"
                          else nullcontext())
         self.load_s = 0.0  # seconds the resume load took (the recovery benchmark splits a restart with it)
+        # a plug-in's commit point (resilience's step transaction): called with the step's index right before the
+        # update, every collective of the step done; returns to apply the update, raises to leave it unapplied
+        self.commit: Callable[[int], None] | None = None
         if t.resume:
             startup.phase("resume")
             t_load = time.perf_counter()
@@ -213,11 +222,25 @@ class Trainer:
         with self.autocast:
             result = self.executor.step(mbs, loss_scale=1.0 / cfg.parallel.microbatches)
         loss, grad_norm, lr = finish_step(self.chunks, topo, self.optimizer, self.reducer, cfg, self.step,
-                                          result.losses, self.device, before_update=self.snapshot_barrier)
+                                          result.losses, self.device, before_update=self._before_update)
         self.step += 1
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "step_time": time.perf_counter() - t0,
                 "data_s": data_s, "wait_s": result.wait_s, "peak_inflight": result.peak_inflight,
                 "peak_recv_buffers": result.peak_recv_buffers}
+
+    def _before_update(self) -> None:
+        self.snapshot_barrier()
+        if self.commit is not None:
+            self.commit(self.step)
+
+    def drop_step(self) -> int | None:
+        """Forget a step its failed generation of process groups cannot finish (in-place recovery): reducer and
+        pipeline state in flight, the save attempt id, a background save that cannot complete (its step is
+        returned, or None). Model, optimizer, RNG and data position are untouched."""
+        self.reducer.reset()
+        self.executor.reset()
+        self.attempt = None
+        return self.saver.abandon() if self.saver is not None else None
 
     def evaluate(self, iters: int | None = None) -> float:
         """Mean loss of the first `iters` (default train.eval_iters) batches of the held-out split: forward only
@@ -286,12 +309,7 @@ class Trainer:
         t0 = time.perf_counter()
         root = self.out / "checkpoints"
         meta = {"step": self.step, "world_size": self.topo.world_size, "config": self.cfg.to_dict()}
-        state = {"step": self.step, "chunks": [c.state_dict() for c in self.chunks],
-                 "optimizer": self.optimizer.state_dict(), "rng": ckpt.rng_state(),
-                 "coord": dataclasses.asdict(self.topo.coord),
-                 # which dimension each TP shard splits, so `consolidate` can rebuild full tensors
-                 "partition_dims": [{n: q.partition_dim for n, q in c.named_parameters()
-                                     if getattr(q, "tensor_parallel", False)} for c in self.chunks]}
+        state = self.state()
         if self.attempt is None:
             self.attempt = agree_attempt(self.topo, self.device)
         if self.saver is not None:
@@ -308,6 +326,15 @@ class Trainer:
         self.save_stalls.append(time.perf_counter() - t0)
         self.hooks.fire("checkpoint_saved", self.step, d)
         return d
+
+    def state(self) -> dict[str, Any]:
+        """This rank's training state as a checkpoint file holds it (references to the live tensors)."""
+        return {"step": self.step, "chunks": [c.state_dict() for c in self.chunks],
+                "optimizer": self.optimizer.state_dict(), "rng": ckpt.rng_state(),
+                "coord": dataclasses.asdict(self.topo.coord),
+                # which dimension each TP shard splits, so `consolidate` can rebuild full tensors
+                "partition_dims": [{n: q.partition_dim for n, q in c.named_parameters()
+                                    if getattr(q, "tensor_parallel", False)} for c in self.chunks]}
 
     def snapshot_barrier(self) -> None:
         """Before anything changes the saved state: the snapshot of the save in flight must be complete. Its wait
@@ -331,7 +358,10 @@ class Trainer:
             reshard.load(self, d)
             return
         # plain DP: one reader per DP group broadcasts to its replicas; ZeRO-1 slices differ, each rank reads its own
-        state = read_state(d, self.topo, sharded=bool(self.cfg.parallel.zero), device=self.device)
+        self.load_state(read_state(d, self.topo, sharded=bool(self.cfg.parallel.zero), device=self.device))
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Take a state of this rank's layout and coordinate (`state()`'s form: from a checkpoint or a peer)."""
         for chunk, sd in zip(self.chunks, state["chunks"]):
             chunk.load_state_dict(sd)
         self.optimizer.load_state_dict(state["optimizer"])

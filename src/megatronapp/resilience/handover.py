@@ -1,0 +1,91 @@
+"""A newcomer's state from memory: the survivor at its (pp, tp) in another DP replica sends it, point to point.
+
+With plain data parallelism every DP replica of a (pp, tp) position holds the same parameters, optimizer moments
+and RNG states after each committed step (they reduce the same gradients and draw alike: the checkpoint's
+one-reader-per-DP-group resume relies on the same fact, `train/checkpoint_read.py`), and the data position is the
+step number. So the lowest surviving DP rank of the position sends its state, and the newcomer takes it as it
+would take its own checkpoint file. Nothing touches the disk.
+
+The messages, on the DP group from the source to the newcomer (only the two of them take part; transfers run
+one after another in rank order of the newcomers, the same on every rank): int64 header [n_desc, n_data], then
+n_desc bytes of JSON (the state's structure, `checkpoint_read.encode`: plain values inline, tensors by dtype,
+shape and byte range; a newcomer builds tensors from raw bytes and runs no code from what it receives), then the
+n_data bytes in pieces of at most `checkpoint_read.PIECE_BYTES`. The state carries where the source stands after
+its last committed step (`loop.AfterStep`), so the newcomer resumes the same work.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from megatronapp.parallel import comm
+from megatronapp.parallel.topology import Topology
+from megatronapp.train.checkpoint_read import PIECE_BYTES, decode, encode
+from megatronapp.train.loop import AfterStep
+
+
+def sources(topo: Topology, newcomers: list[int]) -> dict[int, int] | None:
+    """For each newcomer, the survivor that sends its state: the lowest-ranked DP peer that is not itself new.
+    None when some newcomer has no surviving DP peer (memory holds no copy of its state)."""
+    new = set(newcomers)
+    out = {}
+    for r in sorted(new):
+        peers = [p for p in topo.dp_ranks(r) if p not in new]
+        if not peers:
+            return None
+        out[r] = peers[0]
+    return out
+
+
+def _bytes(buf: torch.Tensor, peer: int, group: Any, send: bool) -> None:
+    for i in range(0, buf.numel(), PIECE_BYTES):
+        (comm.send if send else comm.recv)(buf[i:i + PIECE_BYTES], peer, group)
+
+
+def send_state(state: dict[str, Any], dst: int, topo: Topology, device: torch.device) -> None:
+    """Send `state` to the newcomer `dst` (a DP peer)."""
+    desc, tensors = encode(state)
+    n_data = sum(t.numel() * t.element_size() for t in tensors)
+    comm.send(torch.tensor([len(desc), n_data], dtype=torch.int64, device=device), dst, topo.dp_group)
+    comm.send(torch.frombuffer(bytearray(desc), dtype=torch.uint8).to(device), dst, topo.dp_group)
+    data = torch.empty(n_data, dtype=torch.uint8, device=device)
+    offset = 0
+    for t in tensors:  # the byte image of each tensor, in descriptor order
+        n = t.numel() * t.element_size()
+        data[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8))
+        offset += n
+    _bytes(data, dst, topo.dp_group, send=True)
+
+
+def recv_state(src: int, topo: Topology, device: torch.device) -> dict[str, Any]:
+    """Receive a state from `src` (a DP peer); its `coord` is this rank's own."""
+    header = comm.recv(torch.zeros(2, dtype=torch.int64, device=device), src, topo.dp_group)
+    n_desc, n_data = (int(v) for v in header.tolist())
+    desc = comm.recv(torch.empty(n_desc, dtype=torch.uint8, device=device), src, topo.dp_group)
+    data = torch.empty(n_data, dtype=torch.uint8, device=device)
+    _bytes(data, src, topo.dp_group, send=False)
+    state = decode(desc.cpu().numpy().tobytes(), data)
+    state["coord"] = dataclasses.asdict(topo.coord)
+    return state
+
+
+def hand_over(trainer: Any, newcomers: list[int], after: AfterStep | None) -> AfterStep | None:
+    """Every rank of the new generation calls this in the same order: sources send, newcomers receive and take
+    the state. Returns, on a newcomer, where its source stood (`after`'s elsewhere)."""
+    pairs = sources(trainer.topo, newcomers)
+    if pairs is None:
+        raise ValueError("a newcomer has no surviving DP peer to take its state from")
+    me = trainer.rank
+    for dst, src in pairs.items():
+        if me == src:
+            state = trainer.state()
+            state["after"] = dataclasses.asdict(after) if after is not None else None
+            send_state(state, dst, trainer.topo, trainer.device)
+        elif me == dst:
+            state = recv_state(src, trainer.topo, trainer.device)
+            got = state.pop("after")
+            trainer.load_state(state)
+            after = AfterStep(**{**got, "ran_here": False}) if got is not None else AfterStep(trainer.step)
+    return after

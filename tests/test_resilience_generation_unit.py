@@ -1,0 +1,172 @@
+"""The pieces of in-place recovery in one process: the step transaction's commit and abort racing over a real
+TCPStore, the protocol's validation of what it reads, closing a generation's sockets releases a blocked
+receive at both ends, which DP peer hands a newcomer its state, and the kill/stop drills' parsing."""
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from megatronapp.config import ConfigError
+from megatronapp.faults import parse
+from megatronapp.parallel.topology import Topology
+from megatronapp.resilience import generation_protocol as gp
+from megatronapp.resilience.commit import StepAborted, StepCommit, abort_undecided
+from megatronapp.resilience.handover import sources
+from megatronapp.resilience.sockets import GenerationSockets, shut_down
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, None, True, use_libuv=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    yield lambda: dist.TCPStore("127.0.0.1", server.port, None, False, timeout=datetime.timedelta(seconds=30))
+
+
+def _vote(commit: StepCommit, step: int, out: dict, rank: int) -> None:
+    try:
+        commit(step)
+        out[rank] = "applied"
+    except StepAborted:
+        out[rank] = "aborted"
+    except Exception as e:  # noqa: BLE001
+        out[rank] = f"error {e}"
+
+
+def test_every_vote_commits_and_the_supervisor_then_aborts_the_next_step(store):
+    world = 3
+    commits = [StepCommit(store(), store(), 0, world) for _ in range(world)]
+    out: dict[int, str] = {}
+    threads = [threading.Thread(target=_vote, args=(c, 5, out, r)) for r, c in enumerate(commits)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == {0: "applied", 1: "applied", 2: "applied"}
+    # step 6: two of three vote, the third died; the supervisor ends the generation
+    out.clear()
+    threads = [threading.Thread(target=_vote, args=(c, 6, out, r)) for r, c in enumerate(commits[:2])]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    assert not out  # waiting for the missing vote
+    assert abort_undecided(store(), 0) == 1  # one commit of generation 0 was applied; the second is aborted
+    for t in threads:
+        t.join(30)
+    assert out == {0: "aborted", 1: "aborted"}
+
+
+def test_the_last_vote_and_the_abort_race_and_everyone_reads_one_outcome(store):
+    """Many races of the last voter against the supervisor: whoever decides first, all ranks agree."""
+    conns = [(store(), store()) for _ in range(2)]
+    supervisor = store()
+    for g in range(20):
+        commits = [StepCommit(conn, control, g, 2) for conn, control in conns]
+        out: dict[int, str] = {}
+        t0 = threading.Thread(target=_vote, args=(commits[0], 0, out, 0))
+        t0.start()
+        time.sleep(0.01)
+        t1 = threading.Thread(target=_vote, args=(commits[1], 0, out, 1))
+        t1.start()
+        abort_undecided(supervisor, g)
+        t0.join(30)
+        t1.join(30)
+        assert out[0] == out[1] and out[0] in ("applied", "aborted"), out
+
+
+def test_a_rank_whose_connection_was_shut_reads_the_outcome_over_its_control_connection(store):
+    control, supervisor = store(), store()
+    gen = GenerationSockets()  # taken before the generation's connection, as a member does
+    conn = store()
+    assert gen.leave() >= 1  # the generation ended: its connection is shut
+    # the step was decided before the generation ended (the supervisor decides, then ends it)
+    assert supervisor.compare_set(gp.outcome_key(4, 0), "", "commit 9") == b"commit 9"
+    out: dict[int, str] = {}
+    _vote(StepCommit(conn, control, 4, 2), 9, out, 0)
+    assert out == {0: "applied"}  # rolled forward: every vote was in
+    # undecided: the connection's error is the rank's (it cannot know the outcome)
+    _vote(StepCommit(conn, control, 5, 2), 9, out, 1)
+    assert out[1].startswith("error")
+
+
+def test_protocol_values_are_validated_and_bounded():
+    plan = gp.Plan(generation=3, world=8, newcomers=[5], source="peer", step=12)
+    assert gp.decode(gp.encode(plan).encode(), gp.Plan, "k") == plan
+    for raw, what in ((b"{", "not a valid Plan"), (b'{"generation": 1, "world": 8, "source": "ftp", "step": 0}',
+                                                   "not a valid Plan"),
+                      (b'{"generation": 1, "world": 8, "source": "peer", "step": 0, "module": "os"}',
+                       "not a valid Plan"), (b"x" * (gp.MAX_VALUE_BYTES + 1), "bytes, more than")):
+        with pytest.raises(gp.ProtocolError, match=what):
+            gp.decode(raw, gp.Plan, gp.plan_key(1))
+    with pytest.raises(gp.ProtocolError, match="ctl/gen"):
+        gp.number(b"nan", gp.GEN)
+    with pytest.raises(gp.ProtocolError, match="not an integer"):
+        gp.number(b"1.5", gp.GEN, int)
+
+
+def test_shutting_a_generations_sockets_releases_a_blocked_receive_at_both_ends():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    gen = GenerationSockets()
+    a = socket.create_connection(listener.getsockname())
+    b, _ = listener.accept()
+    got: dict[str, bytes] = {}
+
+    def recv(name: str, s: socket.socket) -> None:
+        got[name] = s.recv(10)
+
+    threads = [threading.Thread(target=recv, args=(n, s)) for n, s in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    fds = gen.new()
+    assert a.fileno() in fds and b.fileno() in fds and listener.fileno() not in fds
+    assert gen.leave() == 2  # both ends of the pair (this process holds both); never a listener
+    for t in threads:
+        t.join(5)
+    assert got == {"a": b"", "b": b""}  # each receive returned: end of stream
+    assert shut_down([listener.fileno()]) == 0  # a listening socket is left alone
+    for s in (a, b, listener):
+        s.close()
+
+
+def test_a_newcomer_takes_its_state_from_the_lowest_surviving_dp_peer():
+    topo = Topology(tp=2, pp=2, dp=3)  # rank = tp + 2 * (dp + 3 * pp)
+    assert sources(topo, [2]) == {2: 0}  # DP1-PP0-TP0: from DP0
+    assert sources(topo, [0, 7]) == {0: 2, 7: 9}  # two replicas at once, each from the next live one
+    assert sources(topo, [0, 2]) == {0: 4, 2: 4}
+    assert sources(topo, [0, 2, 4]) is None  # every replica of DP*-PP0-TP0 lost: memory holds no copy
+
+
+def test_kill_and_stop_drills_parse_and_refuse_unknown_phases():
+    f = parse("kill=5:3:backward")
+    assert (f.kind, f.ranks, f.step, f.stage) == ("kill", (5,), 3, "backward")
+    assert parse("stop=2:0:optimizer").stage == "optimizer"
+    with pytest.raises(ConfigError, match="unknown phase 'update'"):
+        parse("kill=1:2:update")
+    with pytest.raises(ConfigError, match="expected kill=RANK:STEP:PHASE"):
+        parse("kill=1:2")
+
+
+def test_a_default_group_that_failed_to_form_does_not_rename_the_next_one(store):
+    """A generation that ended while forming leaves torch's group counter advanced; the next join names its group
+    as a fresh process does, or the two would wait for each other's keys forever."""
+    from megatronapp.resilience.member import restart_group_names
+
+    conn = store()
+    with pytest.raises(Exception):  # noqa: B017 - any error: the second rank never comes
+        dist.init_process_group("gloo", store=dist.PrefixStore("g0/", conn), rank=0, world_size=2,
+                                timeout=datetime.timedelta(seconds=1))
+    assert not dist.is_initialized()
+    restart_group_names()
+    dist.init_process_group("gloo", store=dist.PrefixStore("g1/", conn), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=10))
+    try:
+        assert any(k.startswith("g1//0/") for k in conn.list_keys()), conn.list_keys()
+    finally:
+        dist.destroy_process_group()
