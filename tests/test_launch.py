@@ -115,10 +115,13 @@ def test_forked_ranks_see_the_launchers_environment_of_the_moment_and_start_with
 
 
 def _say(rank: int, world: int, word: str) -> None:
+    import os
     import sys
 
-    print(f"{word} out {rank}", flush=True)
-    print(f"{word} err {rank}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, stream in ((1, "out"), (2, "err")):  # one write each: print may write the text and the newline apart
+        os.write(fd, f"{word} {stream} {rank}\n".encode())
 
 
 def test_forked_ranks_write_to_the_launchers_output_of_the_moment(tmp_path, monkeypatch):
@@ -128,7 +131,7 @@ def test_forked_ranks_write_to_the_launchers_output_of_the_moment(tmp_path, monk
     spawn(_say, 1, "before")  # the fork server is running from here on (it may have been before)
     saved = os.dup(1), os.dup(2)
     try:
-        with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        with open(tmp_path / "out", "a") as out, open(tmp_path / "err", "a") as err:
             os.dup2(out.fileno(), 1)
             os.dup2(err.fileno(), 2)
             spawn(_say, 2, "after")

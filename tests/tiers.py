@@ -43,9 +43,11 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     "test_hosts.py": ALL,  # hosts as network namespaces (root): torchrun across them, 110 s
     "test_launch.py": ("test_a_finished_rank_with_a_daemon_thread_in_torch_exits_cleanly",
                        "test_forked_ranks_see_the_launchers_environment_of_the_moment_and_start_with_torch_loaded",
+                       "test_forked_ranks_write_to_the_launchers_output_of_the_moment",  # 2 s
                        "test_rank_killed_by_signal_is_named_and_local_jobs_listen_on_loopback_only"),
     "test_optim.py": ("test_lamb_tensor_parallel_equals_unsharded",),
     "test_resilience.py": ALL,  # supervised 4-rank runs and their baseline: 92 s
+    "test_resilience_inplace.py": ALL,  # two 8-rank jobs with spares and their uninterrupted reference: 47 s
     "test_resilience_diagnose.py": ("test_diagnose_names_the_injected_slow_link_on_real_ranks",
                                     "test_diagnostics_over_their_budget_are_stopped_and_name_the_ranks_without_results",
                                     "test_group_probe_names_the_slow_ring_link_on_real_ranks"),
