@@ -13,9 +13,12 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from megatronapp.launch import spawn
@@ -109,3 +112,50 @@ def test_flight_recorder_learns_nccl_completion_from_the_event_not_from_wait():
     snap = RECORDER.snapshot()
     assert snap["open"] == [] and snap["completed"] == {"pp.act.up 1->0": 0}
     RECORDER.clear()
+
+
+class _HeldWork:
+    """A work that completes when its event is set: an op whose peer is late."""
+
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+
+    def wait(self) -> bool:
+        self.release.wait()
+        return True
+
+
+@pytest.mark.parametrize("mode", ["nccl", "nccl-eager"])
+def test_an_op_behind_one_of_the_same_direction_and_peer_is_order_not_a_stall(mode):
+    # Two receives from one peer in a row: the second waits for the first however late the peer is (NCCL runs
+    # them in order and both complete). Under nccl-eager both share the group's one stream, which once made a
+    # loaded host's late peer read as a deadlock. A send queued behind the same late receive is one.
+    from megatronapp.parallel.nccl_semantics import StreamStall, Strict
+
+    strict = Strict(stall_timeout_s=0.2, mode=mode)
+    late = threading.Event()
+    outcomes: dict[str, BaseException | None] = {}
+    finished = {name: threading.Event() for name in ("first", "second", "send")}
+
+    def submit(name: str, direction: str, work: Any) -> None:
+        def done(err: BaseException | None) -> None:
+            outcomes[name] = err
+            finished[name].set()
+        strict.submit([("pp.grad.down", 2)], direction, name, lambda: [work], done)
+
+    submit("first", "recv", _HeldWork(late))
+    submit("second", "recv", _HeldWork(late))
+    time.sleep(0.6)  # three stall timeouts: the peer is late, nothing is wrong
+    late.set()
+    assert finished["second"].wait(30) and outcomes == {"first": None, "second": None}, outcomes
+    if mode == "nccl-eager":
+        strict2 = Strict(stall_timeout_s=0.2, mode=mode)
+        held = threading.Event()
+        box: list[BaseException | None] = []
+        strict2.submit([("pp.act.up", 0)], "recv", "recv from rank 0", lambda: [_HeldWork(held)], lambda e: None)
+        strict2.submit([("pp.act.up", 2)], "send", "send to rank 2", lambda: [], box.append)
+        deadline = time.monotonic() + 30
+        while not box and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held.set()
+        assert box and isinstance(box[0], StreamStall) and "behind recv from rank 0" in str(box[0]), box

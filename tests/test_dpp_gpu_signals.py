@@ -57,7 +57,9 @@ def test_an_nccl_tp_group_gets_a_gloo_control_group(monkeypatch):
     topo = topology.build(2, 1, 2, tp_control=True)
     ctl = topo.tp_control_group
     assert ctl.name == "tp.ctl" and ctl.ranks == (0, 1) and ctl.pg == ("pg", "gloo")
-    assert made[-1] == ([0, 1], {"backend": "gloo", "use_local_synchronization": True})
+    ranks, kw = made[-1]
+    assert ranks == [0, 1] and kw["backend"] == "gloo" and kw["use_local_synchronization"]
+    assert kw.get("timeout") is None  # torch's default timeout unless the caller gives one
     made.clear()
     plain = topology.build(2, 1, 2)  # static schedules decide nothing at run time: no extra group
     assert plain.tp_control_group is plain.tp_group and all(kw.get("backend") is None for _, kw in made)

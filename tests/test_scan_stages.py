@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from megatronapp.config import ModelConfig, ParallelConfig, RunConfig, TraceConfig, TrainConfig
-from megatronapp.scan.detect.analysis import analyse, detect
+from megatronapp.scan.detect.analysis import detect
 from megatronapp.scan.read.format import read_dir
 from megatronapp.scan.record.costmodel import chunk_flops_per_token, stage_work
 from megatronapp.train.trainer import train
@@ -64,12 +63,6 @@ def pipeline_run(tmp_path_factory):
     return run
 
 
-def _without_stage_work(traces: list) -> list:
-    for t in traces:
-        t.header.pop("stage_work", None)
-    return traces
-
-
 def test_heavier_last_stage_is_no_fault(pipeline_run):
     traces = pipeline_run(())
     assert traces[0].header["stage_work"] == stage_work(ModelConfig(**MODEL), 4, 1, 64)
@@ -77,11 +70,12 @@ def test_heavier_last_stage_is_no_fault(pipeline_run):
     # nothing, bar a slow link into a rank starved of CPU, which the report itself asks to confirm (scan_checks.py)
     assert unexplained(report, traces) == [], report.to_text()
     assert "scaled by the headers' stage_work" in report.to_text()
-    # What the cost model is for: the healthy last stage works clearly more per iteration than the others
-    # (1.35-1.4x measured), which a detector assuming equal stages would count against it. (Whether that
-    # detector then names it depends on the machine's noise in the run: asserted on the data, not on that.)
-    st = np.nanmedian(analyse(_without_stage_work(traces)).phases.self_time, axis=1)
-    assert st[3] > 1.15 * np.median(st[:3]), st
+    # What the cost model is for: the healthy last stage works clearly more per iteration than the others (its
+    # output layer and loss: 1.6x the FLOPs of a middle stage; 1.35-1.4x in measured time on a quiet host), which
+    # a detector assuming equal stages would count against it. Asserted on the model, not on the measured times:
+    # those move with the host's load (three test workers beside each other measured 1.05x once).
+    work = traces[0].header["stage_work"]
+    assert work[3] > 1.5 * max(work[:3]), work
 
 
 def test_slow_heavy_stage_is_still_found(pipeline_run):

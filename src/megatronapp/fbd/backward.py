@@ -50,10 +50,13 @@ class BackwardRank:
     role = "backward"
     reports_loss = True
     # the engine's checkpoint code itself (same files and checks), not a copy: it reads step, out, cfg, rank,
-    # topo, chunks, optimizer, saver, save_stalls and hooks, which this class has with the same meaning
+    # topo, chunks, optimizer, saver, save_stalls and hooks, which this class has with the same meaning (and
+    # `state`/`load_state`, which save and load go through)
     save = Trainer.save
+    state = Trainer.state
     finish_saves = Trainer.finish_saves
     load = Trainer.load
+    load_state = Trainer.load_state
 
     def __init__(self, cfg: RunConfig, layout: FbdLayout, groups: FbdGroups, device: torch.device):
         self.cfg, self.layout, self.groups, self.device = cfg, layout, groups, device

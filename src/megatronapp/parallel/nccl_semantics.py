@@ -54,8 +54,8 @@ class Strict:
         self.lazy, self.eager = mode == "nccl-lazy", mode == "nccl-eager"
         self._created: set[tuple] = set()  # lazy: communicators this rank has created (group, ranks, pair)
         self.epoch = epoch  # distinguishes runs in one process (keys in the shared store)
-        # per stream: the last op's completion event, description, direction and error (a one-item box)
-        self._tails: dict[tuple[str, int | None], tuple[threading.Event, str, str, list]] = {}
+        # per stream: the last op's completion event, description, direction, error (a one-item box) and peers
+        self._tails: dict[tuple[str, int | None], tuple[threading.Event, str, str, list, frozenset]] = {}
         self._lock = threading.Lock()
         self.error: BaseException | None = None
 
@@ -65,13 +65,14 @@ class Strict:
         """Issue `issue()` once the previous op on each of `streams` (group name, peer; peer None: the whole
         group) has completed; then wait for it and call `done`. `direction` is "send", "recv", "group" (ops
         submitted together) or "collective". Under nccl-eager every stream of a group is the group's one."""
+        peers = frozenset(p for _, p in streams)  # whom this op talks to, before eager folds the streams
         if self.eager:
             streams = sorted({(g, None) for g, _ in streams}, key=str)
         me, my_error = threading.Event(), []
         with self._lock:
             prevs = [self._tails.get(s) for s in streams]
             for s in streams:
-                self._tails[s] = (me, describe, direction, my_error)
+                self._tails[s] = (me, describe, direction, my_error, peers)
 
         def run() -> None:
             err: BaseException | None = None
@@ -79,8 +80,11 @@ class Strict:
                 for s, prev in zip(streams, prevs):
                     if prev is None:
                         continue
-                    if prev[2] == direction != "group" and (s[1] is not None or direction == "collective"):
-                        prev[0].wait()  # behind an op of the same direction and peer: plain order, not a deadlock
+                    same_peer = None not in peers and peers == prev[4]
+                    if prev[2] == direction != "group" and (direction == "collective" or same_peer):
+                        # behind an op of the same direction and peer (on the pair's stream, or on the group's one
+                        # under nccl-eager): plain order, not a deadlock, however long the one ahead takes
+                        prev[0].wait()
                     elif not prev[0].wait(self.stall_timeout_s):
                         raise StreamStall(self._stall_text(describe, prev[1], s))
                     if prev[3]:  # on NCCL a failed op poisons its stream: nothing behind it runs
