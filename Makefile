@@ -27,10 +27,12 @@ browser:
 
 # Three pytest workers (pytest-xdist) on 2 cores: most of a distributed test's wall time is waiting (rendezvous,
 # heartbeats, hang timeouts, a host's link down), which another worker's test fills. Every test passes beside
-# other load (no timing threshold in a test), so a neighbour worker is just load. TEST_WORKERS=0 runs serially.
+# other load (no timing threshold in a test), so a neighbour worker is just load. A file runs whole on one worker
+# (--dist loadfile): its module fixtures (one launch shared by its tests) are paid once, and the README's commands
+# run in the README's order. TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 3
 test: $(STAMP) browser
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist worksteal -ra --durations=25
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile -ra --durations=25
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not slow" -ra --durations=10
