@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks import harness
-from megatronapp.launch import _loopback_store, free_port
+from megatronapp.launch import FORKSERVER_PRELOAD, _loopback_store, free_port
 from megatronapp.parallel import startup_model as model
 from megatronapp.parallel import topology
 
@@ -140,8 +140,9 @@ def _rank(rank: int, world: int, port: int, builds: list[tuple[str, int, int, in
 
 def launch(world: int, builds: list[tuple[str, int, int, int]]) -> list[dict[str, Any]]:
     """Start `world` gloo ranks that each run `builds` in order; one record per rank."""
-    # forkserver: torch is imported once, in the server, rather than once per rank
-    mp.get_context("forkserver").set_forkserver_preload(["torch.distributed", "megatronapp.parallel.topology"])
+    # forkserver: torch is imported once, in the server, rather than once per rank. The engine's preload list: a
+    # process has one fork server, and the launcher's ranks (in this process later) expect theirs.
+    mp.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(_rank, args=(world, free_port(), builds, d), nprocs=world, start_method="forkserver")
         return harness.collect(d)
