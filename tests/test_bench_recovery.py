@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 
+import pytest
 from benchmarks import recovery_emulated as emu
 from benchmarks import recovery_inplace, recovery_overhead, recovery_scale
 
@@ -114,3 +117,41 @@ def test_run_stats_counts_replays_and_takes_the_steady_state(tmp_path):
     recs.append({"step": 5, "step_time": 7.0, "replayed": True})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert recovery_inplace.run_stats(tmp_path) == {"replayed_steps": 1, "step_time_s": 1.1}
+
+
+class _Running:
+    """A job that never ends by itself (the drill's view of a Popen)."""
+
+    log = None
+
+    def poll(self):
+        return None
+
+
+def _beat(hb, rank: int, **fields) -> None:
+    (hb / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "time": 0.0, **fields}))
+
+
+def test_a_kill_strikes_after_every_rank_finished_the_drawn_step_and_the_delay(tmp_path, monkeypatch):
+    sent = []
+    monkeypatch.setattr(recovery_inplace.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    for r in range(4):
+        _beat(tmp_path, r, pid=100 + r, step=3 if r else 2, phase="step 4")
+    fault = {"kind": "stop", "victim": 2, "step": 3, "delay_s": 0.05}
+    threading.Timer(0.2, _beat, (tmp_path, 0), {"pid": 100, "step": 3, "phase": "after step"}).start()
+    t0 = time.time()
+    struck, phase, pid = recovery_inplace._strike(_Running(), tmp_path, 4, fault, t0 + 30)
+    assert struck - t0 >= 0.2 + 0.05 - 0.03  # not before rank 0 finished step 3, then the delay
+    assert sent == [(102, recovery_inplace.signal.SIGSTOP)] and pid == 102 and phase == "step 4"
+
+
+def test_a_hang_is_timed_from_the_hung_ranks_last_phase_change(tmp_path, monkeypatch):
+    monkeypatch.setattr(recovery_inplace.os, "kill", lambda *a: pytest.fail("a hang sends no signal"))
+    _beat(tmp_path, 1, pid=7, step=2, phase="step 3", phase_since=50.0)
+    # the hung process beats on with the same phase; then its newcomer (another pid) takes the file over
+    threading.Timer(0.1, _beat, (tmp_path, 1), {"pid": 7, "step": 3, "phase": "step 4", "phase_since": 60.0}).start()
+    threading.Timer(0.3, _beat, (tmp_path, 1), {"pid": 9, "step": -1, "phase": "start-up: spawn",
+                                                 "phase_since": 70.0}).start()
+    fault = {"kind": "hang", "victim": 1, "step": 3, "delay_s": 0.0, "hang_timeout_s": 3.0}
+    assert recovery_inplace._strike(_Running(), tmp_path, 2, fault, time.time() + 30) == \
+        (60.0, "step 4", 7)
