@@ -47,14 +47,15 @@ PARTS = ("detection", "stop", "restart", "load", "first_step")
 TARGETS = {"kill": 3.0, "stop": 5.0, "hang": 5.0}  # issue 41: seconds from the fault to the next committed step
 
 
-def flags(world: int = 8, steps: int = STEPS) -> list[str]:
+def flags(world: int = 8, steps: int | None = STEPS) -> list[str]:
     """The supervised job of `world` ranks. Each rank holds the same work per step whatever the layout: one
     micro-batch per microbatch and DP replica (global batch 2 x dp), and with tp1 (4 ranks) a device twice as fast,
     so that each rank's device time per step is the same as with tp2."""
     tp, pp, dp = LAYOUTS[world]
     spec = SPEC if tp == 2 else "tflops=0.00002"
-    return ["--nproc", str(world), "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--steps", str(steps),
-            "--save-interval", "2", "--layers", "2", "--hidden", "64", "--global-batch", str(2 * dp),
+    return ["--nproc", str(world), "--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
+            *(["--steps", str(steps)] if steps is not None else []), "--save-interval", "2", "--layers", "2",
+            "--hidden", "64", "--global-batch", str(2 * dp),
             "--microbatches", "2", "--seq-len", "32", "--no-progress", "--peak-tflops", "1", "--supervise",
             "--no-diagnose-on-restart", "--heartbeat-interval", "0.5", "--emulate-device", spec]
 
@@ -133,7 +134,7 @@ def run_drill(kind: str, fault: dict[str, Any], world: int = 8) -> dict[str, Any
 
 
 def show(kind: str, i: int, d: dict[str, Any]) -> None:
-    head = f"{kind} {i + 1}: rank {d['victim']} after step {d['step']} +{d['delay_s']:.2f} s"
+    head = f"{kind} {i + 1}: rank {d['victim']} after step {d['step']} +{d['delay_s'] or 0:.2f} s"
     if "error" in d:
         print(f"{head}: FAILED {d['error'][-300:]}", flush=True)
         return
@@ -144,24 +145,43 @@ def show(kind: str, i: int, d: dict[str, Any]) -> None:
             f"{d['step_time_s'] or 0:.2f} s, load {d['load_avg']:.1f}", flush=True)
 
 
+def series(kinds: list[str], rng: random.Random, world: int = 8, hang_timeout_s: float = HANG_TIMEOUT_S
+           ) -> list[dict[str, Any]]:
+    """The faults `kinds` in one job (recovery_series.py); a failed job is recorded against each of its faults."""
+    from benchmarks import recovery_series
+
+    if not kinds:
+        return []
+    try:
+        return recovery_series.series(flags(world, None), world, kinds, rng, hang_timeout_s)
+    except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
+        return [{"kind": k, "victim": None, "step": None, "delay_s": 0.0,
+                 "error": f"{type(e).__name__}: {str(e)[-1500:]}"} for k in kinds]
+
+
 def main(kills: int, restarts: int, stops: int, hangs: int, seed: int = 41, hang_timeout_s: float = HANG_TIMEOUT_S,
          write: bool = True) -> dict[str, Any]:
-    """The drills, interleaved (kill, restart with the same draw, stop, hang; again); with `write`, the result
-    and its docs block."""
+    """The in-place kill -9 and SIGSTOP drills in one job (drawn order), the hangs in a second, and `restarts`
+    restart-the-world drills (one job each; with none, the stored ones are kept with their timestamp); with
+    `write`, the result and its docs block."""
     clock = harness.Clock()
     rng = random.Random(seed)
+    kinds = ["kill"] * kills + ["stop"] * stops
+    rng.shuffle(kinds)
     drills: dict[str, list[dict[str, Any]]] = {"kill": [], "restart": [], "stop": [], "hang": []}
-    for i in range(max(kills, restarts, stops, hangs)):
-        kill = draw(rng, "kill", 8)
-        order = [("kill", kill, i < kills), ("restart", kill, i < restarts),
-                 ("stop", draw(rng, "stop", 8), i < stops), ("hang", draw(rng, "hang", 8, hang_timeout_s), i < hangs)]
-        for kind, fault, due in order:
-            if due:
-                d = run_drill(kind, fault)
-                drills[kind].append(d)
-                show(kind, len(drills[kind]) - 1, d)
-    result = {"spec": SPEC, "flags": flags(), "seed": seed, "drawn_steps": list(DRAWN_STEPS),
-              "max_delay_s": MAX_DELAY_S, "hang_timeout_s": hang_timeout_s,
+    for d in series(kinds, rng) + series(["hang"] * hangs, rng, hang_timeout_s=hang_timeout_s):
+        drills[d["kind"]].append(d)
+        show(d["kind"], len(drills[d["kind"]]) - 1, d)
+    restart_from = None
+    for i in range(restarts):
+        d = run_drill("restart", draw(rng, "kill", 8))
+        drills["restart"].append(d)
+        show("restart", i, d)
+    if not restarts and RESULTS.is_file():
+        old = harness.read_result(RESULTS)
+        drills["restart"], restart_from = old.get("drills", []), old.get("restart_from") or old.get("timestamp")
+    result = {"spec": SPEC, "flags": flags(8, None), "seed": seed, "drawn_steps": list(DRAWN_STEPS),
+              "max_delay_s": MAX_DELAY_S, "hang_timeout_s": hang_timeout_s, "restart_from": restart_from,
               # the restart-the-world drills keep the keys bench_multihost reads
               "drills": drills["restart"], "summary": summarize(drills["restart"], PARTS),
               "inplace_drills": drills["kill"], "inplace_summary": summarize(drills["kill"], recovery_inplace.PARTS),
