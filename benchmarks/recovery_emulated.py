@@ -104,7 +104,8 @@ def restart_drill(fault: dict[str, Any], world: int = 8, timeout_s: float = 600.
 
 def valid(d: dict[str, Any]) -> bool:
     """A drill that measured what it meant to: it recovered, and the first failure named was the drawn rank."""
-    return "error" not in d and d.get("named_rank") == d["victim"]
+    # drills stored before the draws named rank 5, always, under `rank_named`
+    return "error" not in d and d.get("named_rank", d.get("rank_named")) == d.get("victim", 5)
 
 
 def median_ci(values: list[float]) -> dict[str, Any]:
@@ -241,13 +242,18 @@ def docs_body(res: dict[str, Any]) -> str:
              if "load_avg" in d]
     shares = [d["host_share"] for k in ("drills", "inplace_drills", "stop_drills", "hang_drills") for d in res[k]
               if d.get("host_share") is not None]
-    again_restart = sorted({d["replayed_steps"] for d in res["drills"] if valid(d)})
+    again_restart = sorted({d["replayed_steps"] for d in res["drills"] if valid(d) and "replayed_steps" in d})
+    restart_when = f", measured {res['restart_from']} and kept" if res.get("restart_from") else ""
+    hang_steps = sorted({d["step"] for d in res["hang_drills"] if d.get("step") is not None})
     return f"""**Recovery on emulated devices** (`python -m benchmarks.bench_recovery --emulated`): a supervised \
-tp2 x pp2 x dp2 job (8 ranks, `--emulate-device {res['spec']}`, {STEPS} steps, a checkpoint every 2 steps). Each \
-drill draws (seed {res['seed']}, recorded per drill in `benchmarks/results/recovery_emulated.json`) a rank, a step \
-in {res['drawn_steps'][0]}-{res['drawn_steps'][1]} and a delay of 0-{res['max_delay_s']:g} s after every rank \
-finished it; then the fault. In place: the job has `--spares 1`; the seconds from the fault to each part of the \
-recovery, median [bootstrap 95% interval] over drills (valid drills: {counts}):
+tp2 x pp2 x dp2 job (8 ranks, `--emulate-device {res['spec']}`, a checkpoint every 2 steps) with one warm spare \
+per fault takes its faults one after another (`benchmarks/recovery_series.py`: a job's start took minutes on \
+this loaded host, so one job per drill did not fit). Before each kill -9 or SIGSTOP (their order drawn) the \
+driver waits until the previous recovery committed and every rank finished 2-3 more steps (drawn), then a drawn \
+delay of 0-{MAX_DELAY_S:g} s, and strikes a drawn rank (seed {res['seed']}; each draw recorded in \
+`benchmarks/results/recovery_emulated.json`); the hangs, in a second job, are injected on distinct drawn ranks at \
+steps {', '.join(map(str, hang_steps)) or '-'}. Seconds from the fault to each part of the recovery, median \
+[bootstrap 95% interval] over drills (valid drills: {counts}):
 
 | reached | kill -9 | SIGSTOP (named after 1 s stopped) | {kinds[2][1]} |
 |---|---:|---:|---:|
@@ -259,8 +265,8 @@ beyond the interrupted one, over every in-place drill: {', '.join(map(str, c['st
 SIGSTOP's includes the supervisor's 1 s before it calls a stopped process a hang. The first commit is one step \
 run again (the interrupted one) after the state is in place, so about a step time of it is the step itself.
 
-Restarting every rank instead (the same job without spares, the same draw as the kill -9 drill it follows; \
-{sum(map(valid, res['drills']))} drills), seconds from the kill:
+Restarting every rank instead (the same job without spares, kill -9 after every rank finished step 3; \
+{sum(map(valid, res['drills']))} drills, one job each{restart_when}), seconds from the kill:
 
 | part | median [95% CI] (s) |
 |---|---:|

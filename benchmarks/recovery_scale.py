@@ -1,13 +1,13 @@
 """In-place recovery from a kill -9 at 4, 8 and 16 ranks on emulated devices: is its time flat in the world size?
 
-The drill of benchmarks/recovery_inplace.py (`--spares 1`, a drawn rank killed a drawn delay after a drawn step)
+The drill of benchmarks/recovery_inplace.py (a drawn rank killed a drawn delay after a drawn step)
 on three layouts that each keep a DP peer for the newcomer's state (recovery_emulated.LAYOUTS: tp1 x pp2 x dp2,
-tp2 x pp2 x dp2, tp2 x pp2 x dp4), each rank with the same device time per step. Rounds of one drill per size, the
-sizes' order rotating per round, so a drift of the host's load falls on every size alike. Flat: the largest median
-time from the kill to the next committed step within 30% of the smallest (issue 41); the interval of that ratio
-resamples each size's drills apart.
+tp2 x pp2 x dp2, tp2 x pp2 x dp4), each rank with the same device time per step. One job per size takes
+its kills one after another (benchmarks/recovery_series.py: a job's start took minutes on the loaded host). Flat:
+the largest median time from the kill to the next committed step within 30% of the smallest (issue 41); the
+interval of that ratio resamples each size's drills apart.
 
-All the ranks share this host's 2 cores: at 16 ranks (17 processes with the spare) the host's own work per step is
+All the ranks share this host's 2 cores: at 16 ranks (and a spare per kill) the host's own work per step is
 8x what it is per core at 4, so the host share is reported per size: a rise with the size is this host's, not the
 recovery's.
 """
@@ -29,12 +29,11 @@ def main(worlds: list[int], rounds: int, seed: int = 41, write: bool = True) -> 
             raise SystemExit(f"--ranks {w}: choose among {sorted(recovery_emulated.LAYOUTS)}")
     clock = harness.Clock()
     rng = random.Random(seed)
-    drills: dict[int, list[dict[str, Any]]] = {w: [] for w in worlds}
-    for i in range(rounds):
-        for w in harness.rotation(list(worlds), i):
-            d = recovery_emulated.run_drill("kill", recovery_emulated.draw(rng, "kill", w), w)
-            drills[w].append(d)
-            recovery_emulated.show(f"{w} ranks", len(drills[w]) - 1, d)
+    drills: dict[int, list[dict[str, Any]]] = {}
+    for w in worlds:  # one job per size, its kills in turn (recovery_series.py)
+        drills[w] = recovery_emulated.series(["kill"] * rounds, rng, world=w)
+        for i, d in enumerate(drills[w]):
+            recovery_emulated.show(f"{w} ranks", i, d)
     summary = {str(w): recovery_emulated.summarize(ds, recovery_inplace.PARTS) for w, ds in drills.items()}
     for w, ds in drills.items():
         shares = [d["host_share"] for d in ds if d.get("host_share") is not None]

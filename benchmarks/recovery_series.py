@@ -57,7 +57,8 @@ def series(flags: list[str], world: int, kinds: list[str], rng: random.Random, h
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         hb = out / ".heartbeat"
-        proc = recovery_inplace.start([*flags, "--steps", str(steps), "--spares", str(n), *extra,
+        proc = recovery_inplace.start([*flags, "--steps", str(steps), "--spares", str(n),
+                                       "--max-restarts", str(n + 1), *extra,
                                        "--out", str(out)], Path(tmp))
         stopped: int | None = None
         try:
