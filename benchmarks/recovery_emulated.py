@@ -222,6 +222,10 @@ def _cell(s: dict[str, Any], k: str) -> str:
     return f"{v['median_s']:.2f} [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}]" if v else "-"
 
 
+def _label(key: str) -> str:
+    return "step time (the job's median, for scale)" if key == "step_time_s" else key.replace("_", " ")
+
+
 def _failed(drills: list[dict[str, Any]]) -> int:
     return sum(1 for d in drills if not valid(d))
 
@@ -229,7 +233,7 @@ def _failed(drills: list[dict[str, Any]]) -> int:
 def docs_body(res: dict[str, Any]) -> str:
     s = res["summary"]
     kinds = (("inplace", "kill -9"), ("stop", "SIGSTOP"), ("hang", f"hang (timeout {res['hang_timeout_s']:g} s)"))
-    rows = "\n".join(f"| {k.replace('_', ' ')} | " + " | ".join(_cell(res[f"{n}_summary"], k) for n, _ in kinds)
+    rows = "\n".join(f"| {_label(k)} | " + " | ".join(_cell(res[f"{n}_summary"], k) for n, _ in kinds)
                      + " |" for k in (*recovery_inplace.PARTS, "step_time_s"))
     counts = " / ".join(f"{sum(map(valid, res[f'{n}_drills']))}" for n, _ in kinds)
     failed = sum(_failed(res[f"{n}_drills"]) for n, _ in kinds) + _failed(res["drills"])
@@ -237,7 +241,7 @@ def docs_body(res: dict[str, Any]) -> str:
     verdicts = "; ".join(f"{name}: {c[k]['median_s']:.2f} s [{c[k]['ci95'][0]:.2f}, {c[k]['ci95'][1]:.2f}] against "
                          f"<= {c[k]['target_s']:g} s, **{c[k]['claim']}**"
                          for k, name in (("kill", "kill -9"), ("stop", "SIGSTOP"), ("hang", "hang")) if k in c)
-    restart_rows = "\n".join(f"| {k.replace('_', ' ')} | {_cell(s, k)} |" for k in (*PARTS, "total", "step_time_s"))
+    restart_rows = "\n".join(f"| {_label(k)} | {_cell(s, k)} |" for k in (*PARTS, "total", "step_time_s") if k in s)
     loads = [d["load_avg"] for k in ("drills", "inplace_drills", "stop_drills", "hang_drills") for d in res[k]
              if "load_avg" in d]
     shares = [d["host_share"] for k in ("drills", "inplace_drills", "stop_drills", "hang_drills") for d in res[k]
@@ -248,7 +252,8 @@ def docs_body(res: dict[str, Any]) -> str:
     return f"""**Recovery on emulated devices** (`python -m benchmarks.bench_recovery --emulated`): a supervised \
 tp2 x pp2 x dp2 job (8 ranks, `--emulate-device {res['spec']}`, a checkpoint every 2 steps) with one warm spare \
 per fault takes its faults one after another (`benchmarks/recovery_series.py`: a job's start took minutes on \
-this loaded host, so one job per drill did not fit). Before each kill -9 or SIGSTOP (their order drawn) the \
+this loaded host, so one job per drill did not fit; after each take-over a new spare starts in the background, \
+importing torch on the same 2 cores while the next drills run). Before each kill -9 or SIGSTOP (their order drawn) the \
 driver waits until the previous recovery committed and every rank finished 2-3 more steps (drawn), then a drawn \
 delay of 0-{MAX_DELAY_S:g} s, and strikes a drawn rank (seed {res['seed']}; each draw recorded in \
 `benchmarks/results/recovery_emulated.json`); the hangs, in a second job, are injected on distinct drawn ranks at \
