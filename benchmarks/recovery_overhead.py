@@ -76,6 +76,13 @@ def main(pairs: int, write: bool = True) -> dict[str, Any]:
 def docs_body(res: dict[str, Any]) -> str:
     r, d = res["ratio"], res["difference_ms"]
     loads = [x["load_avg"] for p in res["pairs"] for x in p.values()]
+    host = {side: statistics.median(p[side]["host_share"] for p in res["pairs"]) for side in SIDES
+            if all(p[side].get("host_share") is not None for p in res["pairs"])}
+    hidden = (f" The worst rank's host share (host over device time) was {host['inplace']:.3f} in place against "
+              f"{host['plain']:.3f} plain (medians over pairs): the machinery (commit, RNG copy, the waiting spare) adds host-side time, about "
+              f"{1000 * (host['inplace'] - host['plain']) * res['plain_step_s']:.0f} ms a step here, that the "
+              f"emulated device's time covered; where a step's host work is on its critical path it would show."
+              if len(host) == 2 else "")
     shares = [x["host_share"] for p in res["pairs"] for x in p.values() if x.get("host_share") is not None]
     return f"""**What in-place recovery costs a step** (`python -m benchmarks.bench_recovery --emulated --overhead`): \
 the drills' job (tp2 x pp2 x dp2 on emulated devices, {STEPS} steps, no fault) under plain `--supervise` and under \
@@ -86,6 +93,6 @@ target <= 3% of step time: **{res['claim']}**. Per step the machinery is the com
 voter a `compare_set`, and a `get` that waits for the outcome: a barrier of every rank through the supervisor's \
 store) and a copy of the RNG state; no snapshot is taken (a newcomer's state comes from its DP peer's memory). \
 The ratio is this {res['plain_step_s']:.1f} s emulated step's; a shorter step (a GPU's few hundred milliseconds) \
-would pay the same store round trips as a larger share. Load {min(loads):.1f}-{max(loads):.1f} on 2 shared \
+would pay the same store round trips as a larger share.{hidden} Load {min(loads):.1f}-{max(loads):.1f} on 2 shared \
 cores, host share {min(shares, default=0):.2f}-{max(shares, default=0):.2f}. Recorded {res['timestamp']}; raw runs: \
 `benchmarks/results/recovery_overhead_emulated.json`."""
