@@ -79,7 +79,8 @@ def docs_body(res: dict[str, Any]) -> str:
     host = {side: statistics.median(p[side]["host_share"] for p in res["pairs"]) for side in SIDES
             if all(p[side].get("host_share") is not None for p in res["pairs"])}
     hidden = (f" The worst rank's host share (host over device time) was {host['inplace']:.3f} in place against "
-              f"{host['plain']:.3f} plain (medians over pairs): the machinery (commit, RNG copy, the waiting spare) adds host-side time, about "
+              f"{host['plain']:.3f} plain (medians over pairs): the machinery (commit, RNG copy, the waiting spare) "
+              f"adds host-side time, about "
               f"{1000 * (host['inplace'] - host['plain']) * res['plain_step_s']:.0f} ms a step here, that the "
               f"emulated device's time covered; where a step's host work is on its critical path it would show."
               if len(host) == 2 else "")

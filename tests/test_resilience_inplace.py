@@ -175,16 +175,16 @@ def test_two_replicas_at_once_a_spare_killed_while_taking_over_and_a_hang(tmp_pa
     _assert_bit_identical(out, baseline)
 
 
-def _stop_a_survivor_as_generation_1_starts(out: Path, ports: list[int], rank: int, seen: dict,
+def _stop_a_survivor_as_generation_1_starts(out: Path, ports: list[int], rank: int, after: str | None, seen: dict,
                                             stop: threading.Event) -> None:
-    """SIGSTOP survivor `rank` as soon as the supervisor names generation 1 (`ctl/gen`): while it waits for the
-    plan, forms the generation's groups (gloo connecting its pairs) or takes its state. `seen` records its marks of
-    generation 1 at that moment, for the failure message."""
+    """SIGSTOP survivor `rank` once the supervisor names generation 1 (`ctl/gen`) and, with `after`, once the rank
+    has reached that mark of it ("plan": it is forming the generation's groups, gloo connecting its pairs). `seen`
+    records its marks of generation 1 at that moment, for the failure message."""
     store = None
     while not stop.is_set():
         if ports and (out / "resilience.jsonl").is_file():
             store = store or dist.TCPStore("127.0.0.1", ports[0], None, False, timeout=datetime.timedelta(seconds=30))
-            if store.get(gp.GEN) == b"1":
+            if store.get(gp.GEN) == b"1" and (after is None or store.check([gp.mark_key(1, after, rank)])):
                 pid = next(e for e in _events(out) if e["event"] == "generation")["pids"][str(rank)]
                 os.kill(pid, signal.SIGSTOP)
                 seen.update(pid=pid, marks=[m for m in gp.MARKS if store.check([gp.mark_key(1, m, rank)])])
@@ -192,8 +192,9 @@ def _stop_a_survivor_as_generation_1_starts(out: Path, ports: list[int], rank: i
         time.sleep(0.002)
 
 
+@pytest.mark.parametrize("after", [None, "plan"], ids=["before-its-plan", "forming-groups"])
 def test_a_survivor_stopped_while_a_generation_starts_is_replaced_and_the_run_stays_bit_identical(
-        tmp_path, baseline, monkeypatch):
+        tmp_path, baseline, monkeypatch, after):
     """The generation a kill started loses a survivor to SIGSTOP while it forms: the supervisor names the stopped
     process (1 s in state T), kills it, and a second spare takes it over in the generation after; the job ends,
     never waiting on the stopped rank (a peer blocked in gloo's connect is released by the forming timeout)."""
@@ -209,7 +210,7 @@ def test_a_survivor_stopped_while_a_generation_starts_is_replaced_and_the_run_st
     monkeypatch.setattr(generations, "_store", spied_store)
     seen: dict = {}
     stop = threading.Event()
-    saboteur = threading.Thread(target=_stop_a_survivor_as_generation_1_starts, args=(out, ports, 6, seen, stop),
+    saboteur = threading.Thread(target=_stop_a_survivor_as_generation_1_starts, args=(out, ports, 6, after, seen, stop),
                                 daemon=True)
     saboteur.start()
     logs: list[str] = []
@@ -219,6 +220,7 @@ def test_a_survivor_stopped_while_a_generation_starts_is_replaced_and_the_run_st
         stop.set()
     log = "\n".join(logs)
     assert seen, "generation 1 was never seen"
+    print(f"rank 6 stopped having reached {seen['marks'] or 'none'} of generation 1's marks")  # shown with -s
     assert summary["steps"] == STEPS and summary["restarts"] == 0, log
     failures = summary["failures"]
     assert failures[0]["rank"] == 1 and failures[0]["signal"] == "SIGKILL", log
