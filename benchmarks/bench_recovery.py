@@ -84,12 +84,14 @@ def _emulated(args) -> None:
     if args.overhead:
         recovery_overhead.main(1 if args.quick else args.pairs, write=write)
     elif args.ranks:
-        recovery_scale.main(args.ranks, 1 if args.quick else args.drills or 5, args.seed, write=write)
+        recovery_scale.main(args.ranks, 1 if args.quick else 5 if args.drills is None else args.drills, args.seed,
+                           write=write)
     elif args.quick:
         recovery_emulated.main(1, 1, 1, 1, args.seed, args.hang_timeout or recovery_emulated.HANG_TIMEOUT_S,
                                write=False)
     else:
-        recovery_emulated.main(args.drills or 10, args.restart_drills, args.stop_drills, args.hang_drills, args.seed,
+        recovery_emulated.main(10 if args.drills is None else args.drills, args.restart_drills, args.stop_drills,
+                               args.hang_drills, args.seed,
                                args.hang_timeout or recovery_emulated.HANG_TIMEOUT_S)
 
 

@@ -173,16 +173,22 @@ def main(kills: int, restarts: int, stops: int, hangs: int, seed: int = 41, hang
     for d in series(kinds, rng) + series(["hang"] * hangs, rng, hang_timeout_s=hang_timeout_s):
         drills[d["kind"]].append(d)
         show(d["kind"], len(drills[d["kind"]]) - 1, d)
-    restart_from = None
     for i in range(restarts):
         d = run_drill("restart", draw(rng, "kill", 8))
         drills["restart"].append(d)
         show("restart", i, d)
-    if not restarts and RESULTS.is_file():
-        old = harness.read_result(RESULTS)
-        drills["restart"], restart_from = old.get("drills", []), old.get("restart_from") or old.get("timestamp")
+    # a kind not run this time keeps its stored drills, with when they were measured
+    old = harness.read_result(RESULTS) if RESULTS.is_file() else {}
+    kept = {}
+    for kind, key, n in (("restart", "drills", restarts), ("kill", "inplace_drills", kills),
+                         ("stop", "stop_drills", stops), ("hang", "hang_drills", hangs)):
+        if not n and old.get(key):
+            drills[kind] = old[key]
+            kept[kind] = old.get("kept", {}).get(kind) or (old.get("restart_from") if kind == "restart" else None) \
+                or old.get("timestamp")
+    restart_from = kept.get("restart")
     result = {"spec": SPEC, "flags": flags(8, None), "seed": seed, "drawn_steps": list(DRAWN_STEPS),
-              "max_delay_s": MAX_DELAY_S, "hang_timeout_s": hang_timeout_s, "restart_from": restart_from,
+              "max_delay_s": MAX_DELAY_S, "hang_timeout_s": hang_timeout_s, "restart_from": restart_from, "kept": kept,
               # the restart-the-world drills keep the keys bench_multihost reads
               "drills": drills["restart"], "summary": summarize(drills["restart"], PARTS),
               "inplace_drills": drills["kill"], "inplace_summary": summarize(drills["kill"], recovery_inplace.PARTS),
@@ -248,6 +254,11 @@ def docs_body(res: dict[str, Any]) -> str:
               if d.get("host_share") is not None]
     again_restart = sorted({d["replayed_steps"] for d in res["drills"] if valid(d) and "replayed_steps" in d})
     restart_when = f", measured {res['restart_from']} and kept" if res.get("restart_from") else ""
+    stored_before_draws = any("victim" not in d for d in res["drills"])
+    restart_what = ("kill -9 of rank 5 after every rank finished step 3" if stored_before_draws
+                    else f"kill -9 of a drawn rank a drawn 0-{MAX_DELAY_S:g} s after a drawn step "
+                         f"{DRAWN_STEPS[0]}-{DRAWN_STEPS[1]}")
+    kept_note = "".join(f"; {k} drills measured {t}" for k, t in res.get("kept", {}).items() if k != "restart")
     hang_steps = sorted({d["step"] for d in res["hang_drills"] if d.get("step") is not None})
     return f"""**Recovery on emulated devices** (`python -m benchmarks.bench_recovery --emulated`): a supervised \
 tp2 x pp2 x dp2 job (8 ranks, `--emulate-device {res['spec']}`, a checkpoint every 2 steps) with one warm spare \
@@ -270,7 +281,7 @@ beyond the interrupted one, over every in-place drill: {', '.join(map(str, c['st
 SIGSTOP's includes the supervisor's 1 s before it calls a stopped process a hang. The first commit is one step \
 run again (the interrupted one) after the state is in place, so about a step time of it is the step itself.
 
-Restarting every rank instead (the same job without spares, kill -9 after every rank finished step 3; \
+Restarting every rank instead (the same job without spares, {restart_what}; \
 {sum(map(valid, res['drills']))} drills, one job each{restart_when}), seconds from the kill:
 
 | part | median [95% CI] (s) |
@@ -285,4 +296,4 @@ rank has finished a step again. Steps computed again after a restart (since the 
 with their reason): {failed}. Load average {min(loads, default=0):.1f}-{max(loads, default=0):.1f} on 2 cores \
 shared with other jobs; host share of the runs (worst rank, host over device time) \
 {min(shares, default=0):.2f}-{max(shares, default=0):.2f} (under 0.5: the emulated devices set the pace). \
-Recorded {res['timestamp']}, {res['wall_s']:.0f} s."""
+Recorded {res['timestamp']}, {res['wall_s']:.0f} s{kept_note}."""
