@@ -18,7 +18,7 @@ driver.jsonl, or a torchrun agent stopping workers: the time stamp of its log li
 workers recorded (start.json: rendezvous, process start, process groups), `training again` every rank of the new
 start has finished a step. Also: how many of the 8 ranks got a new process (torchrun restarts every worker of every
 host), and the load average. Medians with a bootstrap 95% interval over drills; beside them the single-host figure
-of benchmarks/results/recovery_emulated.json (same job on one host under `--supervise`, kill -9 of rank 5).
+of benchmarks/results/recovery_emulated.json (same job on one host under `--supervise`, kill -9 of one rank).
 
     sudo python -m benchmarks.bench_multihost [--repeats 3] [--kinds kill-9,hang,host-lost,partition,flap]
 """
@@ -192,7 +192,8 @@ def main() -> None:
     result = {"spec": SPEC, "flags": FLAGS, "hosts": 4, "ranks_per_host": 2, "hang_timeout_s": HANG_TIMEOUT,
               "keep_alive_s": 5, "flap_s": FLAP_S, "drills": drills, "summary": summary,
               "single_host": single["summary"] if single else None,
-              "single_host_load": [round(d["load_avg"], 1) for d in single["drills"]] if single else None,
+              "single_host_load": ([round(d["load_avg"], 1) for d in single["drills"] if "load_avg" in d]
+                                   if single else None),
               "wall_s": clock.wall_s(), "timestamp": clock.timestamp,
               "machine": harness.machine(clock, emulated=True, hosts=4, ranks_per_host=2)}
     for kind, s in summary.items():
@@ -220,7 +221,7 @@ def docs_body(res: dict[str, Any]) -> str:
                     f"{'/'.join(map(str, s['new_processes']))} of 8 | {', '.join(map(str, s['load_avg']))} |")
     single = res.get("single_host")
     beside = (f"One host, the same job under `--supervise` (benchmarks/results/recovery_emulated.json, kill -9 of "
-              f"rank 5): detection {single['detection']['median_s']:.2f} s, training again "
+              f"a drawn rank): detection {single['detection']['median_s']:.2f} s, training again "
               f"{single['total']['median_s']:.1f} s [{single['total']['ci95'][0]:.1f}, "
               f"{single['total']['ci95'][1]:.1f}] at load {min(res['single_host_load'])}-"
               f"{max(res['single_host_load'])}." if single else "")

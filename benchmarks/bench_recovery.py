@@ -7,8 +7,14 @@ diagnostics on the job's 4 ranks before the restart (the default); the differenc
 
     python -m benchmarks.bench_recovery [--hang-timeout 5]
     python -m benchmarks.bench_recovery --quick      (the restart-at-once drill only; writes nothing)
-    python -m benchmarks.bench_recovery --emulated [--repeats 3]   (8 emulated ranks, kill -9, split recovery;
-                                                   --quick: one drill, writes nothing)
+    python -m benchmarks.bench_recovery --emulated [--drills 10] [--restart-drills 4] [--stop-drills 5]
+                                          [--hang-drills 5] [--seed 41]
+        8 emulated ranks: in-place recovery (--spares 1) from kill -9, SIGSTOP and a hang at drawn ranks and steps,
+        split in parts, beside restarting every rank (benchmarks/recovery_emulated.py); --quick: one of each
+    python -m benchmarks.bench_recovery --emulated --ranks 4 8 16 [--drills 5]
+        the in-place kill -9 drill at each world size, flat or not (benchmarks/recovery_scale.py)
+    python -m benchmarks.bench_recovery --emulated --overhead [--pairs 5]
+        the steady-state cost of the in-place machinery, paired (benchmarks/recovery_overhead.py)
 """
 from __future__ import annotations
 
@@ -30,16 +36,24 @@ FLAGS = ["--nproc", "4", "--tp", "2", "--pp", "2", "--steps", "8", "--save-inter
 
 def main(argv: list[str] | None = None) -> None:
     ap = harness.parser(__doc__, "one drill (restart at once; --emulated: one kill); writes nothing")
-    ap.add_argument("--hang-timeout", type=float, default=5.0)
-    ap.add_argument("--emulated", action="store_true",
-                    help="8 ranks on emulated devices, kill -9 of one rank mid-run (benchmarks/recovery_emulated.py)")
-    ap.add_argument("--repeats", type=int, default=3, help="with --emulated: drills, each a fresh job")
+    ap.add_argument("--hang-timeout", type=float, default=None,
+                    help="seconds (default 5; with --emulated, the in-place hang drill's: 3)")
+    ap.add_argument("--emulated", action="store_true", help="emulated devices, in place against restarting every "
+                    "rank (benchmarks/recovery_emulated.py)")
+    ap.add_argument("--drills", type=int, default=None, help="with --emulated: in-place kill -9 drills (default 10; "
+                    "with --ranks, per size: 5)")
+    ap.add_argument("--restart-drills", type=int, default=4, help="with --emulated: restart-the-world drills")
+    ap.add_argument("--stop-drills", type=int, default=5, help="with --emulated: in-place SIGSTOP drills")
+    ap.add_argument("--hang-drills", type=int, default=5, help="with --emulated: in-place hang drills")
+    ap.add_argument("--seed", type=int, default=41, help="with --emulated: the draws of rank, step and delay")
+    ap.add_argument("--ranks", type=int, nargs="+", help="with --emulated: world sizes to compare (4 8 16)")
+    ap.add_argument("--overhead", action="store_true", help="with --emulated: the machinery's cost per step")
+    ap.add_argument("--pairs", type=int, default=5, help="with --overhead: paired jobs")
     args = ap.parse_args(argv)
     if args.emulated:
-        from benchmarks import recovery_emulated
-
-        recovery_emulated.main(1 if args.quick else args.repeats, write=not args.quick)
+        _emulated(args)
         return
+    args.hang_timeout = 5.0 if args.hang_timeout is None else args.hang_timeout
     clock = harness.Clock()
     plain = _run(args.hang_timeout, ["--no-diagnose-on-restart"])
     diagnosed = None if args.quick else _run(args.hang_timeout, [])
@@ -61,6 +75,24 @@ def main(argv: list[str] | None = None) -> None:
               "timestamp": clock.timestamp, "machine": machine}
     harness.write_result(result, RESULTS)
     print(f"wrote {harness.shown(RESULTS)}")
+
+
+def _emulated(args) -> None:
+    from benchmarks import recovery_emulated, recovery_overhead, recovery_scale
+
+    write = not args.quick
+    if args.overhead:
+        recovery_overhead.main(1 if args.quick else args.pairs, write=write)
+    elif args.ranks:
+        recovery_scale.main(args.ranks, 1 if args.quick else 5 if args.drills is None else args.drills, args.seed,
+                           write=write)
+    elif args.quick:
+        recovery_emulated.main(1, 1, 1, 1, args.seed, args.hang_timeout or recovery_emulated.HANG_TIMEOUT_S,
+                               write=False)
+    else:
+        recovery_emulated.main(10 if args.drills is None else args.drills, args.restart_drills, args.stop_drills,
+                               args.hang_drills, args.seed,
+                               args.hang_timeout or recovery_emulated.HANG_TIMEOUT_S)
 
 
 def _run(hang_timeout: float, extra: list[str]) -> dict:

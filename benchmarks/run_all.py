@@ -46,6 +46,8 @@ BENCHMARKS: list[tuple[str, ...]] = [
     ("bench_checkpoint_stall", "--emulated"),
     ("bench_recovery",),
     ("bench_recovery", "--emulated"),
+    ("bench_recovery", "--emulated", "--ranks", "4", "8", "16"),
+    ("bench_recovery", "--emulated", "--overhead"),
     ("bench_startup",),
     ("bench_startup_memory",),
     ("bench_dpp_sim",),

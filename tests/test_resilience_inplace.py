@@ -7,8 +7,8 @@ covers many: job 1 kills a TP rank in forward, a PP rank in backward, a DP repli
 reduction, a rank in the optimizer update (after the step's commit point: rolled forward), a rank during its
 checkpoint's background copy, and SIGSTOPs a rank; job 2 kills two ranks of different DP replicas in the same
 step, kills the spare that takes one of them over once the generation's groups exist and its state is on the
-way, and hangs a rank (named by the hang timeout, killed, replaced). One uninterrupted run is the reference of
-both.
+way, and hangs a rank (named by the hang timeout, killed, replaced); job 3 SIGSTOPs a survivor while the
+generation a kill started forms. One uninterrupted run is the reference of all three.
 """
 from __future__ import annotations
 
@@ -172,4 +172,61 @@ def test_two_replicas_at_once_a_spare_killed_while_taking_over_and_a_hang(tmp_pa
     assert hang["kind"] == "hang" and hang["rank"] == 5 and "waits for rank 5" in hang["message"], log
     gens = _assert_healthy_ranks_kept(out)
     assert any(r["new_pid"] == killed[0] for g in gens for r in g["replaced"].values())
+    _assert_bit_identical(out, baseline)
+
+
+def _stop_a_survivor_as_generation_1_starts(out: Path, ports: list[int], rank: int, after: str | None, seen: dict,
+                                            stop: threading.Event) -> None:
+    """SIGSTOP survivor `rank` once the supervisor names generation 1 (`ctl/gen`) and, with `after`, once the rank
+    has reached that mark of it ("plan": it is forming the generation's groups, gloo connecting its pairs). `seen`
+    records its marks of generation 1 at that moment, for the failure message."""
+    store = None
+    while not stop.is_set():
+        if ports and (out / "resilience.jsonl").is_file():
+            store = store or dist.TCPStore("127.0.0.1", ports[0], None, False, timeout=datetime.timedelta(seconds=30))
+            if store.get(gp.GEN) == b"1" and (after is None or store.check([gp.mark_key(1, after, rank)])):
+                pid = next(e for e in _events(out) if e["event"] == "generation")["pids"][str(rank)]
+                os.kill(pid, signal.SIGSTOP)
+                seen.update(pid=pid, marks=[m for m in gp.MARKS if store.check([gp.mark_key(1, m, rank)])])
+                return
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("after", [None, "plan"], ids=["before-its-plan", "forming-groups"])
+def test_a_survivor_stopped_while_a_generation_starts_is_replaced_and_the_run_stays_bit_identical(
+        tmp_path, baseline, monkeypatch, after):
+    """The generation a kill started loses a survivor to SIGSTOP while it forms: the supervisor names the stopped
+    process (1 s in state T), kills it, and a second spare takes it over in the generation after; the job ends,
+    never waiting on the stopped rank (a peer blocked in gloo's connect is released by the forming timeout)."""
+    out = tmp_path / "run"
+    ports: list[int] = []
+    real_store = generations._store
+
+    def spied_store(*args):
+        store, sock = real_store(*args)
+        ports.append(store.port)
+        return store, sock
+
+    monkeypatch.setattr(generations, "_store", spied_store)
+    seen: dict = {}
+    stop = threading.Event()
+    saboteur = threading.Thread(target=_stop_a_survivor_as_generation_1_starts, args=(out, ports, 6, after, seen, stop),
+                                daemon=True)
+    saboteur.start()
+    logs: list[str] = []
+    try:  # rank 1 (DP0-PP0-TP1) killed in its forward of iteration 3; rank 6 (DP1-PP1-TP0) stopped in generation 1
+        summary = supervise(_cfg(out, ["kill=1:3:forward"]), _opts(spares=2), logs.append)
+    finally:
+        stop.set()
+    log = "\n".join(logs)
+    assert seen, "generation 1 was never seen"
+    print(f"rank 6 stopped having reached {seen['marks'] or 'none'} of generation 1's marks")  # shown with -s
+    assert summary["steps"] == STEPS and summary["restarts"] == 0, log
+    failures = summary["failures"]
+    assert failures[0]["rank"] == 1 and failures[0]["signal"] == "SIGKILL", log
+    stopped = [f for f in failures if f["rank"] == 6]
+    assert stopped and "stopped" in stopped[0]["message"], f"rank 6 stopped with marks {seen['marks']}:\n{log}"
+    assert {1, 6} <= {r["rank"] for r in summary["replacements"]}, log
+    gens = _assert_healthy_ranks_kept(out)
+    assert any(r["old_pid"] == seen["pid"] for g in gens for r in g["replaced"].values())
     _assert_bit_identical(out, baseline)
