@@ -29,10 +29,13 @@ browser:
 # heartbeats, hang timeouts, a host's link down), which another worker's test fills. Every test passes beside
 # other load (no timing threshold in a test), so a neighbour worker is just load. A file runs whole on one worker
 # (--dist loadfile): its module fixtures (one launch shared by its tests) are paid once, and the README's commands
-# run in the README's order. TEST_WORKERS=0 runs serially.
+# run in the README's order. TEST_WORKERS=0 runs serially. The multi-host tests (hosts as network namespaces,
+# each job 4-8 ranks plus agents and a driver judged against a 10 s hang timeout) run after, on their own: once,
+# beside two other workers' launches, a 2-host job did not reach its second step in 300 s (not understood yet).
 TEST_WORKERS ?= 3
 test: $(STAMP) browser
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile -ra --durations=25
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile -ra --durations=25 --ignore tests/test_hosts.py
+	$(BIN)/python -m pytest tests/test_hosts.py -ra
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not slow" -ra --durations=10
