@@ -26,7 +26,6 @@ import torch
 from megatronapp import launch, startup
 from megatronapp.config import RunConfig, validate
 from megatronapp.parallel import comm
-from megatronapp.parallel import topology as topology_mod
 from megatronapp.resilience import generation_protocol as gp
 from megatronapp.resilience.member import Member
 from megatronapp.train import loop
@@ -57,15 +56,8 @@ def enter(member: Member, cfg: RunConfig, g: int) -> tuple[Trainer, AfterStep | 
                 trainer = Trainer(cfg, member.rank, group_timeout=member.form_timeout)
                 trainer.hooks.on("step_start", member.note_step)
             else:
-                comm.CONTEXT.new_generation(plan.generation)
-                p = cfg.parallel
-                topology_mod.adopt(trainer.topo, topology_mod.build(p.tp, p.pp, p.dp, member.rank,
-                                                                    timeout=member.form_timeout))
-            member.formed(trainer.topo)
-            after = member.take_state(trainer, plan, after)
-            member.mark("state")
-            trainer.commit = member.commit
-            return trainer, after
+                member.regroup(trainer, plan.generation)
+            return trainer, member.settle_in(trainer, plan, after)
         except Exception as e:  # noqa: BLE001 - the generation failed while forming: join the next one
             step = trainer.step if trainer is not None else 0
             if not member.generation_failure(e, step):

@@ -220,6 +220,22 @@ class Member:
             return AfterStep(trainer.step)
         return after
 
+    def regroup(self, trainer: Any, generation: int) -> None:
+        """A kept trainer's groups made again from `generation`'s store; the objects that hold the old ones keep
+        their `Group`s (`topology.adopt`)."""
+        comm.CONTEXT.new_generation(generation)
+        p = trainer.cfg.parallel
+        topology_mod.adopt(trainer.topo, topology_mod.build(p.tp, p.pp, p.dp, trainer.rank,
+                                                            timeout=self.form_timeout))
+
+    def settle_in(self, trainer: Any, plan: Any, after: AfterStep | None) -> AfterStep | None:
+        """The generation's groups exist: say so, take the plan's state, and commit steps through this member."""
+        self.formed(trainer.topo)
+        after = self.take_state(trainer, plan, after)
+        self.mark("state")
+        trainer.commit = self.commit
+        return after
+
     def rejoin(self, trainer: Any, exc: BaseException, after: AfterStep) -> AfterStep | None:
         """The run loop's recovery handler (`loop.Recover`): None for an error that is this rank's own."""
         if not self.generation_failure(exc, trainer.step):
@@ -229,15 +245,8 @@ class Member:
             after = self.drop(trainer, after)
             try:
                 plan = self.join(self.next_generation(self.g))
-                comm.CONTEXT.new_generation(plan.generation)
-                p = trainer.cfg.parallel
-                topology_mod.adopt(trainer.topo, topology_mod.build(p.tp, p.pp, p.dp, trainer.rank,
-                                                                    timeout=self.form_timeout))
-                self.formed(trainer.topo)
-                after = self.take_state(trainer, plan, after)
-                self.mark("state")
-                trainer.commit = self.commit
-                return after
+                self.regroup(trainer, plan.generation)
+                return self.settle_in(trainer, plan, after)
             except Exception as e:  # noqa: BLE001 - a failure during the recovery: the next generation
                 if not self.generation_failure(e, trainer.step):
                     raise
