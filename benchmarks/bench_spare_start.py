@@ -64,21 +64,25 @@ def main() -> None:
         none = ForkServer("gloo", force_off="spawned side")
         spawned: list[float] = []
         forked: list[float] = []
+        sids = 0  # one store for all: every spare gets a ready key of its own
         for rep in range(args.reps):
             for side in harness.rotation(["spawn", "fork"], rep):
                 if side == "spawn":
                     pool = SparePool(0, store, job_args, none, lambda _m: None, lambda _e: None)
+                    pool.next_sid = sids
                     s = pool.start("pool")
                     spawned.append(_ready(pool, s.sid) - s.started_at)
                     _end(pool)
                 else:
                     pool = SparePool(0, store, job_args, server, lambda _m: None, lambda _e: None)
+                    pool.next_sid = sids
                     asked = time.time()
                     (s,) = pool.take(1, 600.0, time.sleep)
                     assert s.path == "fork server" and s.method == "forkserver", s
                     forked.append(s.ready_at - asked)
                     s.process.kill()
                     s.process.join()
+                sids = pool.next_sid
                 print(f"rep {rep} {side}: {(spawned if side == 'spawn' else forked)[-1]:.2f} s", flush=True)
     listener.close()
     result = {"spawned_ready_s": spawned, "forked_on_demand_ready_s": forked,

@@ -334,8 +334,11 @@ class GenerationJob:
         self._event({"event": "generation", "generation": self.g, "source": source, "step": self.step,
                      "newcomers": newcomers, "replaced": swap, "pids": {r: p.pid for r, p in self.ranks.items()}})
         self.log(f"generation {self.g}: " + ", ".join(
-            f"rank {r} ({self.labels[r]}) taken over by {v['path']} {v['spare']} (pid {v['new_pid']}"
-            + (f", ready {v['ready_s']:.2f} s after the ask" if "ready_s" in v else "") + ")"
+            f"rank {r} ({self.labels[r]}) taken over by " + {
+                "warm spare": f"warm spare {v['spare']} (pid {v['new_pid']})",
+                "starting spare": f"spare {v['spare']} (pid {v['new_pid']}, ready during the wait)",
+                "fork server": f"spare {v['spare']} forked on demand from the fork server (pid {v['new_pid']}, "
+                               f"ready {v.get('ready_s', 0.0):.2f} s after the ask)"}[v["path"]]
             for r, v in swap.items()) + f"; state from {source}" + (f" (step {self.step})" if source == "disk" else ""))
         fork_ready = [s.ready_at for s in taken if s.path == "fork server"]
         self.recovering = {"generation": self.g, "failed_generation": self.g - 1, "noticed_at": noticed,
