@@ -84,7 +84,7 @@ def main() -> None:
                     s.process.join()
                 sids = pool.next_sid
                 print(f"rep {rep} {side}: {(spawned if side == 'spawn' else forked)[-1]:.2f} s", flush=True)
-    listener.close()
+    listener.detach()  # the store owns the descriptor (generations._close says why)
     result = {"spawned_ready_s": spawned, "forked_on_demand_ready_s": forked,
               "median_spawned_s": statistics.median(spawned), "median_forked_s": statistics.median(forked),
               "fork_server_warm_s": warm_s, "machine": harness.machine(clock, cpu_bound_host=True)}

@@ -37,7 +37,8 @@ def _settled(server: ForkServer) -> ForkServer:
 def store():
     store, listener = generations._store()
     yield store
-    listener.close()
+    listener.detach()  # the store owns the descriptor and closes it when it goes; closing it here too would close
+    # whatever reused the number by then (another test's socket or a process's sentinel)
 
 
 def test_a_missing_newcomer_is_forked_on_demand_and_says_ready_through_the_spare_key(tmp_path, store):

@@ -150,7 +150,9 @@ class GenerationJob:
                 p.kill()  # also a stopped process
                 p.join()
         shutil.rmtree(self.rundir, ignore_errors=True)
-        self._listener.close()
+        # the store owns the listening descriptor and closes it when it goes: closing it here as well would close
+        # whatever reused the number by then (a fork server's pipe, the next attempt's store), as a test run saw
+        self._listener.detach()
 
     # -- watching -------------------------------------------------------------------------------------------
     def _wait(self, timeout_s: float) -> None:
