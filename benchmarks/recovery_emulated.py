@@ -46,6 +46,7 @@ MAX_DELAY_S = 1.5  # ... and up to this long after it: about one step, so any ph
 # as seen through 0.25 s heartbeats (1.0-1.1 s through 0.5 s ones): each drill records the pause seen before it.
 HANG_TIMEOUT_S = 1.5
 HANG_HEARTBEAT_S = 0.25
+HANGS_PER_JOB = 5
 LAYOUTS = {4: (1, 2, 2), 8: (2, 2, 2), 16: (2, 2, 4)}  # world -> (tp, pp, dp): every layout has a DP peer
 PARTS = ("detection", "stop", "restart", "load", "first_step")
 TARGETS = {"kill": 3.0, "stop": 5.0, "hang": 5.0}  # issue 41: seconds from the fault to the next committed step
@@ -177,7 +178,9 @@ def main(kills: int, restarts: int, stops: int, hangs: int, seed: int = 41, hang
     kinds = ["kill"] * kills + ["stop"] * stops
     rng.shuffle(kinds)
     drills: dict[str, list[dict[str, Any]]] = {"kill": [], "restart": [], "stop": [], "hang": []}
-    for d in series(kinds, rng) + series(["hang"] * hangs, rng, hang_timeout_s=hang_timeout_s):
+    # the hangs strike distinct ranks of a job (an injected hang is the rank's): a job per HANGS_PER_JOB
+    hang_jobs = [["hang"] * min(HANGS_PER_JOB, hangs - i) for i in range(0, hangs, HANGS_PER_JOB)]
+    for d in series(kinds, rng) + [d for job in hang_jobs for d in series(job, rng, hang_timeout_s=hang_timeout_s)]:
         drills[d["kind"]].append(d)
         show(d["kind"], len(drills[d["kind"]]) - 1, d)
     for i in range(restarts):
@@ -277,7 +280,8 @@ this loaded host, so one job per drill did not fit; after each take-over a new s
 importing torch on the same 2 cores while the next drills run). Before each kill -9 or SIGSTOP (their order drawn) the \
 driver waits until the previous recovery committed and every rank finished 2-3 more steps (drawn), then a drawn \
 delay of 0-{MAX_DELAY_S:g} s, and strikes a drawn rank (seed {res['seed']}; each draw recorded in \
-`benchmarks/results/recovery_emulated.json`); the hangs, in a second job, are injected on distinct drawn ranks at \
+`benchmarks/results/recovery_emulated.json`); the hangs, in jobs of their own (up to {HANGS_PER_JOB} each), are \
+injected on distinct drawn ranks at \
 steps {', '.join(map(str, hang_steps)) or '-'}. Seconds from the fault to each part of the recovery, median \
 [bootstrap 95% interval] over drills (valid drills: {counts}):
 
@@ -289,7 +293,7 @@ Against the issue's targets (the whole interval must be under the target): {verd
 beyond the interrupted one, over every in-place drill: {', '.join(map(str, c['steps_again']['values']))} \
 (**{c['steps_again']['claim']}**). The hang's time starts when the rank blocks and includes the hang timeout; a \
 hang is judged on activity (no phase change or communication op of a rank that others wait for, \
-`resilience/watch.py`), seen through heartbeats every {res.get('hang_heartbeat_s', 0.5):g} s in the hang job; \
+`resilience/watch.py`), seen through heartbeats every {res.get('hang_heartbeat_s', 0.5):g} s in the hang jobs; \
 the longest healthy pause of such a rank seen before each hang: {pauses}. A \
 SIGSTOP's includes the supervisor's 1 s before it calls a stopped process a hang. The first commit is one step \
 run again (the interrupted one) after the state is in place, so about a step time of it is the step itself.
