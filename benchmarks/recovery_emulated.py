@@ -41,7 +41,12 @@ SPEC = "tflops=0.00001"
 STEPS = 9
 DRAWN_STEPS = (2, 5)  # the fault strikes after one of these steps (inclusive), leaving >= 3 steps to run
 MAX_DELAY_S = 1.5  # ... and up to this long after it: about one step, so any phase of the next step
-HANG_TIMEOUT_S = 3.0  # the in-place hang drill's --hang-timeout: above the longest gap between step ticks (~2 s)
+# The in-place hang drills' --hang-timeout and heartbeat period. A hang is judged on activity (any phase or
+# communication op of a rank others wait for, `watch.ProgressClock`), whose longest healthy pause here is 0.6-0.8 s
+# as seen through 0.25 s heartbeats (1.0-1.1 s through 0.5 s ones): each drill records the pause seen before it.
+HANG_TIMEOUT_S = 1.5
+HANG_HEARTBEAT_S = 0.25
+HANGS_PER_JOB = 5
 LAYOUTS = {4: (1, 2, 2), 8: (2, 2, 2), 16: (2, 2, 4)}  # world -> (tp, pp, dp): every layout has a DP peer
 PARTS = ("detection", "stop", "restart", "load", "first_step")
 TARGETS = {"kill": 3.0, "stop": 5.0, "hang": 5.0}  # issue 41: seconds from the fault to the next committed step
@@ -154,7 +159,10 @@ def series(kinds: list[str], rng: random.Random, world: int = 8, hang_timeout_s:
     if not kinds:
         return []
     try:
-        return recovery_series.series(flags(world, None), world, kinds, rng, hang_timeout_s)
+        job = flags(world, None)
+        if kinds[0] == "hang":  # finer heartbeats: the hang clock sees activity only through them
+            job[job.index("--heartbeat-interval") + 1] = str(HANG_HEARTBEAT_S)
+        return recovery_series.series(job, world, kinds, rng, hang_timeout_s)
     except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
         return [{"kind": k, "victim": None, "step": None, "delay_s": 0.0,
                  "error": f"{type(e).__name__}: {str(e)[-1500:]}"} for k in kinds]
@@ -170,7 +178,9 @@ def main(kills: int, restarts: int, stops: int, hangs: int, seed: int = 41, hang
     kinds = ["kill"] * kills + ["stop"] * stops
     rng.shuffle(kinds)
     drills: dict[str, list[dict[str, Any]]] = {"kill": [], "restart": [], "stop": [], "hang": []}
-    for d in series(kinds, rng) + series(["hang"] * hangs, rng, hang_timeout_s=hang_timeout_s):
+    # the hangs strike distinct ranks of a job (an injected hang is the rank's): a job per HANGS_PER_JOB
+    hang_jobs = [["hang"] * min(HANGS_PER_JOB, hangs - i) for i in range(0, hangs, HANGS_PER_JOB)]
+    for d in series(kinds, rng) + [d for job in hang_jobs for d in series(job, rng, hang_timeout_s=hang_timeout_s)]:
         drills[d["kind"]].append(d)
         show(d["kind"], len(drills[d["kind"]]) - 1, d)
     for i in range(restarts):
@@ -188,7 +198,8 @@ def main(kills: int, restarts: int, stops: int, hangs: int, seed: int = 41, hang
                 or old.get("timestamp")
     restart_from = kept.get("restart")
     result = {"spec": SPEC, "flags": flags(8, None), "seed": seed, "drawn_steps": list(DRAWN_STEPS),
-              "max_delay_s": MAX_DELAY_S, "hang_timeout_s": hang_timeout_s, "restart_from": restart_from, "kept": kept,
+              "max_delay_s": MAX_DELAY_S, "hang_timeout_s": hang_timeout_s,
+              "hang_heartbeat_s": HANG_HEARTBEAT_S, "restart_from": restart_from, "kept": kept,
               # the restart-the-world drills keep the keys bench_multihost reads
               "drills": drills["restart"], "summary": summarize(drills["restart"], PARTS),
               "inplace_drills": drills["kill"], "inplace_summary": summarize(drills["kill"], recovery_inplace.PARTS),
@@ -260,6 +271,8 @@ def docs_body(res: dict[str, Any]) -> str:
                          f"{DRAWN_STEPS[0]}-{DRAWN_STEPS[1]}")
     kept_note = "".join(f"; {k} drills measured {t}" for k, t in res.get("kept", {}).items() if k != "restart")
     hang_steps = sorted({d["step"] for d in res["hang_drills"] if d.get("step") is not None})
+    seen = [d["longest_pause_s"] for d in res["hang_drills"] if d.get("longest_pause_s") is not None]
+    pauses = f"{min(seen):.2f}-{max(seen):.2f} s" if seen else "not recorded (drills stored before it was)"
     return f"""**Recovery on emulated devices** (`python -m benchmarks.bench_recovery --emulated`): a supervised \
 tp2 x pp2 x dp2 job (8 ranks, `--emulate-device {res['spec']}`, a checkpoint every 2 steps) with one warm spare \
 per fault takes its faults one after another (`benchmarks/recovery_series.py`: a job's start took minutes on \
@@ -267,7 +280,8 @@ this loaded host, so one job per drill did not fit; after each take-over a new s
 importing torch on the same 2 cores while the next drills run). Before each kill -9 or SIGSTOP (their order drawn) the \
 driver waits until the previous recovery committed and every rank finished 2-3 more steps (drawn), then a drawn \
 delay of 0-{MAX_DELAY_S:g} s, and strikes a drawn rank (seed {res['seed']}; each draw recorded in \
-`benchmarks/results/recovery_emulated.json`); the hangs, in a second job, are injected on distinct drawn ranks at \
+`benchmarks/results/recovery_emulated.json`); the hangs, in jobs of their own (up to {HANGS_PER_JOB} each), are \
+injected on distinct drawn ranks at \
 steps {', '.join(map(str, hang_steps)) or '-'}. Seconds from the fault to each part of the recovery, median \
 [bootstrap 95% interval] over drills (valid drills: {counts}):
 
@@ -278,6 +292,9 @@ steps {', '.join(map(str, hang_steps)) or '-'}. Seconds from the fault to each p
 Against the issue's targets (the whole interval must be under the target): {verdicts}. Steps computed again \
 beyond the interrupted one, over every in-place drill: {', '.join(map(str, c['steps_again']['values']))} \
 (**{c['steps_again']['claim']}**). The hang's time starts when the rank blocks and includes the hang timeout; a \
+hang is judged on activity (no phase change or communication op of a rank that others wait for, \
+`resilience/watch.py`), seen through heartbeats every {res.get('hang_heartbeat_s', 0.5):g} s in the hang jobs; \
+the longest healthy pause of such a rank seen before each hang: {pauses}. A \
 SIGSTOP's includes the supervisor's 1 s before it calls a stopped process a hang. The first commit is one step \
 run again (the interrupted one) after the state is in place, so about a step time of it is the step itself.
 

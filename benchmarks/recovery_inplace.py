@@ -6,7 +6,8 @@ part of the recovery was reached, in seconds after the fault:
   kill   SIGKILL sent by this benchmark, a drawn delay after the drawn step (so it lands in any phase of a step)
   stop   SIGSTOP sent the same way: the supervisor names the stopped process after `stop_after_s` and kills it
   hang   `--inject hang=RANK:STEP`: the rank blocks at the start of the drawn step with its heartbeat alive, so
-         only the hang timeout (no step progress for `--hang-timeout` s) names it; the fault's moment is the
+         only the hang timeout (no progress, not even a communication op, for `--hang-timeout` s) names it; the
+         fault's moment is the
          hung rank's last phase change (its heartbeat's `phase_since`), the timeout included in what follows
 The parts:
   detection          the supervisor has named the failed rank
@@ -85,6 +86,7 @@ def drill(flags: list[str], world: int, fault: dict[str, Any], timeout_s: float 
     return {**fault, **parts, "total": parts["first_commit"], **ran, "phase_at_fault": phase, "victim_pid": pid,
             "named_rank": failures[0]["rank"] if failures else None, "failures": len(failures),
             "failure_kind": failures[0]["kind"] if failures else None, "restarts": summary.get("restarts", 0),
+            "longest_pause_s": failures[0].get("longest_pause_s") if failures else None,
             "source": recovered[0]["source"], "host_share": summary.get("emulation", {}).get("host_share"),
             "load_avg": os.getloadavg()[0]}
 

@@ -86,6 +86,7 @@ def series(flags: list[str], world: int, kinds: list[str], rng: random.Random, h
         drills.append({**f, **parts, "total": parts["first_commit"], "replayed_steps": ran["replayed_steps"],
                        "step_time_s": ran["step_time_s"], "named_rank": failures[i]["rank"],
                        "failure_kind": failures[i]["kind"], "restarts": summary.get("restarts", 0),
+                       "longest_pause_s": failures[i].get("longest_pause_s"),
                        "source": recovered[i]["source"], "waited_for_spare_s": tl["published"] - tl["ended"],
                        "host_share": summary.get("emulation", {}).get("host_share"), "load_avg": f["load_avg"],
                        "series": {"faults": n, "steps": steps}})

@@ -157,9 +157,6 @@ def test_the_driver_waits_for_torchrun_instead_of_blaming_ranks_it_stopped(tmp_p
     assert driver.stopped_after_stall(beats, stalled_at, 2.0) == [0, 1]
     beats[0]["time"] = beats[1]["time"] = stalled_at  # silent since the stall: a cause, judged as a hang
     assert driver.stopped_after_stall(beats, stalled_at, 2.0) == []
-    # progress is finer than steps: any completed communication op (a rank stopped mid-step is still a cause)
-    beats[2]["flight"] = {"completed": {"tp[2, 3]": 7, "pp": 2, "bad": "x"}}
-    assert driver.ops_done(beats) == ((0, 0), (1, 0), (2, 9), (3, 0))
     # the recorded start decides which beats are current, not the freshest file
     for r in range(2):
         (tmp_path / f"rank{r:05d}.json").write_text(json.dumps({**_beat(r, "a", now + r, "old"), "round": 0}))

@@ -129,7 +129,7 @@ def test_driver_names_the_rank_whose_heartbeat_stopped_and_decides(tmp_path):
     text = "\n".join(logs)
     assert "the job waits for rank 1 (DP0-PP1-TP0): heartbeat stopped (the process is stopped or dead)" in text
     d = decision.read(tmp_path, 0)
-    assert d is not None and d.culprit == 1 and d.reason.startswith("hang: no step progress")
+    assert d is not None and d.culprit == 1 and d.reason.startswith("hang: no progress")
     # round 1 never beats (the beats left over are round 0's): the driver stops watching, not completed
     assert result["completed"] is False and result["round"] == 1 and len(result["failures"]) == 1
 

@@ -1,7 +1,7 @@
 """`megatronapp resilience watch`: the driver of a multi-host job started by torchrun on every host.
 
 One process anywhere that sees the heartbeat directory runs the local supervisor's detection (`watch.py`) on the
-ranks of the current round: a hang (no step progress for the hang timeout) is named from the flight recorders,
+ranks of the current round: a hang (no progress for the hang timeout) is named from the flight recorders,
 with the waits tree; a rank whose heartbeat stopped is named as stopped or dead (remote processes are out of
 sight). It cannot signal remote processes, so it acts by writing the round's restart decision (`decision.py`):
 every rank leaves, each host's torchrun agent starts a new rendezvous round, and the workers resume from the
@@ -93,7 +93,6 @@ def watch(hb_dir: Path, opts: DriverOptions, log: Callable[[str], None] = _log) 
         seen_at, start = time.time(), None
         starts = StartLog()
         waiting_for: list[int] = []
-        ops, ops_moved_at = None, time.time()
         while True:
             time.sleep(0.2)
             every = read_beats(hb_dir, opts.world)
@@ -123,12 +122,10 @@ def watch(hb_dir: Path, opts: DriverOptions, log: Callable[[str], None] = _log) 
             if opts.give_up_after_s is not None and time.time() - seen_at > opts.give_up_after_s:
                 log(f"no heartbeat of round {round_} for {opts.give_up_after_s:.0f} s: stopped watching")
                 return _result(False, round_, beats, failures, left)
-            clock.update(beats)
-            if ops_done(beats) != ops:  # finer than steps: any rank completing any communication op
-                ops, ops_moved_at = ops_done(beats), time.time()
+            clock.update(beats)  # progress finer than steps: any rank's phase or communication ops
             idle = clock.overdue(beats)
             if idle is not None and _hang_possible(beats, stale_after):
-                late = stopped_after_stall(beats, max(clock.last_progress, ops_moved_at), stale_after)
+                late = stopped_after_stall(beats, clock.last_progress, stale_after)
                 if not late:
                     break
                 if late != waiting_for:  # said once per set of ranks
@@ -138,7 +135,8 @@ def watch(hb_dir: Path, opts: DriverOptions, log: Callable[[str], None] = _log) 
                         f"host); waiting for the new start instead of deciding")
         beats = settle(beats, lambda r=round_: round_beats(hb_dir, opts.world, r), None, stale_after, opts.heartbeat_s)
         labels = labels_of(beats, opts.world)
-        failure = judge_hang(beats, opts.world, labels, idle, clock.timeout(), stale_after, None)
+        failure = judge_hang(beats, opts.world, labels, idle, clock.timeout(), stale_after, None,
+                             clock.longest_pause, clock.stuck)
         silent = [r for r in range(opts.world) if r not in beats or time.time() - beats[r]["time"] > stale_after]
         whole = hosts.whole_hosts(silent, starts.last_beats(start), labels)
         if whole:  # every rank of a host went silent at once: the host, not a process
@@ -150,7 +148,7 @@ def watch(hb_dir: Path, opts: DriverOptions, log: Callable[[str], None] = _log) 
         if len(failures) > opts.max_restarts:
             log(f"gave up after {opts.max_restarts} restart(s): the ranks are left to torchrun")
             return _result(False, round_, beats, failures, left)
-        reason = failure.message.split(";", 1)[0]  # "hang: no step progress for S s (...)"
+        reason = failure.message.split(";", 1)[0]  # "hang: no progress for S s (...)"
         d = decision.Decision(round_, failure.rank, failure.label, reason)
         target = decision.write(hb_dir, d)
         _event(hb_dir / "driver.jsonl", {"event": "decision", **dataclasses.asdict(d), "file": str(target),
@@ -158,14 +156,6 @@ def watch(hb_dir: Path, opts: DriverOptions, log: Callable[[str], None] = _log) 
         log(f"round {round_}: restart decided ({target.name}); every rank exits with code "
             f"{decision.RESTART_EXIT_CODE} and torchrun starts round {round_ + 1}")
         round_ += 1
-
-
-def ops_done(beats: dict[int, dict[str, Any]]) -> tuple:
-    """Every rank's count of completed communication ops (its flight recorder's per-stream sequence numbers)."""
-    def done(b: dict[str, Any]) -> int:
-        completed = (b.get("flight") or {}).get("completed") or {}
-        return sum(v for v in completed.values() if isinstance(v, int) and not isinstance(v, bool))
-    return tuple(sorted((r, done(b)) for r, b in beats.items()))
 
 
 def stopped_after_stall(beats: dict[int, dict[str, Any]], last_progress: float, stale_after: float) -> list[int]:

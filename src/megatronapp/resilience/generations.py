@@ -2,7 +2,7 @@
 
 The supervisor owns a TCPStore on 127.0.0.1 and the generation number (`generation_protocol.py`). It starts the
 job's ranks (generation 0) and K warm spares, then watches: a rank that exits, a process stopped (SIGSTOP) for
-`stop_after_s`, a hang (no step progress for the hang timeout, named from the flight recorders as the restart path
+`stop_after_s`, a hang (no progress for the hang timeout, named from the flight recorders as the restart path
 does), a generation that does not form within `form_timeout_s`, or a rank reporting that it left. Then:
 
 1. a hung or stopped culprit is SIGKILLed: a hang becomes a crash, and its sockets close;
@@ -210,7 +210,7 @@ class GenerationJob:
                 self.step_times = clock.step_times
                 idle = clock.overdue(beats)
                 if idle is not None:
-                    failure = self._hang(beats, idle, clock.timeout())
+                    failure = self._hang(beats, idle, clock)
                 else:
                     failure = self._left(now)
             if failure is None:
@@ -252,11 +252,17 @@ class GenerationJob:
                                now, noticed_at=now)
         return None
 
-    def _hang(self, beats: dict[int, dict[str, Any]], idle: float, timeout: float) -> Failure:
+    def _hang(self, beats: dict[int, dict[str, Any]], idle: float, clock: ProgressClock) -> Failure | None:
+        """The hang, named; None when the heartbeats that came in while settling show progress after all (a
+        slow host starves every heartbeat thread at once)."""
         stale = max(3 * self.opts.heartbeat_s, 2.0)
         beats = settle(beats, lambda: read_beats(self.hb_dir, self.world), self._state, stale,
                        self.opts.heartbeat_s)
-        return judge_hang(beats, self.world, self.labels, idle, timeout, stale, self._state)
+        clock.update(beats)
+        if clock.overdue(beats) is None:
+            return None
+        return judge_hang(beats, self.world, self.labels, idle, clock.timeout(), stale, self._state,
+                          clock.longest_pause, clock.stuck)
 
     def _formation_failure(self, now: float) -> Failure:
         """A generation that did not commit a step within form_timeout_s: blame its first member that never began

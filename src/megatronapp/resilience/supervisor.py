@@ -139,7 +139,9 @@ class Attempt:
             self.step_times, self.first_step_at = clock.step_times, clock.first_step_at
             idle = clock.overdue(beats)
             if idle is not None:
-                failure = self._hang_failure(beats, job, idle, clock.timeout())
+                failure = self._hang_failure(beats, job, idle, clock)
+                if failure is None:  # late heartbeats showed progress: the host was slow, not the job
+                    continue
                 job.stop(grace_s=1.0)
                 return failure
 
@@ -173,11 +175,15 @@ class Attempt:
         return settle(beats, self.beats, lambda r: process_state(job.pids[r]), stale_after, self.opts.heartbeat_s)
 
     def _hang_failure(self, beats: dict[int, dict[str, Any]], job: launch.LocalJob, idle_s: float,
-                      timeout: float) -> Failure:
+                      clock: ProgressClock) -> Failure | None:
+        """The hang, named; None when the heartbeats that came in while settling show progress after all."""
         stale_after = max(3 * self.opts.heartbeat_s, 2.0)
         beats = self._settle(beats, job, stale_after)
-        return judge_hang(beats, self.world, self.labels, idle_s, timeout, stale_after,
-                          lambda r: process_state(job.pids[r]))
+        clock.update(beats)
+        if clock.overdue(beats) is None:
+            return None
+        return judge_hang(beats, self.world, self.labels, idle_s, clock.timeout(), stale_after,
+                          lambda r: process_state(job.pids[r]), clock.longest_pause, clock.stuck)
 
 
 def attempt_config(cfg: RunConfig, number: int, log: Callable[[str], None],

@@ -33,6 +33,7 @@ class Failure:
     signal: str | None = None
     waits: list[dict[str, Any]] = field(default_factory=list)
     noticed_at: float | None = None  # an exit: when the driver saw it (detected_at is after the job was stopped)
+    longest_pause_s: float | None = None  # a hang: the longest time without activity seen before (the margin)
 
 
 def process_state(pid: int) -> str | None:
@@ -138,8 +139,25 @@ def read_beats(hb_dir: Path, world: int) -> dict[int, dict[str, Any]]:
     return out
 
 
+def _seq_sum(flight: Any, part: str) -> int:
+    seqs = (flight or {}).get(part) or {}
+    return sum(v for v in seqs.values() if isinstance(v, int) and not isinstance(v, bool))
+
+
+def activity(beat: dict[str, Any]) -> tuple:
+    """What a watcher can see a rank do: its step and phase, and the communication ops it has issued and completed
+    (its flight recorder's per-stream sequence numbers, summed). Any of them moving is progress. A step holds many
+    ops (each micro-batch's sends and receives, the gradient reduction), so the longest pause between two of them
+    is a fraction of a step: a hang timeout judged on them can be short where one judged on steps could not."""
+    flight = beat.get("flight")
+    return beat.get("step", -1), beat.get("phase"), _seq_sum(flight, "issued"), _seq_sum(flight, "completed")
+
+
 class ProgressClock:
-    """Step progress of one attempt (one launch of every rank) and when it last moved."""
+    """Progress of one attempt (one launch of every rank) and when it last moved: steps, and finer, any rank's
+    phase or communication ops (`activity`). A hang is no activity on any rank for the hang timeout; a job whose
+    ops keep moving while no step ends for the longer step limit (10x the slowest step, at least 30 s, and at
+    least the hang timeout) is judged as hung too, so that a rank busy in a loop of ops is no blind spot."""
 
     def __init__(self, world: int, hang_timeout_s: float | None, startup_timeout_s: float, early: bool = False,
                  state_of: Callable[[int], str | None] | None = None):
@@ -152,8 +170,15 @@ class ProgressClock:
         self.world, self.hang_timeout_s, self.startup_timeout_s = world, hang_timeout_s, startup_timeout_s
         self.early, self.state_of = early, state_of
         self.start_step: int | None = None
-        self.progress: tuple | None = None
-        self.last_progress = time.time()
+        self.progress: tuple | None = None  # every rank's step
+        self.last_step = time.time()  # when a step last ended on some rank
+        self.seen: tuple | None = None  # every rank's activity
+        self.last_progress = time.time()  # when any rank's activity last moved
+        self.moved: dict[int, float] = {}  # per rank: when its activity last moved (as the watcher saw it)
+        self.beat_seen: dict[int, tuple] = {}  # per rank: its newest heartbeat's time, and when the watcher saw it
+        self.roots: list[int] = []  # ranks others wait for in an op, themselves waiting for no one
+        self.stuck: list[int] = []  # roots judged hung by `overdue`
+        self.longest_pause = 0.0  # the longest time without activity (of the job, or of a root) once started
         self.step_times: list[float] = []
         self.first_step_at: float | None = None
         self.first_beat_at: float | None = None  # the first heartbeat of this attempt, from any rank
@@ -163,17 +188,35 @@ class ProgressClock:
 
     def update(self, beats: dict[int, dict[str, Any]]) -> None:
         steps = self.steps(beats)
+        now = time.time()
         if beats and self.first_beat_at is None:
-            self.first_beat_at = time.time()
+            self.first_beat_at = now
         # the step an attempt starts from is known once every rank has built its trainer (an early heartbeat
         # says step -1 in a "start-up: ..." phase)
         if self.start_step is None and len(beats) == self.world and not any(map(in_startup, beats.values())):
             self.start_step = min(steps)
         if steps != self.progress:
-            self.progress, self.last_progress = steps, time.time()
-            self.step_times += [b["step_time_s"] for b in beats.values() if b.get("step_time_s")]
+            self.progress, self.last_step = steps, now
+            self.step_times = sorted({*self.step_times, *(b["step_time_s"] for b in beats.values()
+                                                          if b.get("step_time_s"))})[-64:]
             if self.first_step_at is None and self.start_step is not None and min(steps) > self.start_step:
-                self.first_step_at = time.time()
+                self.first_step_at = now
+        seen = tuple(activity(beats[r]) if r in beats else None for r in range(self.world))
+        if seen != self.seen:
+            if self.first_step_at is not None:
+                self.longest_pause = max(self.longest_pause, now - self.last_progress)
+            for r, act in enumerate(seen):
+                if self.seen is None or act != self.seen[r]:
+                    if self.first_step_at is not None and r in self.roots and r in self.moved:
+                        self.longest_pause = max(self.longest_pause, now - self.moved[r])
+                    self.moved[r] = now
+            self.seen, self.last_progress = seen, now
+        for r, b in beats.items():
+            if self.beat_seen.get(r, (None,))[0] != b["time"]:
+                self.beat_seen[r] = (b["time"], now)
+        flights = {r: b["flight"] for r, b in beats.items() if isinstance(b.get("flight"), dict)}
+        edges = wait_edges(flights)
+        self.roots = sorted({e.target for e in edges} - {e.waiter for e in edges})
 
     def timeout(self) -> float:
         return self.hang_timeout_s or default_hang_timeout(self.step_times)
@@ -201,8 +244,23 @@ class ProgressClock:
                                                            for b in beats.values())
         limit = timeout if (started or behind or silent) and not finishing \
             else max(timeout, self.startup_timeout_s)
-        idle = time.time() - self.last_progress
-        return idle if idle > limit else None
+        now = time.time()
+        idle = now - self.last_progress
+        self.stuck = []
+        if idle > limit:
+            return idle
+        # A rank the others wait for, itself waiting for no one, without activity for the limit: hung, although
+        # ranks that do not need it yet still progress (another DP replica runs its whole backward before it
+        # needs the hung rank in the gradient reduction). Judged on a heartbeat of that rank the watcher saw the
+        # limit after its last activity, so a rank whose heartbeat thread is starved by a loaded host (its
+        # activity unseen, not absent) is never judged on old news.
+        self.stuck = [r for r in self.roots if r in self.moved
+                      and self.beat_seen.get(r, (0.0, 0.0))[1] - self.moved[r] > limit]
+        if self.stuck:
+            return max(now - self.moved[r] for r in self.stuck)
+        # ops that move while no step ends (a loop of ops): the step limit, never shorter than the hang timeout
+        busy = now - self.last_step
+        return busy if busy > max(limit, default_hang_timeout(self.step_times)) else None
 
     def silent(self, beats: dict[int, dict[str, Any]], timeout: float) -> list[int]:
         """With early heartbeats, ranks without a heartbeat for `timeout` s: one that stopped beating (not because
@@ -247,9 +305,12 @@ def settle(beats: dict[int, dict[str, Any]], reread: Callable[[], dict[int, dict
 
 
 def judge_hang(beats: dict[int, dict[str, Any]], world: int, labels: dict[int, str], idle_s: float,
-               timeout: float, stale_after: float, state_of: Callable[[int], str | None] | None) -> Failure:
+               timeout: float, stale_after: float, state_of: Callable[[int], str | None] | None,
+               longest_pause: float = 0.0, stuck: list[int] | None = None) -> Failure:
     """Name the rank a hung job waits for, from the heartbeats' flight recorders: a rank whose heartbeat stopped
-    first (it is stopped or dead whatever its frozen recorder says), else the root of the wait edges."""
+    first (it is stopped or dead whatever its frozen recorder says), else the root of the wait edges.
+    `longest_pause`: the longest time without activity the watcher saw while the job ran (the timeout's margin).
+    `stuck`: the ranks the clock found without activity while others wait for them (`ProgressClock.stuck`)."""
     now = time.time()
     notes: dict[int, str] = {}
     unresponsive = []
@@ -269,11 +330,17 @@ def judge_hang(beats: dict[int, dict[str, Any]], world: int, labels: dict[int, s
     flights = {r: b["flight"] for r, b in beats.items() if isinstance(b.get("flight"), dict)}
     steps = {r: b["step"] for r, b in beats.items()}
     names = culprits(flights, unresponsive, steps) or [min(steps, key=steps.get, default=0)]
+    if stuck and not unresponsive:
+        names = [r for r in names if r in stuck] or sorted(stuck)
     cause = names[0]
     tree = wait_tree(names, flights, labels, notes)
     waits = [{"waiter": e.waiter, "target": e.target, "op": op_text(e.op), "why": e.why}
              for e in wait_edges(flights)]
     label = labels.get(cause, "?")
-    msg = (f"hang: no step progress for {idle_s:.1f} s (hang timeout {timeout:.0f} s); the job waits for "
-           f"rank {cause} ({label}): {notes.get(cause, 'waits for no one')}")
-    return Failure("hang", cause, label, msg, steps.get(cause, -1), now, tree=tree, waits=waits)
+    pause = f", the longest pause before {longest_pause:.1f} s" if longest_pause else ""
+    what = f"rank {', '.join(map(str, stuck))} made no progress for {idle_s:.1f} s while others wait for it" \
+        if stuck else f"no progress for {idle_s:.1f} s"
+    msg = (f"hang: {what} (no step, phase or communication op: hang timeout {timeout:g} s{pause}); the job waits "
+           f"for rank {cause} ({label}): {notes.get(cause, 'waits for no one')}")
+    return Failure("hang", cause, label, msg, steps.get(cause, -1), now, tree=tree, waits=waits,
+                   longest_pause_s=longest_pause or None)
