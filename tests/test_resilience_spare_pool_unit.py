@@ -109,3 +109,11 @@ def test_without_a_newcomer_the_job_falls_back_to_the_full_restart_with_a_clear_
     for p in job.pool.close():
         p.kill()
         p.join()
+
+
+def test_an_nccl_job_has_no_fork_server(monkeypatch):
+    """A CUDA process starts from a fresh interpreter, never from a fork: an NCCL job's spares are spawned."""
+    monkeypatch.delenv("MEGATRONAPP_START_METHOD", raising=False)
+    server = ForkServer("nccl")
+    assert server.settled() and not server.usable() and server.ctx is None
+    assert "nccl job" in server.state(), server.state()
