@@ -32,6 +32,7 @@ from megatronapp.resilience.supervisor import Options, supervise
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train.metrics import read_metrics
 from megatronapp.train.trainer import train
+from tests.jobs import heartbeats
 
 STEPS = 12
 WORLD = 8
@@ -229,4 +230,72 @@ def test_a_survivor_stopped_while_a_generation_starts_is_replaced_and_the_run_st
     assert {1, 6} <= {r["rank"] for r in summary["replacements"]}, log
     gens = _assert_healthy_ranks_kept(out)
     assert any(r["old_pid"] == seen["pid"] for g in gens for r in g["replaced"].values())
+    _assert_bit_identical(out, baseline)
+
+
+def _kill_two_replicas_once_ready(out: Path, ranks: tuple[int, int], killed: list[int], stop: threading.Event) -> None:
+    """SIGKILL `ranks` together once the warm spare and the fork server are ready and every rank has begun step 2
+    (a DP peer then holds each lost rank's state)."""
+    while not stop.is_set():
+        path = out / "resilience.jsonl"
+        events = _events(out) if path.is_file() else []
+        server = any(e["event"] == "forkserver" and e["state"] == "ready" for e in events)
+        spare = any(e["event"] == "spare_ready" and e["reason"] == "pool" for e in events)
+        beats = heartbeats(out)
+        if server and spare and len(beats) == WORLD and min(b.get("step", -1) for b in beats.values()) >= 2:
+            gen0 = next(e for e in events if e["event"] == "generation")
+            for r in ranks:
+                os.kill(gen0["pids"][str(r)], signal.SIGKILL)
+                killed.append(r)
+            return
+        time.sleep(0.01)
+
+
+def test_two_replicas_lost_with_one_spare_the_fork_server_supplies_the_second_newcomer(tmp_path, baseline,
+                                                                                      monkeypatch):
+    """`--spares 1`, two ranks of different DP replicas killed -9 together: the warm spare takes one over, a process
+    forked on demand from the fork server (torch preloaded) the other, in one generation; no full restart, the
+    healthy ranks keep their processes and the run stays bit-identical. The refill comes from the fork server."""
+    out = tmp_path / "run"
+    ranks = (1, 2)  # DP0-PP0-TP1 and DP1-PP0-TP0: their DP peers (3 and 0) survive
+    real_recover = generations.GenerationJob._recover
+
+    def recover_once_both_are_gone(job, failure):
+        # Two kills in the same step are one failure when both deaths are seen before the generation ends (how
+        # soon the kernel reaps the second is not the subject here): the first recovery waits until both exited.
+        deadline = time.monotonic() + 30
+        while (not job.failures and len(killed) == 2 and time.monotonic() < deadline
+               and any(job.ranks[r].exitcode is None for r in ranks)):
+            time.sleep(0.005)
+        return real_recover(job, failure)
+
+    monkeypatch.setattr(generations.GenerationJob, "_recover", recover_once_both_are_gone)
+    killed: list[int] = []
+    stop = threading.Event()
+    saboteur = threading.Thread(target=_kill_two_replicas_once_ready, args=(out, ranks, killed, stop), daemon=True)
+    saboteur.start()
+    logs: list[str] = []
+    try:  # rank 0 pauses 0.6 s each step, so the spare and the fork server are ready before the job ends
+        summary = supervise(_cfg(out, ["pause=0:600:1"]), _opts(spares=1), logs.append)
+    finally:
+        stop.set()
+    log = "\n".join(logs)
+    assert killed == list(ranks), f"the job ended before the spare and the fork server were ready:\n{log}"
+    assert summary["steps"] == STEPS and summary["restarts"] == 0, log
+    events = _events(out)
+    assert not [e for e in events if e["event"] == "fallback"], log
+    gens = _assert_healthy_ranks_kept(out)
+    assert len(gens) == 2, f"both newcomers in one generation:\n{log}"
+    swap = {int(r): v for r, v in gens[1]["replaced"].items()}
+    assert sorted(swap) == list(ranks), log
+    paths = sorted((v["path"], v["method"]) for v in swap.values())
+    assert paths == [("fork server", "forkserver"), ("warm spare", "spawn")], log
+    forked = next(v for v in swap.values() if v["path"] == "fork server")
+    assert forked["ready_s"] > 0, forked
+    (rec,) = [e for e in events if e["event"] == "recovered"]
+    assert sorted(rec["paths"].values()) == ["fork server", "warm spare"] and rec["source"] == "peer", rec
+    assert rec["timeline"]["asked"] <= rec["timeline"]["forked_ready"] <= rec["timeline"]["first_commit"], rec
+    refills = [e for e in events if e["event"] == "spare_started" and e["reason"] == "refill"]
+    assert refills and all(e["method"] == "forkserver" for e in refills), refills
+    print(f"forked on demand ready {forked['ready_s']:.2f} s after the ask; recovery {rec['recovery_s']:.2f} s")
     _assert_bit_identical(out, baseline)

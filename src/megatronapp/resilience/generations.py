@@ -8,13 +8,14 @@ does), a generation that does not form within `form_timeout_s`, or a rank report
 1. a hung or stopped culprit is SIGKILLed: a hang becomes a crash, and its sockets close;
 2. the generation ends: its undecided step commit is decided "abort" (`commit.abort_undecided`), then
    `ctl/end/<g>` is set, which releases every survivor's blocked operations (`member.py`, `sockets.py`);
-3. the plan of generation g+1: the lost ranks are newcomers, each taken over by a ready spare (the pool refills
-   in the background); their state comes from a DP peer ("peer", plain DP and AdamW), else everyone loads the
-   newest checkpoint in place ("disk"); before the job's first commit everyone simply builds again ("start");
+3. the plan of generation g+1: the lost ranks are newcomers, each taken over by a ready spare, else by a process
+   forked on demand from the fork server (`spare_pool.py`; the pool refills in the background, from the fork
+   server too); their state comes from a DP peer ("peer", plain DP and AdamW), else everyone loads the newest
+   checkpoint in place ("disk"); before the job's first commit everyone simply builds again ("start");
 4. when the new generation's first step commits, the recovery is recorded with its parts.
-With no spare left (none ready within `spare_wait_s`), no copy of the state anywhere, or a rank already finished,
-the job falls back to a full restart (`run()` returns a Failure, and `supervisor.supervise` restarts every rank
-from the newest checkpoint, as without spares).
+With no newcomer to be had (no spare ready and no fork server, or none ready within `spare_wait_s`), no copy of
+the state anywhere, or a rank already finished, the job falls back to a full restart (`run()` returns a Failure,
+and `supervisor.supervise` restarts every rank from the newest checkpoint, as without spares).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from megatronapp.resilience import agent, inplace
 from megatronapp.resilience import generation_protocol as gp
 from megatronapp.resilience.commit import abort_undecided
 from megatronapp.resilience.handover import sources
+from megatronapp.resilience.spare_pool import ForkServer, SparePool
 from megatronapp.resilience.watch import Failure, ProgressClock, judge_hang, process_state, read_beats, settle
 from megatronapp.train import checkpoint as ckpt
 
@@ -76,9 +78,7 @@ class GenerationJob:
         self.result = self.out / ".result.json"
         self.threads = opts.threads or max(1, (os.cpu_count() or 1) // (self.world + opts.spares))
         self.ranks: dict[int, Any] = {}
-        self.spares: dict[int, Any] = {}  # sid -> process, waiting
-        self.ready: set[int] = set()
-        self.next_sid = 0
+        self.pool: SparePool | None = None
         self.g = 0
         self.step = self._start_step()  # the committed step the current generation started after
         self.commits = 0  # steps committed in this job
@@ -108,11 +108,9 @@ class GenerationJob:
         p.start()
         return p
 
-    def _start_spare(self) -> None:
-        sid, self.next_sid = self.next_sid, self.next_sid + 1
-        p = self.ctx.Process(target=inplace.spare_main, name=f"spare{sid}", args=(sid, *self._args()))
-        p.start()
-        self.spares[sid] = p
+    def _fork_server(self) -> ForkServer:
+        """The fork server for refills and on-demand newcomers, warming in the background (`spare_pool.py`)."""
+        return ForkServer(launch.pick_backend(self.cfg.parallel.backend))
 
     def run(self) -> dict[str, Any] | Failure:
         shutil.rmtree(self.hb_dir, ignore_errors=True)
@@ -124,12 +122,14 @@ class GenerationJob:
         self.env = {"MEGATRONAPP_RUN_ID": uuid.uuid4().hex[:12], **launch.loopback_env(),
                     agent.DIR_ENV: str(self.hb_dir), agent.PERIOD_ENV: str(self.opts.heartbeat_s)}
         self.ctx = mp.get_context("spawn")
+        server = self._fork_server()  # before the ranks: its preload overlaps theirs, in its own process
+        self.pool = SparePool(self.opts.spares, self.store, self._args(), server, self.log, self._event)
         self.store.set(gp.plan_key(0), gp.encode(gp.Plan(generation=0, world=self.world, source="start",
                                                          newcomers=list(range(self.world)), step=self.step)))
         self.store.set(gp.GEN, "0")
         self.ranks = {r: self._start_rank(r) for r in range(self.world)}
         for _ in range(self.opts.spares):
-            self._start_spare()
+            self.pool.start("pool")
         self._event({"event": "generation", "generation": 0, "source": "start", "step": self.step,
                      "newcomers": list(range(self.world)), "replaced": {},
                      "pids": {r: p.pid for r, p in self.ranks.items()}})
@@ -139,7 +139,7 @@ class GenerationJob:
             self._close()
 
     def _close(self) -> None:
-        procs = [*self.ranks.values(), *self.spares.values()]
+        procs = [*self.ranks.values(), *(self.pool.close() if self.pool else [])]
         for p in procs:
             if p.exitcode is None:
                 p.terminate()
@@ -150,24 +150,15 @@ class GenerationJob:
                 p.kill()  # also a stopped process
                 p.join()
         shutil.rmtree(self.rundir, ignore_errors=True)
-        self._listener.close()
+        # the store owns the listening descriptor and closes it when it goes: closing it here as well would close
+        # whatever reused the number by then (a fork server's pipe, the next attempt's store), as a test run saw
+        self._listener.detach()
 
     # -- watching -------------------------------------------------------------------------------------------
     def _wait(self, timeout_s: float) -> None:
-        live = [p.sentinel for p in [*self.ranks.values(), *self.spares.values()] if p.exitcode is None]
+        live = [p.sentinel for p in [*self.ranks.values(), *self.pool.processes] if p.exitcode is None]
         if live:
             multiprocessing.connection.wait(live, timeout_s)
-
-    def _tend_spares(self) -> None:
-        """Note the spares that became ready; replace the ones that died while waiting."""
-        for sid, p in list(self.spares.items()):
-            if p.exitcode is not None:
-                del self.spares[sid]
-                self.ready.discard(sid)
-                self.log(f"spare {sid} (pid {p.pid}) died while waiting (exit {p.exitcode}); starting another")
-                self._start_spare()
-            elif sid not in self.ready and self.store.check([gp.spare_ready_key(sid)]):
-                self.ready.add(sid)
 
     def _tend_generation(self) -> None:
         """Members that took their state; the first commit of a generation (a recovery's end)."""
@@ -190,7 +181,7 @@ class GenerationJob:
         stopped_since: dict[int, float] = {}
         while True:
             self._wait(0.05)
-            self._tend_spares()
+            self.pool.tend()
             self._tend_generation()
             codes = {r: p.exitcode for r, p in self.ranks.items() if p.exitcode is not None}
             if len(codes) == self.world and not any(codes.values()):
@@ -326,34 +317,43 @@ class GenerationJob:
             if newest is None:
                 return self._fallback(failure, "no DP peer holds a lost rank's state and no checkpoint exists")
             source, self.step = "disk", int(ckpt.load_meta(newest)["step"])
-        taken = self._take_spares(len(lost))
+        asked = time.time()
+        taken = self.pool.take(len(lost), self.opts.spare_wait_s, self._wait)
         if taken is None:
-            return self._fallback(failure, f"no spare ready within {self.opts.spare_wait_s:.0f} s")
+            return self._fallback(failure, f"no newcomer for rank(s) {', '.join(map(str, lost))}: "
+                                           f"{self.pool.shortfall}")
         old_pids = {r: p.pid for r, p in self.ranks.items()}
         self.g += 1
         plan = gp.Plan(generation=self.g, world=self.world, newcomers=newcomers, source=source, step=self.step)
         self.store.set(gp.plan_key(self.g), gp.encode(plan))
-        for r, sid in zip(lost, taken):
-            self.ranks[r] = self.spares.pop(sid)
-            self.ready.discard(sid)
+        for r, spare in zip(lost, taken):
+            self.ranks[r] = spare.process
             (self.rundir / f"error{r}.json").unlink(missing_ok=True)
-            self.store.set(gp.spare_assign_key(sid), gp.encode(gp.Assignment(rank=r, generation=self.g)))
+            self.store.set(gp.spare_assign_key(spare.sid), gp.encode(gp.Assignment(rank=r, generation=self.g)))
         self.store.set(gp.GEN, str(self.g))
         published = time.time()
-        for _ in taken:  # the pool refills in the background
-            self._start_spare()
+        self.pool.refill()  # in the background: forked from the fork server when it is ready, else spawned
         self.pending, self.formed_at, self.generation_at = set(newcomers), None, published
-        swap = {r: {"old_pid": old_pids[r], "new_pid": self.ranks[r].pid, "spare": sid}
-                for r, sid in zip(lost, taken)}
+        # which path supplied each newcomer; for one forked on demand, how long it took from the ask to ready
+        swap = {r: {"old_pid": old_pids[r], "new_pid": s.process.pid, "spare": s.sid, "path": s.path,
+                    "method": s.method, **({"ready_s": s.ready_at - asked} if s.path == "fork server" else {})}
+                for r, s in zip(lost, taken)}
         self.replacements += [{"generation": self.g, "rank": r, **v} for r, v in swap.items()]
         self._event({"event": "generation", "generation": self.g, "source": source, "step": self.step,
                      "newcomers": newcomers, "replaced": swap, "pids": {r: p.pid for r, p in self.ranks.items()}})
-        self.log(f"generation {self.g}: " + ", ".join(f"rank {r} ({self.labels[r]}) taken over by spare {sid} "
-                                                      f"(pid {self.ranks[r].pid})" for r, sid in zip(lost, taken))
-                 + f"; state from {source}" + (f" (step {self.step})" if source == "disk" else ""))
+        self.log(f"generation {self.g}: " + ", ".join(
+            f"rank {r} ({self.labels[r]}) taken over by " + {
+                "warm spare": f"warm spare {v['spare']} (pid {v['new_pid']})",
+                "starting spare": f"spare {v['spare']} (pid {v['new_pid']}, ready during the wait)",
+                "fork server": f"spare {v['spare']} forked on demand from the fork server (pid {v['new_pid']}, "
+                               f"ready {v.get('ready_s', 0.0):.2f} s after the ask)"}[v["path"]]
+            for r, v in swap.items()) + f"; state from {source}" + (f" (step {self.step})" if source == "disk" else ""))
+        fork_ready = [s.ready_at for s in taken if s.path == "fork server"]
         self.recovering = {"generation": self.g, "failed_generation": self.g - 1, "noticed_at": noticed,
-                           "ended_at": ended, "published_at": published, "source": source, "lost": lost,
-                           "newcomers": newcomers, "step": self.step, "rank": failure.rank, "kind": failure.kind}
+                           "ended_at": ended, "asked_at": asked, "published_at": published, "source": source,
+                           "lost": lost, "newcomers": newcomers, "step": self.step, "rank": failure.rank,
+                           "kind": failure.kind, "paths": {r: v["path"] for r, v in swap.items()},
+                           "forked_ready_at": max(fork_ready) if fork_ready else None}
         return None
 
     def _peer_possible(self, newcomers: list[int]) -> bool:
@@ -362,21 +362,9 @@ class GenerationJob:
         c = self.cfg
         return not c.parallel.zero and c.train.optimizer == "adamw" and sources(self.topo, newcomers) is not None
 
-    def _take_spares(self, n: int) -> list[int] | None:
-        """`n` ready spares (waiting up to spare_wait_s for starting ones), or None."""
-        deadline = time.monotonic() + self.opts.spare_wait_s
-        while True:
-            self._tend_spares()
-            usable = sorted(sid for sid in self.ready if process_state(self.spares[sid].pid) not in ("T", None))
-            if len(usable) >= n:
-                return usable[:n]
-            if time.monotonic() > deadline or not self.spares:
-                return None
-            self._wait(0.05)
-
     def _fallback(self, failure: Failure, why: str) -> Failure:
         self.log(f"no in-place recovery ({why}): restarting every rank")
-        self._event({"event": "fallback", "generation": self.g, "why": why})
+        self._event({"event": "fallback", "generation": self.g, "why": why, "path": "restart"})
         return failure
 
     def _recovered(self) -> None:
@@ -391,7 +379,8 @@ class GenerationJob:
         survivors = [r for r in range(self.world) if r not in rec["lost"]]
         left = marks(rec["failed_generation"], "left", survivors)
         timeline = {"noticed": rec["noticed_at"], "survivors_out": max(left) if left else None,
-                    "ended": rec["ended_at"], "published": rec["published_at"],
+                    "ended": rec["ended_at"], "asked": rec["asked_at"],
+                    "forked_ready": rec["forked_ready_at"], "published": rec["published_at"],
                     "spare_ready": max(marks(g, "plan", rec["newcomers"]), default=None),
                     "groups_rebuilt": max(marks(g, "groups", list(range(self.world))), default=None),
                     "state_transferred": max(marks(g, "state", list(range(self.world))), default=None),
@@ -400,7 +389,8 @@ class GenerationJob:
         self.recoveries.append(out)
         self._event({"event": "recovered", **out})
         self.log(f"generation {g} committed its first step {out['recovery_s']:.2f} s after the failure was "
-                 f"noticed (state from {rec['source']})")
+                 f"noticed (state from {rec['source']}; newcomers from "
+                 + ", ".join(f"rank {r}: {path}" for r, path in rec["paths"].items()) + ")")
 
     def account(self) -> dict[str, Any]:
         """What this job's in-place recoveries did, for the run summary (its failures in order, the one that ended
