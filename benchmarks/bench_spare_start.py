@@ -12,7 +12,6 @@ Run: python -m benchmarks.bench_spare_start [--reps 5]   (writes benchmarks/resu
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -45,10 +44,12 @@ def _end(pool: SparePool) -> None:
         p.join()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = harness.parser(__doc__, "one rep per side; writes nothing")
     ap.add_argument("--reps", type=int, default=5)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.reps = 1
     clock = harness.Clock()
     store, listener = generations._store()  # noqa: SLF001 - the supervisor's own store
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,8 +89,8 @@ def main() -> None:
     result = {"spawned_ready_s": spawned, "forked_on_demand_ready_s": forked,
               "median_spawned_s": statistics.median(spawned), "median_forked_s": statistics.median(forked),
               "fork_server_warm_s": warm_s, "machine": harness.machine(clock, cpu_bound_host=True)}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
+    if not args.quick:
+        harness.write_result(result, RESULTS)
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1))
     print("load average at start / end:", result["machine"]["load_avg_at_start"], result["machine"]["load_avg_at_end"])
 
