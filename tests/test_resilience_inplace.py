@@ -91,8 +91,9 @@ def test_a_newcomer_killed_as_it_is_assigned_costs_no_healthy_rank(tmp_path, bas
     generation's groups form (gloo connecting their pairs, some survivors waiting for it to connect to them): the
     survivors leave that generation when it ends and a second spare takes rank 1 in the next one. No formation
     timeout, no healthy rank replaced, and the run equals the uninterrupted one. Before the forming generation's
-    listeners were answered on its end (`sockets.py`), 4 of 10 such drills lost healthy ranks after the forming
-    timeout (docs/resilience.md, "What we learned")."""
+    listeners were answered on its end (`sockets.py`), 4 of 8 such drills lost two healthy ranks after the forming
+    timeout; after, 2 of 22 still lost one (a rank left training in the ended generation, not understood yet:
+    docs/resilience.md, "What we learned"), so this test fails about one run in ten until that is fixed."""
     out = tmp_path / "run"
     ports = jobs.spy_store_port(monkeypatch)
     killed: list[dict] = []
