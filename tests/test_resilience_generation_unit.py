@@ -1,10 +1,12 @@
 """The pieces of in-place recovery in one process: the step transaction's commit and abort racing over a real
 TCPStore, the protocol's validation of what it reads, closing a generation's sockets releases a blocked
-receive at both ends, which DP peer hands a newcomer its state, and the kill/stop drills' parsing."""
+receive at both ends, leaving a forming generation releases a pair waiting in gloo's connect for a peer that never
+connects, which DP peer hands a newcomer its state, and the kill/stop drills' parsing."""
 from __future__ import annotations
 
 import datetime
 import socket
+import sys
 import threading
 import time
 
@@ -80,7 +82,7 @@ def test_the_last_vote_and_the_abort_race_and_everyone_reads_one_outcome(store):
 
 def test_a_rank_whose_connection_was_shut_reads_the_outcome_over_its_control_connection(store):
     control, supervisor = store(), store()
-    gen = GenerationSockets()  # taken before the generation's connection, as a member does
+    gen = GenerationSockets(2)  # taken before the generation's connection, as a member does
     conn = store()
     assert gen.leave() >= 1  # the generation ended: its connection is shut
     # the step was decided before the generation ended (the supervisor decides, then ends it)
@@ -112,7 +114,7 @@ def test_shutting_a_generations_sockets_releases_a_blocked_receive_at_both_ends(
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
-    gen = GenerationSockets()
+    gen = GenerationSockets(2)
     a = socket.create_connection(listener.getsockname())
     b, _ = listener.accept()
     got: dict[str, bytes] = {}
@@ -170,3 +172,69 @@ def test_a_default_group_that_failed_to_form_does_not_rename_the_next_one(store)
         assert any(k.startswith("g1//0/") for k in conn.list_keys()), conn.list_keys()
     finally:
         dist.destroy_process_group()
+
+
+class _Mute(dist.Store):
+    """A group member's store that publishes the member's address and never reads a peer's: the member never
+    connects its pairs, as a peer that died between publishing and connecting."""
+
+    def __init__(self, real: dist.Store, gate: threading.Event):
+        super().__init__()
+        self.real, self.gate = real, gate
+
+    def set(self, key, value):
+        return self.real.set(key, value)
+
+    def get(self, key):
+        self.gate.wait()
+        raise RuntimeError("released")
+
+    def wait(self, keys, timeout=None):
+        self.gate.wait()
+        raise RuntimeError("released")
+
+
+def _form(store, rank: int, timeout: datetime.timedelta, out: dict) -> None:
+    """Member `rank` of a two-member gloo group; `out[rank]`: "formed" or the error."""
+    try:
+        dist.ProcessGroupGloo(store, rank, 2, timeout)
+        out[rank] = "formed"  # possibly with a pair to a closed connection: its first operation fails
+    except RuntimeError as e:
+        out[rank] = str(e)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/fd")
+def test_leaving_a_forming_generation_releases_a_pair_waiting_for_a_peer_that_never_connects(store):
+    """Gloo's listening side of a pair waits five group timeouts for its peer's connection and no socket closing
+    releases it (`sockets.py`); leaving the forming generation answers its listener and `Pair::connect` returns.
+    Which side of the pair listens depends on the two listeners' ports, so the two-member group forms until this
+    member is the listening side (half the tries)."""
+    released = 0
+    for attempt in range(12):
+        gate, out = threading.Event(), {}
+        gen = GenerationSockets(2)
+        conn = store()
+        gen.forming()
+        prefix = f"try{attempt}/"
+        timeout = datetime.timedelta(seconds=20)  # a stuck connect would wait 100 s
+
+        mute = threading.Thread(target=_form, args=(_Mute(dist.PrefixStore(prefix, store()), gate), 1, timeout, {}),
+                                daemon=True)
+        mute.start()
+        time.sleep(0.3)  # member 1 has published its address
+        t = threading.Thread(target=_form, args=(dist.PrefixStore(prefix, conn), 0, timeout, out), daemon=True)
+        t.start()
+        t.join(1.0)
+        waiting = t.is_alive()  # this member listens for member 1, which never connects
+        gen.leave()
+        t.join(10)
+        gate.set()
+        mute.join(10)
+        if waiting:
+            assert not t.is_alive(), "a pair waiting in gloo's connect was not released by leaving the generation"
+            assert 0 in out
+            released += 1
+            if released == 2:
+                return
+    if not released:
+        pytest.skip("this member was never the listening side of the pair in 12 tries")

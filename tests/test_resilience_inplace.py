@@ -7,13 +7,12 @@ covers many: job 1 kills a TP rank in forward, a PP rank in backward, a DP repli
 reduction, a rank in the optimizer update (after the step's commit point: rolled forward), a rank during its
 checkpoint's background copy, and SIGSTOPs a rank; job 2 kills two ranks of different DP replicas in the same
 step, kills the spare that takes one of them over once the generation's groups exist and its state is on the
-way, and hangs a rank (named by the hang timeout, killed, replaced); job 3 SIGSTOPs a survivor while the
-generation a kill started forms. One uninterrupted run is the reference of all three.
+way, and hangs a rank (named by the hang timeout, killed, replaced); job 3 kills the spare that takes a rank over
+as soon as it is assigned, before its groups exist (its peers may be in gloo's connect); job 4 SIGSTOPs a
+survivor while the generation a kill started forms. One uninterrupted run is the reference of all of them.
 """
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import signal
 import threading
@@ -21,81 +20,21 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
 
-from megatronapp.cli import build_parser, config_from_args
-from megatronapp.config import RunConfig
-from megatronapp.resilience import generation_protocol as gp
 from megatronapp.resilience import generations
-from megatronapp.resilience.supervisor import Options, supervise
-from megatronapp.train import checkpoint as ckpt
-from megatronapp.train.metrics import read_metrics
+from megatronapp.resilience.supervisor import supervise
 from megatronapp.train.trainer import train
+from tests import inplace_jobs as jobs
+from tests.inplace_jobs import STEPS, WORLD
 from tests.jobs import heartbeats
-
-STEPS = 12
-WORLD = 8
-FLAGS = ["--nproc", "8", "--tp", "2", "--pp", "2", "--dp", "2", "--steps", str(STEPS), "--save-interval", "2",
-         "--async-save", "--layers", "2", "--hidden", "32", "--heads", "4", "--global-batch", "4",
-         "--microbatches", "2", "--seq-len", "16", "--no-progress", "--peak-tflops", "1"]
-
-
-def _cfg(out: Path, inject: list[str] = ()) -> RunConfig:
-    cfg = config_from_args(build_parser().parse_args(["train", *FLAGS, "--out", str(out)]))
-    cfg.inject = list(inject)
-    return cfg
 
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory) -> Path:
     """The same job, uninterrupted and unsupervised."""
     out = tmp_path_factory.mktemp("inplace-baseline") / "run"
-    train(_cfg(out))
+    train(jobs.cfg(out))
     return out
-
-
-def _events(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "resilience.jsonl").read_text().splitlines()]
-
-
-def _assert_bit_identical(out: Path, baseline: Path) -> None:
-    """Every step logged once with the baseline's loss (none replayed), and every rank's final weights and
-    optimizer state equal."""
-    ref = {r["step"]: r["loss"] for r in read_metrics(baseline / "metrics.jsonl")}
-    records = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "a step was computed twice or lost"
-    assert {r["step"]: r["loss"] for r in records} == ref
-    d, d_ref = ckpt.step_dir(out / "checkpoints", STEPS), ckpt.step_dir(baseline / "checkpoints", STEPS)
-    for rank in range(WORLD):
-        mine, theirs = ckpt.load_rank(d, rank), ckpt.load_rank(d_ref, rank)
-        for c_mine, c_ref in zip(mine["chunks"], theirs["chunks"]):
-            assert c_mine.keys() == c_ref.keys()
-            for name in c_ref:
-                assert torch.equal(c_mine[name], c_ref[name]), f"rank {rank}: {name}"
-        s_mine, s_ref = mine["optimizer"]["state"], theirs["optimizer"]["state"]
-        assert s_mine.keys() == s_ref.keys()
-        for i in s_ref:
-            for k in s_ref[i]:
-                assert torch.equal(s_mine[i][k], s_ref[i][k]), f"rank {rank}: optimizer state {i}.{k}"
-
-
-def _assert_healthy_ranks_kept(out: Path) -> list[dict]:
-    """Across every generation, a rank's process changed only where it was replaced; returns the generations."""
-    gens = [e for e in _events(out) if e["event"] == "generation"]
-    assert gens[0]["generation"] == 0
-    for before, now in zip(gens, gens[1:]):
-        for r, pid in now["pids"].items():
-            if r in now["replaced"]:
-                assert now["replaced"][r]["old_pid"] == before["pids"][r] and pid != before["pids"][r]
-            else:
-                assert pid == before["pids"][r], f"rank {r} was restarted in generation {now['generation']}"
-    return gens
-
-
-def _opts(**over) -> Options:
-    return Options(**{"heartbeat_s": 0.3, "max_restarts": 8, "diagnose_on_restart": False, "spares": 1,
-                      "hang_timeout_s": 30.0, "form_timeout_s": 60.0, **over})
 
 
 def test_kills_at_every_phase_and_a_stop_are_replaced_in_place_bit_identical(tmp_path, baseline):
@@ -107,7 +46,7 @@ def test_kills_at_every_phase_and_a_stop_are_replaced_in_place_bit_identical(tmp
               "kill-save=3:8:copy",    # rank 3, DP1-PP0-TP1: during the background copy of checkpoint 8
               "stop=6:10:backward"]    # rank 6, DP1-PP1-TP0: SIGSTOPped in its backward
     logs: list[str] = []
-    summary = supervise(_cfg(out, drills), _opts(), logs.append)
+    summary = supervise(jobs.cfg(out, drills), jobs.opts(), logs.append)
     log = "\n".join(logs)
     assert summary["steps"] == STEPS and summary["restarts"] == 0, log
     assert sorted(r["rank"] for r in summary["replacements"]) == [1, 2, 3, 4, 6, 7], log
@@ -116,49 +55,25 @@ def test_kills_at_every_phase_and_a_stop_are_replaced_in_place_bit_identical(tmp
     assert all(f["signal"] == "SIGKILL" for f in failures[:5]) and "stopped" in failures[5]["message"], log
     # no copy of a lost rank's state was missing: every newcomer took it from its DP peer, none from the disk
     assert {r["source"] for r in summary["inplace_recoveries"]} == {"peer"}, log
-    _assert_healthy_ranks_kept(out)
-    _assert_bit_identical(out, baseline)
-
-
-def _kill_first_newcomer(out: Path, ports: list[int], killed: list[int], stop: threading.Event) -> None:
-    """SIGKILL the spare that takes over in the first recovery while it takes over: once its generation's process
-    groups exist (its `groups` mark in the supervisor's store) and its state is being sent to it. (Killed earlier,
-    while gloo connects the generation's pairs, it can leave peers waiting in gloo's connect: docs/resilience.md.)"""
-    store = None
-    while not stop.is_set():
-        path = out / "resilience.jsonl"
-        gens = [e for e in _events(out) if e["event"] == "generation" and e["replaced"]] if path.is_file() else []
-        if gens and ports:
-            g, (rank, swap) = gens[0]["generation"], next(iter(gens[0]["replaced"].items()))
-            store = store or dist.TCPStore("127.0.0.1", ports[0], None, False,
-                                           timeout=datetime.timedelta(seconds=30))
-            if store.check([gp.mark_key(g, "groups", int(rank))]) or gens[-1]["generation"] > g:
-                os.kill(swap["new_pid"], signal.SIGKILL)
-                killed.append(swap["new_pid"])
-                return
-        time.sleep(0.01)
+    jobs.assert_healthy_ranks_kept(out)
+    jobs.assert_bit_identical(out, baseline)
 
 
 def test_two_replicas_at_once_a_spare_killed_while_taking_over_and_a_hang(tmp_path, baseline, monkeypatch):
     out = tmp_path / "run"
     drills = ["kill=0:2:backward", "kill=7:2:backward",  # DP replica 0 and DP replica 1, in the same step
               "hang=5:7"]  # rank 5 blocks at iteration 7, its heartbeat alive: named by the hang timeout
-    ports: list[int] = []  # the supervisor's store (it runs in this process), for the saboteur to watch
-    real_store = generations._store
-
-    def spied_store(*args):
-        store, sock = real_store(*args)
-        ports.append(store.port)
-        return store, sock
-
-    monkeypatch.setattr(generations, "_store", spied_store)
-    killed: list[int] = []
+    ports = jobs.spy_store_port(monkeypatch)  # the supervisor's store (it runs in this process), for the saboteur
+    killed: list[dict] = []
     stop = threading.Event()
-    saboteur = threading.Thread(target=_kill_first_newcomer, args=(out, ports, killed, stop), daemon=True)
+    # the spare that takes over in the first recovery, once its generation's groups exist and its state is on the
+    # way (killed earlier, before its groups exist: the test after this one)
+    saboteur = threading.Thread(target=jobs.kill_first_newcomer,
+                                args=(out, ports, killed, stop, jobs.has_mark("groups")), daemon=True)
     saboteur.start()
     logs: list[str] = []
     try:
-        summary = supervise(_cfg(out, drills), _opts(spares=2, hang_timeout_s=4.0), logs.append)
+        summary = supervise(jobs.cfg(out, drills), jobs.opts(spares=2, hang_timeout_s=4.0), logs.append)
     finally:
         stop.set()
     log = "\n".join(logs)
@@ -171,26 +86,41 @@ def test_two_replicas_at_once_a_spare_killed_while_taking_over_and_a_hang(tmp_pa
     assert all(f["kind"] == "exit" and f["signal"] == "SIGKILL" for f in failures[:-1]), log
     hang = failures[-1]
     assert hang["kind"] == "hang" and hang["rank"] == 5 and "waits for rank 5" in hang["message"], log
-    gens = _assert_healthy_ranks_kept(out)
-    assert any(r["new_pid"] == killed[0] for g in gens for r in g["replaced"].values())
-    _assert_bit_identical(out, baseline)
+    gens = jobs.assert_healthy_ranks_kept(out)
+    assert any(r["new_pid"] == killed[0]["pid"] for g in gens for r in g["replaced"].values())
+    jobs.assert_bit_identical(out, baseline)
 
 
-def _stop_a_survivor_as_generation_1_starts(out: Path, ports: list[int], rank: int, after: str | None, seen: dict,
-                                            stop: threading.Event) -> None:
-    """SIGSTOP survivor `rank` once the supervisor names generation 1 (`ctl/gen`) and, with `after`, once the rank
-    has reached that mark of it ("plan": it is forming the generation's groups, gloo connecting its pairs). `seen`
-    records its marks of generation 1 at that moment, for the failure message."""
-    store = None
-    while not stop.is_set():
-        if ports and (out / "resilience.jsonl").is_file():
-            store = store or dist.TCPStore("127.0.0.1", ports[0], None, False, timeout=datetime.timedelta(seconds=30))
-            if store.get(gp.GEN) == b"1" and (after is None or store.check([gp.mark_key(1, after, rank)])):
-                pid = next(e for e in _events(out) if e["event"] == "generation")["pids"][str(rank)]
-                os.kill(pid, signal.SIGSTOP)
-                seen.update(pid=pid, marks=[m for m in gp.MARKS if store.check([gp.mark_key(1, m, rank)])])
-                return
-        time.sleep(0.002)
+def test_a_newcomer_killed_as_it_is_assigned_costs_no_healthy_rank(tmp_path, baseline, monkeypatch):
+    """The spare that takes rank 1 over is SIGKILLed the moment the supervisor publishes its generation, while the
+    generation's groups form (gloo connecting their pairs, some survivors waiting for it to connect to them): the
+    survivors leave that generation when it ends and a second spare takes rank 1 in the next one. No formation
+    timeout, no healthy rank replaced, and the run equals the uninterrupted one. Before the forming generation's
+    listeners were answered on its end (`sockets.py`), 4 of 8 such drills lost two healthy ranks after the forming
+    timeout; after, 2 of 22 still lost one (a rank left training in the ended generation, not understood yet:
+    docs/resilience.md, "What we learned"), so this test fails about one run in ten until that is fixed."""
+    out = tmp_path / "run"
+    ports = jobs.spy_store_port(monkeypatch)
+    killed: list[dict] = []
+    stop = threading.Event()
+    saboteur = threading.Thread(target=jobs.kill_first_newcomer, args=(out, ports, killed, stop, jobs.assigned),
+                                daemon=True)
+    saboteur.start()
+    logs: list[str] = []
+    try:  # rank 1 (DP0-PP0-TP1) killed in its forward of iteration 3; its first spare killed as it is assigned
+        summary = supervise(jobs.cfg(out, ["kill=1:3:forward"]), jobs.opts(spares=2), logs.append)
+    finally:
+        stop.set()
+    log = "\n".join(logs)
+    assert killed, "the first newcomer was never seen"
+    assert summary["steps"] == STEPS and summary["restarts"] == 0, log
+    failures = summary["failures"]
+    assert not [f for f in failures if "did not commit a step within" in f["message"]], log
+    assert [r["rank"] for r in summary["replacements"]] == [1, 1], log  # rank 1, then its killed spare's place
+    assert [(f["rank"], f["signal"]) for f in failures] == [(1, "SIGKILL"), (1, "SIGKILL")], log
+    gens = jobs.assert_healthy_ranks_kept(out)
+    assert any(r["new_pid"] == killed[0]["pid"] for g in gens for r in g["replaced"].values())
+    jobs.assert_bit_identical(out, baseline)
 
 
 @pytest.mark.parametrize("after", [None, "plan"], ids=["before-its-plan", "forming-groups"])
@@ -198,25 +128,18 @@ def test_a_survivor_stopped_while_a_generation_starts_is_replaced_and_the_run_st
         tmp_path, baseline, monkeypatch, after):
     """The generation a kill started loses a survivor to SIGSTOP while it forms: the supervisor names the stopped
     process (1 s in state T), kills it, and a second spare takes it over in the generation after; the job ends,
-    never waiting on the stopped rank (a peer blocked in gloo's connect is released by the forming timeout)."""
+    never waiting on the stopped rank (a peer blocked in gloo's connect is released when the generation ends:
+    `sockets.py`)."""
     out = tmp_path / "run"
-    ports: list[int] = []
-    real_store = generations._store
-
-    def spied_store(*args):
-        store, sock = real_store(*args)
-        ports.append(store.port)
-        return store, sock
-
-    monkeypatch.setattr(generations, "_store", spied_store)
+    ports = jobs.spy_store_port(monkeypatch)
     seen: dict = {}
     stop = threading.Event()
-    saboteur = threading.Thread(target=_stop_a_survivor_as_generation_1_starts, args=(out, ports, 6, after, seen, stop),
-                                daemon=True)
+    saboteur = threading.Thread(target=jobs.stop_a_survivor_as_generation_1_starts,
+                                args=(out, ports, 6, after, seen, stop), daemon=True)
     saboteur.start()
     logs: list[str] = []
     try:  # rank 1 (DP0-PP0-TP1) killed in its forward of iteration 3; rank 6 (DP1-PP1-TP0) stopped in generation 1
-        summary = supervise(_cfg(out, ["kill=1:3:forward"]), _opts(spares=2), logs.append)
+        summary = supervise(jobs.cfg(out, ["kill=1:3:forward"]), jobs.opts(spares=2), logs.append)
     finally:
         stop.set()
     log = "\n".join(logs)
@@ -228,9 +151,9 @@ def test_a_survivor_stopped_while_a_generation_starts_is_replaced_and_the_run_st
     stopped = [f for f in failures if f["rank"] == 6]
     assert stopped and "stopped" in stopped[0]["message"], f"rank 6 stopped with marks {seen['marks']}:\n{log}"
     assert {1, 6} <= {r["rank"] for r in summary["replacements"]}, log
-    gens = _assert_healthy_ranks_kept(out)
+    gens = jobs.assert_healthy_ranks_kept(out)
     assert any(r["old_pid"] == seen["pid"] for g in gens for r in g["replaced"].values())
-    _assert_bit_identical(out, baseline)
+    jobs.assert_bit_identical(out, baseline)
 
 
 def _kill_two_replicas_once_ready(out: Path, ranks: tuple[int, int], killed: list[int], stop: threading.Event) -> None:
@@ -238,7 +161,7 @@ def _kill_two_replicas_once_ready(out: Path, ranks: tuple[int, int], killed: lis
     (a DP peer then holds each lost rank's state)."""
     while not stop.is_set():
         path = out / "resilience.jsonl"
-        events = _events(out) if path.is_file() else []
+        events = jobs.events(out) if path.is_file() else []
         server = any(e["event"] == "forkserver" and e["state"] == "ready" for e in events)
         spare = any(e["event"] == "spare_ready" and e["reason"] == "pool" for e in events)
         beats = heartbeats(out)
@@ -276,15 +199,15 @@ def test_two_replicas_lost_with_one_spare_the_fork_server_supplies_the_second_ne
     saboteur.start()
     logs: list[str] = []
     try:  # rank 0 pauses 0.6 s each step, so the spare and the fork server are ready before the job ends
-        summary = supervise(_cfg(out, ["pause=0:600:1"]), _opts(spares=1), logs.append)
+        summary = supervise(jobs.cfg(out, ["pause=0:600:1"]), jobs.opts(spares=1), logs.append)
     finally:
         stop.set()
     log = "\n".join(logs)
     assert killed == list(ranks), f"the job ended before the spare and the fork server were ready:\n{log}"
     assert summary["steps"] == STEPS and summary["restarts"] == 0, log
-    events = _events(out)
+    events = jobs.events(out)
     assert not [e for e in events if e["event"] == "fallback"], log
-    gens = _assert_healthy_ranks_kept(out)
+    gens = jobs.assert_healthy_ranks_kept(out)
     assert len(gens) == 2, f"both newcomers in one generation:\n{log}"
     swap = {int(r): v for r, v in gens[1]["replaced"].items()}
     assert sorted(swap) == list(ranks), log
@@ -298,4 +221,4 @@ def test_two_replicas_lost_with_one_spare_the_fork_server_supplies_the_second_ne
     refills = [e for e in events if e["event"] == "spare_started" and e["reason"] == "refill"]
     assert refills and all(e["method"] == "forkserver" for e in refills), refills
     print(f"forked on demand ready {forked['ready_s']:.2f} s after the ask; recovery {rec['recovery_s']:.2f} s")
-    _assert_bit_identical(out, baseline)
+    jobs.assert_bit_identical(out, baseline)

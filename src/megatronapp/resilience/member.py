@@ -56,9 +56,9 @@ class Member:
                  victim_wait_s: float = 60.0, form_timeout_s: float = 30.0):
         self.port, self.rank, self.world, self.backend = port, rank, world, backend
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        # A group's timeout while it forms. A peer that dies while gloo connects a group's pairs leaves the others
-        # waiting in `Pair::connect` for the group's whole timeout: no closed socket releases that wait (seen on
-        # torch 2.13), so a generation's groups form under this shorter one and get `timeout` once they exist.
+        # A group's timeout while it forms, the backstop of its rendezvous; the groups get `timeout` once they
+        # exist. A pair whose peer died before connecting waits five times it in `Pair::connect` (gloo's listening
+        # side): the generation's end releases that wait (`sockets.py`), not this timeout.
         self.form_timeout = datetime.timedelta(seconds=form_timeout_s)
         self.victim_wait_s = victim_wait_s  # a rank whose collective failed waits this long for the generation's end
         self.control = connect(port, WEEK)
@@ -102,7 +102,7 @@ class Member:
                                    f"{plan.world} ranks; this job has {self.world}")
         with self._lock:
             self.g, self._shut, self._reported = g, False, False
-            self._sockets = GenerationSockets()  # before the generation's first connection
+            self._sockets = GenerationSockets(self.world)  # before the generation's first connection
             self._lock.notify_all()
         self.mark("plan")
         self.store = connect(self.port, self.timeout)

@@ -11,6 +11,22 @@ it: the generation's store connection and gloo's pairs. That wakes its own block
 `get`, a collective's `recv`) and, through the end of stream, its peers'. Listening sockets are left alone (gloo's
 listener thread terminates the process if its socket is shut: `accept: Invalid argument`, seen on torch 2.13).
 
+A pair still connecting is not released by any socket closing. Gloo connects a pair from one side only: the side
+with the higher listening address connects to the other's listener and writes the pair's sequence number
+(`Device::connectAsInitiator`, gloo/transport/tcp/device.cc); the other side registers a callback for that number
+with its device's listener and waits (`Device::connectAsListener`, which ignores its timeout: "TODO(pietern): Use
+timeout"). `Pair::connect` waits under the pair's mutex for a state change bounded by five times the group's
+timeout ("Use a longer timeout when waiting for initial connect", `Pair::waitUntil`, gloo/transport/tcp/pair.h),
+and only a connection for that number or an error of the pair's own changes it. So a peer that dies after
+publishing its address and before connecting leaves the listening side waiting 5 x the timeout (150 s under a
+30 s forming timeout, measured: docs/resilience.md), and no socket exists to shut. What releases it is what it
+waits for: a connection to its listener that says its number. While a generation's groups form, leaving it
+therefore also answers every listener the rank opened for the generation (one device, one listener and sequence
+numbers 0..size-1 per group: `tcp::Context::createAndConnectAllPairs`, `Listener::nextAddress`) with a connection
+per number that is shut at once: the waiting pair is connected to a closed stream and fails on its first read
+("Connection closed by peer"), so the group's construction fails and the rank goes on to the next generation. A
+number nobody waits for parks the connection in the listener until the device is destroyed with the group.
+
 The sockets of a generation are the ones that did not exist before the rank began to join it (`/proc/self/fd`,
 compared by inode): the store connection, the listeners and the pairs torch makes while building the
 generation's process groups (gloo connects every pair when a group is made, `connectFullMesh`). A socket another
@@ -24,7 +40,10 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 from collections.abc import Iterable
+
+SEQUENCE_NUMBER = struct.Struct("=q")  # gloo's `sequence_number_t` (ssize_t), as its listener reads it: native order
 
 
 def socket_inodes() -> dict[int, int]:
@@ -65,19 +84,60 @@ def shut_down(fds: Iterable[int]) -> int:
     return n
 
 
+def listening(fds: Iterable[int]) -> list[tuple]:
+    """The local addresses of the listening sockets among `fds`."""
+    out = []
+    for fd in fds:
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                out.append((s.family, s.getsockname()))
+        except OSError:
+            pass
+        finally:
+            s.close()
+    return out
+
+
+def answer_connects(listeners: Iterable[tuple], numbers: int, timeout_s: float = 1.0) -> int:
+    """Release the pairs of gloo listeners `listeners` ((family, address) pairs) that wait for a peer to connect:
+    for each sequence number below `numbers`, connect, write the number and shut the connection down. Returns how
+    many connections were made (a listener already closed refuses them, which is as good)."""
+    n = 0
+    for family, addr in listeners:
+        host = addr[0]
+        if host in ("0.0.0.0", "::"):  # noqa: S104 - bound to every interface: its loopback address reaches it
+            host = "127.0.0.1" if family == socket.AF_INET else "::1"
+        for seq in range(numbers):
+            try:
+                with socket.socket(family, socket.SOCK_STREAM) as s:
+                    s.settimeout(timeout_s)
+                    s.connect((host, *addr[1:]))
+                    s.sendall(SEQUENCE_NUMBER.pack(seq))
+                    s.shutdown(socket.SHUT_RDWR)
+                    n += 1
+            except OSError:  # the listener is gone (its group was destroyed): nothing waits on it
+                break
+    return n
+
+
 class GenerationSockets:
     """The sockets this process opens while joining one generation, and how to close them all at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int) -> None:
+        self.size = size  # the most members a group of the generation has: its pairs' sequence numbers are below it
         self.before = set(socket_inodes().values())  # taken before the generation's first connection
         self.store: set[int] | None = None  # while the groups form: the inodes of the store connection alone
 
     def forming(self) -> None:
         """The generation's store connection is made and its groups are about to form: until `formed()`, leaving
-        shuts down the store connection only. A rank blocked in the rendezvous waits on the store, which that
-        releases; its half-made gloo pairs are torn down by torch as the group's construction fails (a pair
-        socket shut in the middle of gloo's connect handshake was seen to leave the pair waiting for gloo's whole
-        timeout, with the rendezvous of the next generation waiting on it)."""
+        shuts down the store connection and answers the generation's gloo listeners (above). A rank blocked in the
+        rendezvous waits on the store, which the first releases; one blocked in `Pair::connect` waits on its
+        listener, which the second releases; its half-made pairs are torn down by torch as the group's
+        construction fails."""
         self.store = set(socket_inodes().values()) - self.before
 
     def formed(self) -> None:
@@ -91,9 +151,15 @@ class GenerationSockets:
 
     def leave(self) -> int:
         """Release every operation of this generation, here and at its peers: abort NCCL communicators, shut down
-        the generation's sockets. Returns how many sockets were shut down."""
+        the generation's sockets and, while its groups form, answer its listeners. Returns how many sockets were
+        shut down."""
         _abort_nccl()
-        return shut_down(self.new())
+        forming = self.store is not None
+        n = shut_down(self.new())
+        if forming:
+            answer_connects(listening(fd for fd, inode in socket_inodes().items() if inode not in self.before),
+                            self.size)
+        return n
 
 
 def _abort_nccl() -> None:

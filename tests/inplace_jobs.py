@@ -1,0 +1,149 @@
+"""The in-place recovery jobs of the tests and of the formation drills (tests/test_resilience_inplace.py,
+tests/form_kill_drills.py): the tp2 x pp2 x dp2 job, the supervisor's options, the checks that a recovered run kept
+its healthy ranks and equals an uninterrupted one bit for bit, and the saboteurs that kill or stop a process at a
+chosen moment of a generation, watching the supervisor's store (the supervisor runs in the test's process)."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatronapp.cli import build_parser, config_from_args
+from megatronapp.config import RunConfig
+from megatronapp.resilience import generation_protocol as gp
+from megatronapp.resilience import generations
+from megatronapp.resilience.supervisor import Options
+from megatronapp.train import checkpoint as ckpt
+from megatronapp.train.metrics import read_metrics
+
+STEPS = 12
+WORLD = 8
+
+
+def flags(steps: int = STEPS) -> list[str]:
+    return ["--nproc", "8", "--tp", "2", "--pp", "2", "--dp", "2", "--steps", str(steps), "--save-interval", "2",
+            "--async-save", "--layers", "2", "--hidden", "32", "--heads", "4", "--global-batch", "4",
+            "--microbatches", "2", "--seq-len", "16", "--no-progress", "--peak-tflops", "1"]
+
+
+def cfg(out: Path, inject: list[str] = (), steps: int = STEPS) -> RunConfig:
+    c = config_from_args(build_parser().parse_args(["train", *flags(steps), "--out", str(out)]))
+    c.inject = list(inject)
+    return c
+
+
+def opts(**over: Any) -> Options:
+    return Options(**{"heartbeat_s": 0.3, "max_restarts": 8, "diagnose_on_restart": False, "spares": 1,
+                      "hang_timeout_s": 30.0, "form_timeout_s": 60.0, **over})
+
+
+def events(out: Path) -> list[dict]:
+    path = out / "resilience.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def assert_bit_identical(out: Path, baseline: Path, steps: int = STEPS) -> None:
+    """Every step logged once with the baseline's loss (none replayed), and every rank's final weights and
+    optimizer state equal."""
+    ref = {r["step"]: r["loss"] for r in read_metrics(baseline / "metrics.jsonl")}
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), "a step was computed twice or lost"
+    assert {r["step"]: r["loss"] for r in records} == ref
+    d, d_ref = ckpt.step_dir(out / "checkpoints", steps), ckpt.step_dir(baseline / "checkpoints", steps)
+    for rank in range(WORLD):
+        mine, theirs = ckpt.load_rank(d, rank), ckpt.load_rank(d_ref, rank)
+        for c_mine, c_ref in zip(mine["chunks"], theirs["chunks"]):
+            assert c_mine.keys() == c_ref.keys()
+            for name in c_ref:
+                assert torch.equal(c_mine[name], c_ref[name]), f"rank {rank}: {name}"
+        s_mine, s_ref = mine["optimizer"]["state"], theirs["optimizer"]["state"]
+        assert s_mine.keys() == s_ref.keys()
+        for i in s_ref:
+            for k in s_ref[i]:
+                assert torch.equal(s_mine[i][k], s_ref[i][k]), f"rank {rank}: optimizer state {i}.{k}"
+
+
+def assert_healthy_ranks_kept(out: Path) -> list[dict]:
+    """Across every generation, a rank's process changed only where it was replaced; returns the generations."""
+    gens = [e for e in events(out) if e["event"] == "generation"]
+    assert gens[0]["generation"] == 0
+    for before, now in zip(gens, gens[1:]):
+        for r, pid in now["pids"].items():
+            if r in now["replaced"]:
+                assert now["replaced"][r]["old_pid"] == before["pids"][r] and pid != before["pids"][r]
+            else:
+                assert pid == before["pids"][r], f"rank {r} was restarted in generation {now['generation']}"
+    return gens
+
+
+def spy_store_port(monkeypatch: Any) -> list[int]:
+    """The port of the supervisor's store once it exists (a list the saboteurs poll), through `monkeypatch` (a
+    pytest MonkeyPatch)."""
+    ports: list[int] = []
+    real_store = generations._store
+
+    def spied_store(*args: Any) -> Any:
+        store, sock = real_store(*args)
+        ports.append(store.port)
+        return store, sock
+
+    monkeypatch.setattr(generations, "_store", spied_store)
+    return ports
+
+
+def _connect(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=30))
+
+
+def kill_first_newcomer(out: Path, ports: list[int], killed: list[dict], stop: threading.Event,
+                        moment: Callable[[Any, int, int], bool]) -> None:
+    """SIGKILL the spare that takes over in the first recovery once `moment(store, generation, rank)` holds (the
+    supervisor's store, the generation it joins, the rank it takes over); `killed` gets its pid, rank, generation
+    and the time of the kill."""
+    store = None
+    while not stop.is_set():
+        gens = [e for e in events(out) if e["event"] == "generation" and e["replaced"]]
+        if gens and ports:
+            g, (rank, swap) = gens[0]["generation"], next(iter(gens[0]["replaced"].items()))
+            store = store or _connect(ports[0])
+            if moment(store, g, int(rank)) or gens[-1]["generation"] > g:
+                os.kill(swap["new_pid"], signal.SIGKILL)
+                killed.append({"pid": swap["new_pid"], "rank": int(rank), "generation": g, "time": time.time()})
+                return
+        time.sleep(0.002)
+
+
+def assigned(store: Any, g: int, rank: int) -> bool:
+    """The moment a spare is assigned (the supervisor published its generation): before its groups exist."""
+    return True
+
+
+def has_mark(what: str) -> Callable[[Any, int, int], bool]:
+    """The moment the newcomer reached mark `what` of its generation (`gp.MARKS`)."""
+    return lambda store, g, rank: bool(store.check([gp.mark_key(g, what, rank)]))
+
+
+def stop_a_survivor_as_generation_1_starts(out: Path, ports: list[int], rank: int, after: str | None, seen: dict,
+                                           stop: threading.Event) -> None:
+    """SIGSTOP survivor `rank` once the supervisor names generation 1 (`ctl/gen`) and, with `after`, once the rank
+    has reached that mark of it ("plan": it is forming the generation's groups, gloo connecting its pairs). `seen`
+    records its marks of generation 1 at that moment, for the failure message."""
+    store = None
+    while not stop.is_set():
+        if ports and (out / "resilience.jsonl").is_file():
+            store = store or _connect(ports[0])
+            if store.get(gp.GEN) == b"1" and (after is None or store.check([gp.mark_key(1, after, rank)])):
+                pid = next(e for e in events(out) if e["event"] == "generation")["pids"][str(rank)]
+                os.kill(pid, signal.SIGSTOP)
+                seen.update(pid=pid, marks=[m for m in gp.MARKS if store.check([gp.mark_key(1, m, rank)])])
+                return
+        time.sleep(0.002)
