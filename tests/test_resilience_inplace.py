@@ -13,7 +13,6 @@ generation a kill started forms. One uninterrupted run is the reference of all t
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import signal
 import threading
@@ -21,7 +20,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from megatronapp.cli import build_parser, config_from_args
@@ -29,9 +27,8 @@ from megatronapp.config import RunConfig
 from megatronapp.resilience import generation_protocol as gp
 from megatronapp.resilience import generations
 from megatronapp.resilience.supervisor import Options, supervise
-from megatronapp.train import checkpoint as ckpt
-from megatronapp.train.metrics import read_metrics
 from megatronapp.train.trainer import train
+from tests.inplace_checks import assert_bit_identical, assert_healthy_ranks_kept, events
 
 STEPS = 12
 WORLD = 8
@@ -52,44 +49,6 @@ def baseline(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("inplace-baseline") / "run"
     train(_cfg(out))
     return out
-
-
-def _events(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "resilience.jsonl").read_text().splitlines()]
-
-
-def _assert_bit_identical(out: Path, baseline: Path) -> None:
-    """Every step logged once with the baseline's loss (none replayed), and every rank's final weights and
-    optimizer state equal."""
-    ref = {r["step"]: r["loss"] for r in read_metrics(baseline / "metrics.jsonl")}
-    records = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "a step was computed twice or lost"
-    assert {r["step"]: r["loss"] for r in records} == ref
-    d, d_ref = ckpt.step_dir(out / "checkpoints", STEPS), ckpt.step_dir(baseline / "checkpoints", STEPS)
-    for rank in range(WORLD):
-        mine, theirs = ckpt.load_rank(d, rank), ckpt.load_rank(d_ref, rank)
-        for c_mine, c_ref in zip(mine["chunks"], theirs["chunks"]):
-            assert c_mine.keys() == c_ref.keys()
-            for name in c_ref:
-                assert torch.equal(c_mine[name], c_ref[name]), f"rank {rank}: {name}"
-        s_mine, s_ref = mine["optimizer"]["state"], theirs["optimizer"]["state"]
-        assert s_mine.keys() == s_ref.keys()
-        for i in s_ref:
-            for k in s_ref[i]:
-                assert torch.equal(s_mine[i][k], s_ref[i][k]), f"rank {rank}: optimizer state {i}.{k}"
-
-
-def _assert_healthy_ranks_kept(out: Path) -> list[dict]:
-    """Across every generation, a rank's process changed only where it was replaced; returns the generations."""
-    gens = [e for e in _events(out) if e["event"] == "generation"]
-    assert gens[0]["generation"] == 0
-    for before, now in zip(gens, gens[1:]):
-        for r, pid in now["pids"].items():
-            if r in now["replaced"]:
-                assert now["replaced"][r]["old_pid"] == before["pids"][r] and pid != before["pids"][r]
-            else:
-                assert pid == before["pids"][r], f"rank {r} was restarted in generation {now['generation']}"
-    return gens
 
 
 def _opts(**over) -> Options:
@@ -115,8 +74,8 @@ def test_kills_at_every_phase_and_a_stop_are_replaced_in_place_bit_identical(tmp
     assert all(f["signal"] == "SIGKILL" for f in failures[:5]) and "stopped" in failures[5]["message"], log
     # no copy of a lost rank's state was missing: every newcomer took it from its DP peer, none from the disk
     assert {r["source"] for r in summary["inplace_recoveries"]} == {"peer"}, log
-    _assert_healthy_ranks_kept(out)
-    _assert_bit_identical(out, baseline)
+    assert_healthy_ranks_kept(out)
+    assert_bit_identical(out, baseline, STEPS, WORLD)
 
 
 def _kill_first_newcomer(out: Path, ports: list[int], killed: list[int], stop: threading.Event) -> None:
@@ -126,7 +85,7 @@ def _kill_first_newcomer(out: Path, ports: list[int], killed: list[int], stop: t
     store = None
     while not stop.is_set():
         path = out / "resilience.jsonl"
-        gens = [e for e in _events(out) if e["event"] == "generation" and e["replaced"]] if path.is_file() else []
+        gens = [e for e in events(out) if e["event"] == "generation" and e["replaced"]] if path.is_file() else []
         if gens and ports:
             g, (rank, swap) = gens[0]["generation"], next(iter(gens[0]["replaced"].items()))
             store = store or dist.TCPStore("127.0.0.1", ports[0], None, False,
@@ -170,9 +129,9 @@ def test_two_replicas_at_once_a_spare_killed_while_taking_over_and_a_hang(tmp_pa
     assert all(f["kind"] == "exit" and f["signal"] == "SIGKILL" for f in failures[:-1]), log
     hang = failures[-1]
     assert hang["kind"] == "hang" and hang["rank"] == 5 and "waits for rank 5" in hang["message"], log
-    gens = _assert_healthy_ranks_kept(out)
+    gens = assert_healthy_ranks_kept(out)
     assert any(r["new_pid"] == killed[0] for g in gens for r in g["replaced"].values())
-    _assert_bit_identical(out, baseline)
+    assert_bit_identical(out, baseline, STEPS, WORLD)
 
 
 def _stop_a_survivor_as_generation_1_starts(out: Path, ports: list[int], rank: int, after: str | None, seen: dict,
@@ -185,7 +144,7 @@ def _stop_a_survivor_as_generation_1_starts(out: Path, ports: list[int], rank: i
         if ports and (out / "resilience.jsonl").is_file():
             store = store or dist.TCPStore("127.0.0.1", ports[0], None, False, timeout=datetime.timedelta(seconds=30))
             if store.get(gp.GEN) == b"1" and (after is None or store.check([gp.mark_key(1, after, rank)])):
-                pid = next(e for e in _events(out) if e["event"] == "generation")["pids"][str(rank)]
+                pid = next(e for e in events(out) if e["event"] == "generation")["pids"][str(rank)]
                 os.kill(pid, signal.SIGSTOP)
                 seen.update(pid=pid, marks=[m for m in gp.MARKS if store.check([gp.mark_key(1, m, rank)])])
                 return
@@ -227,6 +186,6 @@ def test_a_survivor_stopped_while_a_generation_starts_is_replaced_and_the_run_st
     stopped = [f for f in failures if f["rank"] == 6]
     assert stopped and "stopped" in stopped[0]["message"], f"rank 6 stopped with marks {seen['marks']}:\n{log}"
     assert {1, 6} <= {r["rank"] for r in summary["replacements"]}, log
-    gens = _assert_healthy_ranks_kept(out)
+    gens = assert_healthy_ranks_kept(out)
     assert any(r["old_pid"] == seen["pid"] for g in gens for r in g["replaced"].values())
-    _assert_bit_identical(out, baseline)
+    assert_bit_identical(out, baseline, STEPS, WORLD)
