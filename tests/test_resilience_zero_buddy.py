@@ -85,11 +85,10 @@ def _worker(rank: int, world: int, out: str) -> None:
         tr = Trainer(cfg, rank)
         reports: list[tuple[str, str]] = []
         buddy = BuddyCopy(tr, lambda k, v, sink=reports: sink.append((k, v)))
-        for _ in range(3):  # the run loop's hooks: step_start completes the copy, step_end sends the next
-            buddy.finish(tr.step)
+        for _ in range(3):  # the run loop's step_start hook copies the slice after the step before
+            buddy.copy(tr.step)
             tr.train_step()
-            buddy.send(tr.step)
-        buddy.finish(tr.step)
+        buddy.copy(tr.step)
         held = buddy.buffer.of(tr.step)
         own = _slice_bytes(tr)
         # rank 1 loses its state; its DP peer (rank 0) and its buddy (rank 2) hand it over

@@ -5,21 +5,23 @@ With the distributed optimizer no DP peer holds another rank's optimizer state (
 newcomer could otherwise only be given the slice of the newest checkpoint. Here DP rank d of a (pp, tp) position
 sends its slice (`DistributedOptimizer.slice_state`: moments and step counters of the owned segments; the
 parameters are their own fp32 masters and are replicated) to its *buddy*, DP rank d+1 (mod dp), and keeps its
-*ward*'s, DP rank d-1. The copy of step s is sent at `step_end` of s (after the update; the state is packed into
-a buffer of its own, so the next update cannot change what is on the wire) and completed at `step_start` of s+1,
-before anything of step s+1 runs. A rank that reaches `step_start` without having sent (a step_end that did not
-fire here: a newcomer, a rejoin) sends then, so every DP rank issues exactly one copy per step, in the same order.
+*ward*'s, DP rank d-1. The copy of step s runs at `step_start` of s+1 (`copy`), before any work of that step, so
+a kill in any phase of it (forward, backward, reduction, its commit) finds the copy whole. It is a hook every rank
+fires once per step it runs, in the same order after a new generation agreed where to resume; a copy sent at
+`step_end` instead could leave a rank waiting in it for a peer whose `step_end` did not fire (a newcomer handed a
+position without its step's record) while that peer waits in the checkpoint's collective.
 
 Double buffer: the receive lands in a slot of its own and becomes the held copy only once it completed whole; a
 copy cut off by a failure is dropped, and the held one (an older step) stays. The buddy then tells the supervisor
 which step of its ward it holds (`held_key`: step and its own pid), which is how the supervisor chooses between
-this copy and the disk: a held copy serves a newcomer only if it is of the last committed step (`HeldCopy.of`);
-one of an older step (a failure hit the window between the update and the end of the copy) is refused.
+this copy and the disk: a held copy serves a newcomer only if it is of the last committed step (`DoubleBuffer.of`);
+one of an older step (a failure hit the window between the update and the end of the next step_start's copy:
+the update after its commit point, evaluation, logging, the checkpoint) is refused.
 
 Messages (DP group, grouped send to the buddy and receive from the ward, NCCL-safe: `comm.batch_isend_irecv`):
 int64 header [step, n_desc, n_data], then n_desc + n_data bytes (`checkpoint_read.encode`'s JSON descriptor and
-data) in pieces of at most `PIECE_BYTES`. Sizes are checked against this rank's own slice before anything is
-received; the bytes are decoded as data only when a newcomer takes them (`handover.py`).
+data) in pieces of at most `PIECE_BYTES`. Sizes are checked against the bound of any DP rank's slice
+(`DistributedOptimizer.slice_bytes_bound`) before anything else is received; the bytes are decoded as data only when a newcomer takes them (`handover.py`).
 """
 from __future__ import annotations
 
@@ -116,7 +118,6 @@ class BuddyCopy:
     def __init__(self, trainer: Any, report: Callable[[str, str], None]):
         self.trainer, self.report = trainer, report  # report(key, value): a write to the supervisor's store
         self.buffer = DoubleBuffer()
-        self.sent_step = -1  # the step whose copy this rank issued in this generation (-1: none)
         self._pending: list[comm.Handle] = []
         self.pid = os.getpid()
 
@@ -125,18 +126,24 @@ class BuddyCopy:
         """Bounds on the ward's message: every DP rank's slice has the same size."""
         return MAX_DESC_BYTES, self.trainer.optimizer.slice_bytes_bound()
 
-    def send(self, step: int, *_: Any) -> None:
-        """`step_end` hook: issue the copy of the slice after step `step` (the header waited, the bytes not)."""
-        tr = self.trainer
-        if self.sent_step == step or step >= tr.cfg.train.steps:  # after the last step no step needs it
+    def copy(self, step: int) -> None:
+        """`step_start` hook of step `step`+1: copy the slice after step `step` to the buddy, receive the ward's;
+        the whole copy becomes the held one, and the supervisor learns which step of the ward this rank holds."""
+        if step >= self.trainer.cfg.train.steps:  # after the last step no step needs it
             return
+        self.send(step)
+        self.finish()
+
+    def send(self, step: int) -> None:
+        """Issue the copy of the slice after step `step` (the header exchange waited, the bytes not)."""
+        tr = self.trainer
         topo, device = tr.topo, tr.device
         desc, tensors = encode(tr.optimizer.slice_state())
         n_data = sum(t.numel() * t.element_size() for t in tensors)
         out = torch.empty(len(desc) + n_data, dtype=torch.uint8, device=device)
         out[:len(desc)].copy_(torch.frombuffer(bytearray(desc), dtype=torch.uint8))
         offset = len(desc)
-        for t in tensors:  # a copy of its own: the next update does not reach what is on the wire
+        for t in tensors:  # a buffer of its own: nothing changes what is on the wire before it left
             n = t.numel() * t.element_size()
             out[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8))
             offset += n
@@ -159,13 +166,9 @@ class BuddyCopy:
             if i < into.numel():
                 ops.append(comm.P2P("recv", into[i:i + PIECE_BYTES], ward, topo.dp_group))
         self._pending = comm.batch_isend_irecv(ops)
-        self.sent_step = step
 
-    def finish(self, step: int) -> None:
-        """`step_start` hook of step `step`+1: the copy of step `step` completes (sent here first if it was not)
-        and becomes the held one; the supervisor learns which step of the ward this rank holds."""
-        if self.sent_step != step:
-            self.send(step)  # a no-op after the last step
+    def finish(self) -> None:
+        """Wait for the copy in flight; once whole it is the held one, and the supervisor is told."""
         if not self._pending:
             return
         for h in self._pending:
@@ -178,7 +181,6 @@ class BuddyCopy:
         """The generation ended: forget the copy in flight (its groups are gone); the held copy stays."""
         self._pending = []
         self.buffer.drop()
-        self.sent_step = -1
 
     def forget(self) -> None:
         """Nothing held is of this state any more (everyone loaded a checkpoint or built again)."""

@@ -199,14 +199,13 @@ class Member:
 
     def keep_slices(self, trainer: Any) -> None:
         """ZeRO-1 over dp > 1: copy this rank's optimizer slice to its buddy after each step, keep its ward's
-        (`buddy.py`); the hooks fire on every rank at the same points of the run loop."""
+        (`buddy.py`), at each step's start, a point every rank passes once per step in the same order."""
         p = trainer.cfg.parallel
         if not p.zero or p.dp < 2 or os.environ.get(BUDDY_ENV, "1") == "0":
             self.buddy = None
             return
         self.buddy = BuddyCopy(trainer, lambda key, value: self.control.set(key, value))
-        trainer.hooks.on("step_end", self.buddy.send)
-        trainer.hooks.on("step_start", self.buddy.finish)
+        trainer.hooks.on("step_start", self.buddy.copy)
 
     def note_step(self, step: int) -> None:
         """`step_start` hook: the RNG state a dropped step returns to."""
