@@ -22,7 +22,8 @@ from megatronapp.cli import build_parser, config_from_args
 from megatronapp.config import RunConfig
 from megatronapp.launch import spawn
 from megatronapp.parallel import comm
-from megatronapp.resilience.buddy import BuddyCopy, DoubleBuffer, parse_held
+from megatronapp.resilience import generations
+from megatronapp.resilience.buddy import BuddyCopy, DoubleBuffer, held_key, parse_held
 from megatronapp.resilience.handover import hand_over
 from megatronapp.resilience.supervisor import Options, supervise
 from megatronapp.train.checkpoint_read import encode
@@ -61,6 +62,58 @@ def test_a_held_report_is_read_as_two_bounded_numbers():
     assert parse_held(b"12 345") == (12, 345)
     for bad in (b"", b"12", b"12 x", b"-1 3", b"1 2 3", b"9" * 70 + b" 1"):
         assert parse_held(bad) is None, bad
+
+
+class _Store(dict):
+    """The few store calls the supervisor's choice makes."""
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self[key].encode()
+
+
+class _Proc:
+    def __init__(self, pid: int):
+        self.pid = pid
+
+
+def _job(tmp_path: Path, *flags: str) -> generations.GenerationJob:
+    cfg = config_from_args(build_parser().parse_args(["train", *FLAGS, *flags, "--out", str(tmp_path / "run")]))
+    job = generations.GenerationJob(cfg, Options(spares=1, buddy_copy="--no-buddy-copy" not in flags),
+                                    lambda _: None, tmp_path / "events.jsonl")
+    job.store, job.step = _Store(), 7
+    job.ranks = {r: _Proc(1000 + r) for r in range(job.world)}
+    return job
+
+
+def test_the_supervisor_takes_a_slice_from_memory_only_from_a_surviving_buddy_holding_the_last_committed_step(
+        tmp_path):
+    job = _job(tmp_path)  # tp2 x pp2 x dp2: rank 1 (DP0-PP0-TP1) is kept by rank 3 (DP1-PP0-TP1)
+    assert job._memory_source([1]) == (None, "ZeRO-1: rank 3 holds no copy of rank 1's optimizer slice yet")
+    job.store[held_key(1)] = "7 999"  # reported by a process that is no longer rank 3
+    assert job._memory_source([1])[0] is None
+    job.store[held_key(1)] = "6 1003"  # rank 3's copy is of step 6; step 7 committed
+    source, why = job._memory_source([1])
+    assert source is None and "of step 6, not of the last committed step 7" in why, why
+    job.store[held_key(1)] = "7 1003"
+    assert job._memory_source([1]) == ("peer+buddy", "")
+    assert job._memory_source([1, 3]) == (None, "no DP peer of a lost rank survived")  # its buddy lost with it
+    job.store[held_key(6)] = "7 1004"  # rank 6 (DP1-PP1-TP0) kept by rank 4: both recover in one generation
+    assert job._memory_source([1, 6]) == ("peer+buddy", "")
+    dp4 = _job(tmp_path, "--nproc", "16", "--dp", "4", "--global-batch", "8")  # DP peers 1, 3, 5, 7 at (pp0, tp1)
+    dp4.store.update({held_key(1): "7 1003", held_key(3): "7 1005"})
+    source, why = dp4._memory_source([1, 3])  # rank 5 holds the replicated state, but rank 1's buddy is rank 3
+    assert source is None and "buddy" in why and "lost too" in why, why
+    off = _job(tmp_path, "--no-buddy-copy")
+    off.store[held_key(1)] = "7 1003"
+    assert off._memory_source([1])[0] is None and "--no-buddy-copy" in off._memory_source([1])[1]
+    lamb = _job(tmp_path, "--optimizer", "lamb")
+    lamb.store[held_key(1)] = "7 1003"
+    assert lamb._memory_source([1])[0] is None
+    plain = _job(tmp_path, "--zero", "0")
+    assert plain._memory_source([1]) == ("peer", "")
 
 
 MODES = ("native", "nccl-lazy", "nccl-eager")
