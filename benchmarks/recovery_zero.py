@@ -11,6 +11,10 @@ Two measurements:
             at the next `step_start`), outside a step record's `step_time`, so the figure is the job's wall time
             per step (summary.json's tokens/s: the whole run, first step and saves included); the median
             `step_time` of the steady state is reported beside it. Paired ratio buddy / no buddy.
+  copy      in-process, the same layout and model on 8 spawned ranks with the same emulated devices (no
+            supervisor): the seconds each rank's training thread spends in the copy at each step's start
+            (`BuddyCopy.copy`: pack, header exchange, bytes, the store report replaced by nothing), beside its
+            step time: the copy's share of a step without the noise of whole jobs.
   drills    the same drawn kill -9 (rank, step, delay; seeded) in a buddy job and a no-buddy job: seconds from the
             kill to the next committed step, the source, and the steps computed again.
 """
@@ -81,6 +85,45 @@ def overhead(pairs: int) -> dict[str, Any]:
     return res
 
 
+def _copy_worker(rank: int, world: int, steps: int, outdir: str) -> None:
+    import time
+
+    from megatronapp.cli import build_parser, config_from_args
+    from megatronapp.resilience.buddy import BuddyCopy
+    from megatronapp.train.trainer import Trainer
+
+    flags = recovery_emulated.flags(8, steps + 2)
+    flags = flags[:flags.index("--supervise")] + flags[flags.index("--emulate-device"):]  # the rank's own flags
+    cfg = config_from_args(build_parser().parse_args(["train", *flags, *ZERO, "--out", outdir + "/run"]))
+    tr = Trainer(cfg, rank)
+    buddy = BuddyCopy(tr, lambda key, value: None)
+    copies, steps_s = [], []
+    for _ in range(steps + 2):
+        t0 = time.perf_counter()
+        buddy.copy(tr.step)
+        copies.append(time.perf_counter() - t0)
+        steps_s.append(tr.train_step()["step_time"])
+    tr.close()
+    harness.report(outdir, rank, {"copy_s": copies[2:], "step_s": steps_s[2:],  # steady state: after two steps
+                                  "slice_bytes": int(tr.optimizer.state_bytes())})
+
+
+def copy_cost(steps: int = 6) -> dict[str, Any]:
+    """Seconds in the copy per rank and step, and its share of the step (worst rank), measured in place."""
+    ranks = harness.launch(_copy_worker, 8, steps)
+    copy_ms = [1000 * statistics.median(r["copy_s"]) for r in ranks]
+    step_s = statistics.median(s for r in ranks for s in r["step_s"])
+    worst = max(ranks, key=lambda r: statistics.median(r["copy_s"]))
+    shares = [c / s for c, s in zip(worst["copy_s"], worst["step_s"])]
+    res = {"copy_ms_per_rank": copy_ms, "copy_ms_max": max(copy_ms), "step_s": step_s,
+           "share_worst_rank": {"median": statistics.median(shares), "max": max(shares)},
+           "slice_bytes": [r["slice_bytes"] for r in ranks], "steps": steps}
+    print(f"copy per step: {min(copy_ms):.2f}-{max(copy_ms):.2f} ms by rank (medians) on a {step_s:.3f} s step; "
+          f"worst rank's share {100 * res['share_worst_rank']['median']:.3f}% (max "
+          f"{100 * res['share_worst_rank']['max']:.3f}%)", flush=True)
+    return res
+
+
 def drills(n: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     out: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
@@ -112,6 +155,7 @@ def main(pairs: int, n_drills: int, seed: int = 41, write: bool = True) -> dict[
     clock = harness.Clock()
     result = harness.read_result(RESULTS) if RESULTS.is_file() else {}
     if pairs:
+        result["copy"] = copy_cost()
         result["overhead"] = overhead(pairs)
     if n_drills:
         result["drills"] = drills(n_drills, seed)
@@ -127,6 +171,14 @@ def docs_body(res: dict[str, Any]) -> str:
              "[--overhead]`): the drills' job (tp2 x pp2 x dp2 on emulated devices) with `--zero 1 --spares 1`, "
              "with the per-step copy of each rank's optimizer slice to its DP buddy and without it "
              "(`--no-buddy-copy`), alternating."]
+    c = res.get("copy")
+    if c:
+        parts.append(f"In place ({c['steps']} steps on 8 spawned ranks, same layout, model and emulated devices, "
+                     f"no supervisor): the copy takes **{min(c['copy_ms_per_rank']):.1f}-{c['copy_ms_max']:.1f} ms** "
+                     f"of a rank's training thread per step (medians by rank; slices of "
+                     f"{min(c['slice_bytes']) // 1024}-{max(c['slice_bytes']) // 1024} KiB) on a {c['step_s']:.3f} s "
+                     f"step: **{100 * c['share_worst_rank']['median']:.2f}%** of the worst rank's step (max "
+                     f"{100 * c['share_worst_rank']['max']:.2f}%).")
     o = res.get("overhead")
     if o:
         r, d = o["ratio"], o["difference_ms"]
