@@ -155,10 +155,10 @@ def main(pairs: int, n_drills: int, seed: int = 41, write: bool = True) -> dict[
     clock = harness.Clock()
     result = harness.read_result(RESULTS) if RESULTS.is_file() else {}
     if pairs:
-        result["copy"] = copy_cost()
-        result["overhead"] = overhead(pairs)
+        result["copy"] = {**copy_cost(), "timestamp": clock.timestamp}
+        result["overhead"] = {**overhead(pairs), "timestamp": clock.timestamp}
     if n_drills:
-        result["drills"] = drills(n_drills, seed)
+        result["drills"] = {**drills(n_drills, seed), "timestamp": clock.timestamp}
     result.update(flags=[*recovery_emulated.flags(8, STEPS), *ZERO], timestamp=clock.timestamp,
                   machine=harness.machine(clock, emulated=True))
     if write:
@@ -206,5 +206,6 @@ def docs_body(res: dict[str, Any]) -> str:
         parts.append(f"Kill -9 of a drawn rank after a drawn step (seed {dr['seed']}), the same draw in both jobs, "
                      f"seconds from the kill to the next committed step, median [bootstrap 95%]: with the buddy copy "
                      f"{cell('buddy')}; without it {cell('nobuddy')}.")
-    parts.append(f"Recorded {res['timestamp']}; raw runs: `benchmarks/results/recovery_zero_emulated.json`.")
+    when = sorted({res[k].get("timestamp", res["timestamp"]) for k in ("copy", "overhead", "drills") if res.get(k)})
+    parts.append(f"Recorded {', '.join(when)}; raw runs: `benchmarks/results/recovery_zero_emulated.json`.")
     return " ".join(parts)
