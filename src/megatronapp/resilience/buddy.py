@@ -21,7 +21,8 @@ the update after its commit point, evaluation, logging, the checkpoint) is refus
 Messages (DP group, grouped send to the buddy and receive from the ward, NCCL-safe: `comm.batch_isend_irecv`):
 int64 header [step, n_desc, n_data], then n_desc + n_data bytes (`checkpoint_read.encode`'s JSON descriptor and
 data) in pieces of at most `PIECE_BYTES`. Sizes are checked against the bound of any DP rank's slice
-(`DistributedOptimizer.slice_bytes_bound`) before anything else is received; the bytes are decoded as data only when a newcomer takes them (`handover.py`).
+(`DistributedOptimizer.slice_bytes_bound`) before anything else is received; the bytes are decoded as data only
+when a newcomer takes them (`handover.py`).
 """
 from __future__ import annotations
 
