@@ -116,7 +116,7 @@ def test_the_zero_block_states_the_copys_share_the_paired_ratio_and_each_sides_r
     from benchmarks import stats
 
     s = stats.summarize_ratios([1.01, 1.0, 1.02])
-    pairs = [{side: {"wall_per_step_s": 2.0, "step_time_s": 1.9} for side in recovery_zero.SIDES}] * 3
+    pairs = [{side: {"wall_per_step_s": 2.0, "step_time_s": 1.9, "load_avg": 3.0} for side in recovery_zero.SIDES}] * 3
     buddy = [{**_inplace("kill", t), "source": "peer+buddy"} for t in (2.4, 2.5)]
     disk = [{**_inplace("kill", t, replayed=1), "source": "disk"} for t in (4.0, 4.4)]
     res = {"copy": {"copy_ms_per_rank": [2.0, 4.5], "copy_ms_max": 4.5, "step_s": 1.92, "steps": 6,
@@ -132,7 +132,7 @@ def test_the_zero_block_states_the_copys_share_the_paired_ratio_and_each_sides_r
            "timestamp": "t0"}
     body = recovery_zero.docs_body(res)
     assert "**2.0-4.5 ms**" in body and "**0.24%**" in body and "130-162 KiB" in body
-    assert f"**{s['ratio']:.4f}**" in body and "20.0 ms" in body
+    assert f"**{s['ratio']:.4f}**" in body and "20.0 ms" in body and "up to 0.0% at load 3.0-3.0" in body
     assert "**2.45 s**" in body and "from peer+buddy" in body and "**4.20 s**" in body and "from disk" in body
     assert "Recorded t0, t1" in body
 
