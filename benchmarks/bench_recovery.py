@@ -15,6 +15,9 @@ diagnostics on the job's 4 ranks before the restart (the default); the differenc
         the in-place kill -9 drill at each world size, flat or not (benchmarks/recovery_scale.py)
     python -m benchmarks.bench_recovery --emulated --overhead [--pairs 5]
         the steady-state cost of the in-place machinery, paired (benchmarks/recovery_overhead.py)
+    python -m benchmarks.bench_recovery --emulated --zero [--overhead] [--pairs 5] [--drills 3]
+        ZeRO-1 with and without the buddy copy of the optimizer slices: kill drills, or the steady-state cost
+        (benchmarks/recovery_zero.py)
 """
 from __future__ import annotations
 
@@ -49,6 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ranks", type=int, nargs="+", help="with --emulated: world sizes to compare (4 8 16)")
     ap.add_argument("--overhead", action="store_true", help="with --emulated: the machinery's cost per step")
     ap.add_argument("--pairs", type=int, default=5, help="with --overhead: paired jobs")
+    ap.add_argument("--zero", action="store_true", help="with --emulated: ZeRO-1 jobs with and without the buddy "
+                    "copy of the optimizer slices (benchmarks/recovery_zero.py): kill drills, or with --overhead "
+                    "the steady-state cost")
     args = ap.parse_args(argv)
     if args.emulated:
         _emulated(args)
@@ -81,7 +87,13 @@ def _emulated(args) -> None:
     from benchmarks import recovery_emulated, recovery_overhead, recovery_scale
 
     write = not args.quick
-    if args.overhead:
+    if args.zero:
+        from benchmarks import recovery_zero
+
+        recovery_zero.main(1 if args.quick else args.pairs if args.overhead else 0,
+                           0 if args.overhead else 1 if args.quick else 3 if args.drills is None else args.drills,
+                           args.seed, write=write)
+    elif args.overhead:
         recovery_overhead.main(1 if args.quick else args.pairs, write=write)
     elif args.ranks:
         recovery_scale.main(args.ranks, 1 if args.quick else 5 if args.drills is None else args.drills, args.seed,

@@ -5,7 +5,6 @@ chosen moment of a generation, watching the supervisor's store (the supervisor r
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import signal
 import threading
@@ -14,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from megatronapp.cli import build_parser, config_from_args
@@ -22,8 +20,8 @@ from megatronapp.config import RunConfig
 from megatronapp.resilience import generation_protocol as gp
 from megatronapp.resilience import generations
 from megatronapp.resilience.supervisor import Options
-from megatronapp.train import checkpoint as ckpt
-from megatronapp.train.metrics import read_metrics
+from tests import inplace_checks
+from tests.inplace_checks import assert_healthy_ranks_kept, events  # noqa: F401  (re-exported)
 
 STEPS = 12
 WORLD = 8
@@ -46,43 +44,9 @@ def opts(**over: Any) -> Options:
                       "hang_timeout_s": 30.0, "form_timeout_s": 60.0, **over})
 
 
-def events(out: Path) -> list[dict]:
-    path = out / "resilience.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-
-
 def assert_bit_identical(out: Path, baseline: Path, steps: int = STEPS) -> None:
-    """Every step logged once with the baseline's loss (none replayed), and every rank's final weights and
-    optimizer state equal."""
-    ref = {r["step"]: r["loss"] for r in read_metrics(baseline / "metrics.jsonl")}
-    records = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, steps + 1)), "a step was computed twice or lost"
-    assert {r["step"]: r["loss"] for r in records} == ref
-    d, d_ref = ckpt.step_dir(out / "checkpoints", steps), ckpt.step_dir(baseline / "checkpoints", steps)
-    for rank in range(WORLD):
-        mine, theirs = ckpt.load_rank(d, rank), ckpt.load_rank(d_ref, rank)
-        for c_mine, c_ref in zip(mine["chunks"], theirs["chunks"]):
-            assert c_mine.keys() == c_ref.keys()
-            for name in c_ref:
-                assert torch.equal(c_mine[name], c_ref[name]), f"rank {rank}: {name}"
-        s_mine, s_ref = mine["optimizer"]["state"], theirs["optimizer"]["state"]
-        assert s_mine.keys() == s_ref.keys()
-        for i in s_ref:
-            for k in s_ref[i]:
-                assert torch.equal(s_mine[i][k], s_ref[i][k]), f"rank {rank}: optimizer state {i}.{k}"
-
-
-def assert_healthy_ranks_kept(out: Path) -> list[dict]:
-    """Across every generation, a rank's process changed only where it was replaced; returns the generations."""
-    gens = [e for e in events(out) if e["event"] == "generation"]
-    assert gens[0]["generation"] == 0
-    for before, now in zip(gens, gens[1:]):
-        for r, pid in now["pids"].items():
-            if r in now["replaced"]:
-                assert now["replaced"][r]["old_pid"] == before["pids"][r] and pid != before["pids"][r]
-            else:
-                assert pid == before["pids"][r], f"rank {r} was restarted in generation {now['generation']}"
-    return gens
+    """`inplace_checks.assert_bit_identical` for this job's world, no step computed again."""
+    inplace_checks.assert_bit_identical(out, baseline, steps, WORLD)
 
 
 def spy_store_port(monkeypatch: Any) -> list[int]:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from benchmarks import recovery_emulated as emu
-from benchmarks import recovery_inplace, recovery_overhead, recovery_scale
+from benchmarks import recovery_inplace, recovery_overhead, recovery_scale, recovery_zero
 
 
 def _inplace(kind: str, total: float, victim: int = 3, named: int = 3, replayed: int = 0) -> dict:
@@ -110,6 +110,31 @@ def test_the_overhead_block_states_ratio_difference_and_claim():
            "plain_step_s": 1.5, "claim": stats.claim(*s["ci95"], recovery_overhead.TARGET), "timestamp": "t"}
     body = recovery_overhead.docs_body(res)
     assert "**1.0067**" in body and "10.0 ms" in body and "**met**" in body
+
+
+def test_the_zero_block_states_the_copys_share_the_paired_ratio_and_each_sides_recovery():
+    from benchmarks import stats
+
+    s = stats.summarize_ratios([1.01, 1.0, 1.02])
+    pairs = [{side: {"wall_per_step_s": 2.0, "step_time_s": 1.9, "load_avg": 3.0} for side in recovery_zero.SIDES}] * 3
+    buddy = [{**_inplace("kill", t), "source": "peer+buddy"} for t in (2.4, 2.5)]
+    disk = [{**_inplace("kill", t, replayed=1), "source": "disk"} for t in (4.0, 4.4)]
+    res = {"copy": {"copy_ms_per_rank": [2.0, 4.5], "copy_ms_max": 4.5, "step_s": 1.92, "steps": 6,
+                    "share_worst_rank": {"median": 0.0024, "max": 0.003}, "slice_bytes": [134044, 166300],
+                    "timestamp": "t1"},
+           "overhead": {"ratio": s, "pairs": pairs, "difference_ms": {"median": 20.0, "ci95": [0.0, 40.0]},
+                        "nobuddy_wall_per_step_s": 2.0, "claim": stats.claim(*s["ci95"], recovery_zero.TARGET)},
+           "drills": {"seed": 41, "drills": {"buddy": buddy, "nobuddy": disk},
+                      "summary": {"buddy": {"total": emu.median_ci([2.4, 2.5]), "sources": ["peer+buddy"],
+                                            "replayed_steps": [0, 0], "valid": 2, "drills": 2},
+                                  "nobuddy": {"total": emu.median_ci([4.0, 4.4]), "sources": ["disk"],
+                                              "replayed_steps": [1, 1], "valid": 2, "drills": 2}}},
+           "timestamp": "t0"}
+    body = recovery_zero.docs_body(res)
+    assert "**2.0-4.5 ms**" in body and "**0.24%**" in body and "130-162 KiB" in body
+    assert f"**{s['ratio']:.4f}**" in body and "20.0 ms" in body and "up to 0.0% at load 3.0-3.0" in body
+    assert "**2.45 s**" in body and "from peer+buddy" in body and "**4.20 s**" in body and "from disk" in body
+    assert "Recorded t0, t1" in body
 
 
 def test_run_stats_counts_replays_and_takes_the_steady_state(tmp_path):

@@ -52,6 +52,9 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     "test_resilience_diagnose.py": ("test_diagnose_names_the_injected_slow_link_on_real_ranks",
                                     "test_diagnostics_over_their_budget_are_stopped_and_name_the_ranks_without_results",
                                     "test_group_probe_names_the_slow_ring_link_on_real_ranks"),
+    "test_resilience_zero_buddy.py": (  # 3 ranks under 3 comm modes; an 8-rank ZeRO job and its baseline: 33 s
+        "test_each_rank_keeps_its_wards_slice_and_a_hand_over_restores_a_rank_under_every_comm_mode",
+        "test_zero_ranks_killed_mid_step_take_their_slices_from_buddies_bit_identical"),
     "test_resilience_multihost_unit.py": ("test_driver_names_the_rank_whose_heartbeat_stopped_and_decides",),
     "test_resilience_shrink.py": ("test_a_hung_replica_is_diagnosed_evicted_and_the_run_finishes_on_dp1",),  # 53 s
     "test_resilience_stragglers.py": ("test_healthy_supervised_run_reports_no_straggler",

@@ -170,6 +170,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="K warm spare processes (torch and the trainer imported): a failed rank is replaced in "
                         "place, the healthy ranks keep running and no committed step is lost (default 0: restart "
                         "every rank from the newest checkpoint)")
+    g.add_argument("--no-buddy-copy", dest="buddy_copy", action="store_false",
+                   help="with --spares and --zero 1: no per-step copy of each rank's optimizer slice to a DP peer "
+                        "(a lost rank's slice then comes from the newest checkpoint, and every rank goes back to it)")
     g.add_argument("--allow-shrink", action="store_true",
                    help="restart without the evicted rank's DP replica (dp-1, same global batch; plain "
                         "optimizer only) instead of with the same layout")
@@ -327,7 +330,8 @@ def _train_supervised(cfg: RunConfig, args: argparse.Namespace) -> int:
                               heartbeat_s=args.heartbeat_interval, diagnose_on_restart=args.diagnose_on_restart,
                               diagnose_budget_s=args.diagnose_budget, allow_shrink=args.allow_shrink,
                               straggler_windows=args.straggler_windows, evict_stragglers=args.evict_stragglers,
-                              straggler_min_slowdown=args.straggler_min_slowdown, spares=args.spares)
+                              straggler_min_slowdown=args.straggler_min_slowdown, spares=args.spares,
+                              buddy_copy=args.buddy_copy)
     try:
         summary = supervisor.supervise(cfg, opts)
     except supervisor.SupervisorGaveUp as e:

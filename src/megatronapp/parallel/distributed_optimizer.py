@@ -254,6 +254,18 @@ class DistributedOptimizer(GradReducer):
     def _layout(self) -> list[list[int]]:
         return [[s.index, s.shard.numel()] for s in self.segments]
 
+    def slice_state(self) -> dict:
+        """This DP rank's own part of the optimizer state (what no DP peer holds): its slice's moments and step
+        counters, tagged with the slicing. The parameters are replicated over DP after each step (all-gathered),
+        so this is all a DP peer lacks to stand in for this rank (in-place recovery's buddy copy)."""
+        return self.state_dict()
+
+    def slice_bytes_bound(self) -> int:
+        """At most the tensor bytes of any DP rank's `slice_state()`: two fp32 moments of its slice (every DP rank's
+        slice of a bucket has the same size) and a few bytes of step counter per parameter it may touch."""
+        slice_numel = sum(b.buffer.numel() // self.dp for buckets in self.buckets.values() for b in buckets)
+        return 2 * 4 * slice_numel + 64 * len(self.all_params)
+
     def state_dict(self) -> dict:
         return {"zero": 1, "dp": self.dp, "dp_rank": self.dp_rank, "layout": self._layout(),
                 "inner": self.inner.state_dict()}
@@ -263,6 +275,9 @@ class DistributedOptimizer(GradReducer):
             raise ValueError(f"the optimizer state was saved with zero={state.get('zero', 0)}, dp={state.get('dp')} "
                              f"and another slicing of the buckets; this run has zero=1, dp={self.dp}: resume with "
                              f"the same parallel.zero, dp and parallel.grad_bucket_mb")
+        if state.get("dp_rank", self.dp_rank) != self.dp_rank:
+            raise ValueError(f"the optimizer state is DP rank {state.get('dp_rank')}'s slice; this is DP rank "
+                             f"{self.dp_rank}")
         self.inner.load_state_dict(state["inner"])
 
 

@@ -17,6 +17,8 @@ checkpoint finds it in its own run directory.
   ctl/committed/<g>           the highest k of g known committed: where the supervisor starts deciding
   ctl/spare/<id>/ready        a warm spare: torch and the trainer imported, waiting
   ctl/spare/<id>/assign       `Assignment`: the spare becomes a rank of a generation
+  ctl/buddy/<rank>            ZeRO-1: "<step> <pid>", the step of rank's optimizer slice its buddy (process pid)
+                              holds in memory (the buddy's, after each whole copy: `buddy.py`)
 The process groups of generation g live under the prefix `gen<g>/` (a `PrefixStore`), so no key of a dead
 generation is ever read by a live one.
 """
@@ -91,13 +93,14 @@ class _Msg(BaseModel):
 class Plan(_Msg):
     """Generation `generation`: who is in it and where the newcomers' state comes from. `source` "start": every
     rank starts as its config says (the job's first generation); "peer": each newcomer receives its state from a
-    survivor at its (pp, tp) in another DP replica; "disk": every rank loads the newest intact checkpoint of the
+    survivor at its (pp, tp) in another DP replica; "peer+buddy" (ZeRO-1): the same, and its own optimizer slice
+    from the DP peer that keeps a copy of it (`buddy.py`); "disk": every rank loads the newest intact checkpoint of the
     run directory it was started with (memory holds no copy of a lost rank's state)."""
 
     generation: int = Field(ge=0, lt=1 << 40)
     world: int = Field(ge=1, le=MAX_RANKS)
     newcomers: list[int] = Field(default_factory=list, max_length=4096)
-    source: Literal["start", "peer", "disk"]
+    source: Literal["start", "peer", "peer+buddy", "disk"]
     step: int = Field(ge=-1, lt=1 << 40)  # the committed step the survivors stand after (-1: not known)
 
 

@@ -10,8 +10,10 @@ does), a generation that does not form within `form_timeout_s`, or a rank report
    `ctl/end/<g>` is set, which releases every survivor's blocked operations (`member.py`, `sockets.py`);
 3. the plan of generation g+1: the lost ranks are newcomers, each taken over by a ready spare, else by a process
    forked on demand from the fork server (`spare_pool.py`; the pool refills in the background, from the fork
-   server too); their state comes from a DP peer ("peer", plain DP and AdamW), else everyone loads the newest
-   checkpoint in place ("disk"); before the job's first commit everyone simply builds again ("start");
+   server too); their state comes from a DP peer ("peer", plain DP and AdamW; "peer+buddy" with ZeRO-1: the
+   optimizer slice from the DP peer that keeps a copy of it, `buddy.py`), else everyone loads the newest
+   checkpoint in place ("disk", the reason in the event); before the job's first commit everyone builds again
+   ("start");
 4. when the new generation's first step commits, the recovery is recorded with its parts.
 With no newcomer to be had (no spare ready and no fork server, or none ready within `spare_wait_s`), no copy of
 the state anywhere, or a rank already finished, the job falls back to a full restart (`run()` returns a Failure,
@@ -41,8 +43,9 @@ from megatronapp.config import RunConfig
 from megatronapp.parallel.topology import Topology, coord_of
 from megatronapp.resilience import agent, inplace
 from megatronapp.resilience import generation_protocol as gp
+from megatronapp.resilience.buddy import BUDDY_ENV, held_key, parse_held
 from megatronapp.resilience.commit import abort_undecided
-from megatronapp.resilience.handover import sources
+from megatronapp.resilience.handover import holders, sources
 from megatronapp.resilience.spare_pool import ForkServer, SparePool
 from megatronapp.resilience.watch import Failure, ProgressClock, judge_hang, process_state, read_beats, settle
 from megatronapp.train import checkpoint as ckpt
@@ -120,7 +123,8 @@ class GenerationJob:
         self.store, self._listener = _store()
         self.port = self.store.port
         self.env = {"MEGATRONAPP_RUN_ID": uuid.uuid4().hex[:12], **launch.loopback_env(),
-                    agent.DIR_ENV: str(self.hb_dir), agent.PERIOD_ENV: str(self.opts.heartbeat_s)}
+                    agent.DIR_ENV: str(self.hb_dir), agent.PERIOD_ENV: str(self.opts.heartbeat_s),
+                    BUDDY_ENV: "1" if self.opts.buddy_copy else "0"}
         self.ctx = mp.get_context("spawn")
         server = self._fork_server()  # before the ranks: its preload overlaps theirs, in its own process
         self.pool = SparePool(self.opts.spares, self.store, self._args(), server, self.log, self._event)
@@ -308,15 +312,16 @@ class GenerationJob:
         lost = sorted(codes)
         self.established -= set(lost)  # a rank's state died with its process: whoever takes it over has none yet
         newcomers = sorted(set(lost) | (self.pending - self.established))  # a survivor's state is good
+        why_disk = None
         if self.commits == 0 and not all(r in self.established for r in range(self.world) if r not in lost):
             source = "start"
-        elif self._peer_possible(newcomers):
-            source = "peer"
         else:
-            newest, _ = ckpt.newest_usable(self.out / "checkpoints")
-            if newest is None:
-                return self._fallback(failure, "no DP peer holds a lost rank's state and no checkpoint exists")
-            source, self.step = "disk", int(ckpt.load_meta(newest)["step"])
+            source, why_disk = self._memory_source(newcomers)
+            if source is None:
+                newest, _ = ckpt.newest_usable(self.out / "checkpoints")
+                if newest is None:
+                    return self._fallback(failure, f"{why_disk}, and no checkpoint exists")
+                source, self.step = "disk", int(ckpt.load_meta(newest)["step"])
         asked = time.time()
         taken = self.pool.take(len(lost), self.opts.spare_wait_s, self._wait)
         if taken is None:
@@ -340,27 +345,52 @@ class GenerationJob:
                 for r, s in zip(lost, taken)}
         self.replacements += [{"generation": self.g, "rank": r, **v} for r, v in swap.items()]
         self._event({"event": "generation", "generation": self.g, "source": source, "step": self.step,
-                     "newcomers": newcomers, "replaced": swap, "pids": {r: p.pid for r, p in self.ranks.items()}})
+                     "newcomers": newcomers, "replaced": swap, "pids": {r: p.pid for r, p in self.ranks.items()},
+                     **({"why_disk": why_disk} if source == "disk" else {})})
         self.log(f"generation {self.g}: " + ", ".join(
             f"rank {r} ({self.labels[r]}) taken over by " + {
                 "warm spare": f"warm spare {v['spare']} (pid {v['new_pid']})",
                 "starting spare": f"spare {v['spare']} (pid {v['new_pid']}, ready during the wait)",
                 "fork server": f"spare {v['spare']} forked on demand from the fork server (pid {v['new_pid']}, "
                                f"ready {v.get('ready_s', 0.0):.2f} s after the ask)"}[v["path"]]
-            for r, v in swap.items()) + f"; state from {source}" + (f" (step {self.step})" if source == "disk" else ""))
+            for r, v in swap.items()) + f"; state from {source}"
+            + (f" (step {self.step}: {why_disk})" if source == "disk" else ""))
         fork_ready = [s.ready_at for s in taken if s.path == "fork server"]
         self.recovering = {"generation": self.g, "failed_generation": self.g - 1, "noticed_at": noticed,
                            "ended_at": ended, "asked_at": asked, "published_at": published, "source": source,
                            "lost": lost, "newcomers": newcomers, "step": self.step, "rank": failure.rank,
                            "kind": failure.kind, "paths": {r: v["path"] for r, v in swap.items()},
-                           "forked_ready_at": max(fork_ready) if fork_ready else None}
+                           "forked_ready_at": max(fork_ready) if fork_ready else None,
+                           **({"why_disk": why_disk} if source == "disk" else {})}
         return None
 
-    def _peer_possible(self, newcomers: list[int]) -> bool:
-        """Every newcomer's state is in a surviving DP peer's memory: plain DP (ZeRO-1 slices differ) and AdamW
-        (LAMB's update holds a collective, so a failure inside it can leave survivors half-updated)."""
+    def _memory_source(self, newcomers: list[int]) -> tuple[str | None, str]:
+        """Where in memory every newcomer's state is, or (None, why not). "peer": a surviving DP peer holds it all
+        (plain DP and AdamW; LAMB's update holds a collective, so a failure inside it can leave survivors
+        half-updated); "peer+buddy" (ZeRO-1, whose DP peers hold different optimizer slices): a DP peer holds the
+        replicated state and each newcomer's buddy a whole copy of its slice after the last committed step."""
         c = self.cfg
-        return not c.parallel.zero and c.train.optimizer == "adamw" and sources(self.topo, newcomers) is not None
+        if c.train.optimizer != "adamw":
+            return None, f"optimizer {c.train.optimizer}: a failure inside its update can leave survivors half-updated"
+        if sources(self.topo, newcomers) is None:
+            return None, "no DP peer of a lost rank survived"
+        if not c.parallel.zero:
+            return "peer", ""
+        if not self.opts.buddy_copy:
+            return None, "ZeRO-1 without buddy copies (--no-buddy-copy): no peer holds a lost rank's slice"
+        keepers = holders(self.topo, newcomers)
+        if keepers is None:
+            return None, "ZeRO-1: a lost rank's buddy (the DP peer keeping its optimizer slice) was lost too"
+        for r, b in keepers.items():
+            key = held_key(r)
+            held = parse_held(self.store.get(key)) if self.store.check([key]) else None
+            if held is None or held[1] != self.ranks[b].pid:
+                return None, f"ZeRO-1: rank {b} holds no copy of rank {r}'s optimizer slice yet"
+            if held[0] != self.step:
+                return None, (f"ZeRO-1: rank {b}'s copy of rank {r}'s optimizer slice is of step {held[0]}, not of "
+                              f"the last committed step {self.step} (the failure came between an update and the "
+                              f"end of its copy)")
+        return "peer+buddy", ""
 
     def _fallback(self, failure: Failure, why: str) -> Failure:
         self.log(f"no in-place recovery ({why}): restarting every rank")

@@ -40,7 +40,7 @@ def enter(member: Member, cfg: RunConfig, g: int) -> tuple[Trainer, AfterStep | 
     while True:
         try:
             plan = member.join(g)
-            if plan.source == "peer" and trainer is None and member.rank not in plan.newcomers:
+            if plan.source in ("peer", "peer+buddy") and trainer is None and member.rank not in plan.newcomers:
                 # a process without state named a survivor: the plan is wrong; this rank fails (and is replaced)
                 # rather than train from a fresh model beside peers that hold the run's state
                 raise gp.ProtocolError(f"plan of generation {plan.generation}: rank {member.rank} holds no state "
@@ -55,6 +55,7 @@ def enter(member: Member, cfg: RunConfig, g: int) -> tuple[Trainer, AfterStep | 
                 # its groups from this generation's store (formed under the short timeout); a resume loads
                 trainer = Trainer(cfg, member.rank, group_timeout=member.form_timeout)
                 trainer.hooks.on("step_start", member.note_step)
+                member.keep_slices(trainer)
             else:
                 member.regroup(trainer, plan.generation)
             return trainer, member.settle_in(trainer, plan, after)

@@ -12,7 +12,8 @@ and so, through them, everyone transitively connected: `sockets.py`), report `Le
 committed), destroy the process groups. Joining the next: wait for its plan, make its process groups from its
 store prefix, give this rank's existing groups the new ones (`topology.adopt`: model, optimizer, data iterator
 and every object holding a group stay as they are), take the state the plan says (a newcomer from a DP peer,
-`handover.py`; everyone from the newest checkpoint when memory holds no copy), and hand the commit point to the
+`handover.py`, with ZeRO-1 its optimizer slice from its buddy, `buddy.py`; everyone from the newest checkpoint
+when memory holds no copy), and hand the commit point to the
 trainer. A failure while joining (a newcomer or survivor dying during the recovery) is left the same way, and the
 rank waits for the generation after.
 """
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from megatronapp.parallel import comm
 from megatronapp.parallel import topology as topology_mod
 from megatronapp.resilience import generation_protocol as gp
+from megatronapp.resilience.buddy import BUDDY_ENV, BuddyCopy
 from megatronapp.resilience.commit import StepAborted, StepCommit
 from megatronapp.resilience.handover import hand_over
 from megatronapp.resilience.sockets import GenerationSockets
@@ -71,6 +73,7 @@ class Member:
         self._shut = self._reported = True
         self.rng: dict[str, Any] | None = None  # RNG at the start of step `rng_step` (its state if it is dropped)
         self.rng_step = -1
+        self.buddy: BuddyCopy | None = None  # ZeRO-1: the per-step copy of the slices (`keep_slices`)
         threading.Thread(target=self._watch, name="generation-watch", daemon=True).start()
 
     # -- the supervisor's word ------------------------------------------------------------------------------
@@ -194,6 +197,16 @@ class Member:
             time.sleep(0.01)
         return False
 
+    def keep_slices(self, trainer: Any) -> None:
+        """ZeRO-1 over dp > 1: copy this rank's optimizer slice to its buddy after each step, keep its ward's
+        (`buddy.py`), at each step's start, a point every rank passes once per step in the same order."""
+        p = trainer.cfg.parallel
+        if not p.zero or p.dp < 2 or os.environ.get(BUDDY_ENV, "1") == "0":
+            self.buddy = None
+            return
+        self.buddy = BuddyCopy(trainer, lambda key, value: self.control.set(key, value))
+        trainer.hooks.on("step_start", self.buddy.copy)
+
     def note_step(self, step: int) -> None:
         """`step_start` hook: the RNG state a dropped step returns to."""
         self.rng, self.rng_step = ckpt.rng_state(), step
@@ -201,6 +214,8 @@ class Member:
     def drop(self, trainer: Any, after: AfterStep | None) -> AfterStep | None:
         """Forget the step in progress (its update was not applied, or was and is kept: the commit decides)."""
         abandoned = trainer.drop_step()
+        if self.buddy is not None:
+            self.buddy.drop()  # a copy cut off is never used
         if self.rng is not None and self.rng_step == trainer.step:  # the step was not committed
             ckpt.set_rng_state(self.rng)
         if after is not None and abandoned == after.step and after.done >= 2:
@@ -211,6 +226,13 @@ class Member:
         """The state the plan says, once the generation's groups exist; returns where this rank now stands."""
         if plan.source == "peer":
             return hand_over(trainer, plan.newcomers, after)
+        if plan.source == "peer+buddy":
+            if self.buddy is None:
+                raise gp.ProtocolError(f"plan of generation {plan.generation}: state from buddies, but this rank "
+                                       f"keeps no copies (not ZeRO-1 over dp > 1, or the copies are off)")
+            return hand_over(trainer, plan.newcomers, after, buddy=self.buddy)
+        if self.buddy is not None:
+            self.buddy.forget()  # every rank builds again or loads a checkpoint: no held copy is of that state
         if plan.source == "disk":
             d = ckpt.step_dir(Path(trainer.out) / "checkpoints", plan.step)
             if not ckpt.is_complete(d):

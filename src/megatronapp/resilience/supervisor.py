@@ -60,6 +60,7 @@ class Options:
     evict_stragglers: bool = False  # ... and treated as a failure (stop, diagnose, evict, restart)
     # in-place recovery (generations.py): warm spares; without one, a failure restarts every rank
     spares: int = 0
+    buddy_copy: bool = True  # ZeRO-1: copy each rank's optimizer slice to a DP peer after each step (buddy.py)
     spare_wait_s: float = 120.0  # a failure finding no ready spare waits this long for a starting one
     stop_after_s: float = 1.0  # a rank's process stopped (SIGSTOP) this long is a hang, killed and replaced
     form_timeout_s: float = 120.0  # a generation after a recovery must commit a step within this
