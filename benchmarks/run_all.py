@@ -48,6 +48,8 @@ BENCHMARKS: list[tuple[str, ...]] = [
     ("bench_recovery", "--emulated"),
     ("bench_recovery", "--emulated", "--ranks", "4", "8", "16"),
     ("bench_recovery", "--emulated", "--overhead"),
+    ("bench_recovery", "--emulated", "--zero"),
+    ("bench_recovery", "--emulated", "--zero", "--overhead"),
     ("bench_spare_start",),
     ("bench_startup",),
     ("bench_startup_memory",),
