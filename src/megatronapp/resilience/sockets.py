@@ -131,6 +131,7 @@ class GenerationSockets:
         self.size = size  # the most members a group of the generation has: its pairs' sequence numbers are below it
         self.before = set(socket_inodes().values())  # taken before the generation's first connection
         self.store: set[int] | None = None  # while the groups form: the inodes of the store connection alone
+        self.whole_left = False  # every socket of the generation was shut down (not only its store connection)
 
     def forming(self) -> None:
         """The generation's store connection is made and its groups are about to form: until `formed()`, leaving
@@ -155,6 +156,7 @@ class GenerationSockets:
         shut down."""
         _abort_nccl()
         forming = self.store is not None
+        self.whole_left = self.whole_left or not forming
         n = shut_down(self.new())
         if forming:
             answer_connects(listening(fd for fd, inode in socket_inodes().items() if inode not in self.before),
