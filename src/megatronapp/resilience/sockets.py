@@ -137,8 +137,10 @@ class GenerationSockets:
         """The generation's store connection is made and its groups are about to form: until `formed()`, leaving
         shuts down the store connection and answers the generation's gloo listeners (above). A rank blocked in the
         rendezvous waits on the store, which the first releases; one blocked in `Pair::connect` waits on its
-        listener, which the second releases; its half-made pairs are torn down by torch as the group's
-        construction fails."""
+        listener, which the second releases. The pairs of the groups it made or half made before are not torn down
+        by the failed construction (torch keeps the groups made before it, and the failure's traceback holds the
+        frames that hold them): the rank's own `Member.leave` shuts them down once it is out of the formation, or
+        a live peer whose groups formed over them would wait on a rank that left (docs/resilience.md)."""
         self.store = set(socket_inodes().values()) - self.before
 
     def formed(self) -> None:
