@@ -58,6 +58,9 @@ def drill(out: Path, moment: str, steps: int, form_timeout_s: float, dump_after_
     saboteur.start()
     if dump_after_s is not None:
         threading.Thread(target=dump_if_stuck, args=(out, killed, stop, dump_after_s, dump_dir), daemon=True).start()
+    if dump_dir is not None and os.environ.get("FORM_KILL_TRACE"):  # member transitions, a file per process
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        os.environ["MEGATRONAPP_MEMBER_TRACE"] = str(dump_dir.resolve())
     t0 = time.time()
     logs: list[str] = []
     try:

@@ -103,6 +103,7 @@ class Member:
         if plan.world != self.world or plan.generation != g:
             raise gp.ProtocolError(f"store key {gp.plan_key(g)}: a plan for generation {plan.generation} of "
                                    f"{plan.world} ranks; this job has {self.world}")
+        trace(self, "join", g=g)
         with self._lock:
             self.g, self._shut, self._reported = g, False, False
             self._sockets = GenerationSockets(self.world)  # before the generation's first connection
@@ -118,12 +119,18 @@ class Member:
         dist.init_process_group(self.backend, store=dist.PrefixStore(gp.prefix(g), self.store), rank=self.rank,
                                 world_size=self.world, timeout=self.form_timeout)
         self.mark("joined")
+        trace(self, "joined")
         self.commit = StepCommit(self.store, self.control, g, self.world)
         return plan
 
     def leave(self, why: str, step: int) -> None:
-        """Leave the current generation (idempotent): release its operations, report, destroy its groups."""
-        self._release()
+        """Leave the current generation (idempotent): release its operations, report, destroy its groups.
+        Every socket of the generation is shut down here, even one whose groups were still forming when the
+        generation's end released it (then only its store connection was shut and its listeners answered): the
+        rank is out of the generation's operations now, and a pair of a half-made group that did connect to a live
+        peer must not stay open, or that peer, whose own groups formed, trains on it waiting for this rank."""
+        self._release(whole=True)
+        trace(self, "leave", why=why[:120])
         with self._lock:
             report, self._reported = not self._reported, True
         if report:
@@ -150,16 +157,23 @@ class Member:
             ended = self._shut
             if ended:  # the generation ended while its groups formed: only the store connection was shut then
                 self._sockets.leave()
+        trace(self, "formed", ended=ended)
         if ended:
             raise GenerationEnded(f"generation {self.g} ended while rank {self.rank} formed its groups")
         self.mark("groups")
 
-    def _release(self) -> None:
+    def _release(self, whole: bool = False, by: str = "main") -> None:
+        """Release the generation's operations (`GenerationSockets.leave`). `whole`: every socket of the generation,
+        also while its groups form (the caller is out of them); once done, nothing more is left to release."""
         with self._lock:
-            if self._shut or self._sockets is None:
+            s = self._sockets
+            if s is None or (self._shut and (not whole or s.whole_left)):
                 return
             self._shut = True
-            self._sockets.leave()
+            if whole:
+                s.formed()
+            n = s.leave()
+            trace(self, "release", by=by, whole=s.whole_left, sockets=n)
 
     def _watch(self) -> None:
         """Wait for the end of each generation this rank joins; release its operations when it comes."""
@@ -174,10 +188,12 @@ class Member:
                 if "timeout" in str(e).lower():
                     continue
                 _exit(f"rank {self.rank}: lost the supervisor's store ({e}); exiting")
+            # the check and the release under one lock: otherwise the main thread may join g + 1 in between, and the
+            # generation released would be the new one (the Condition's lock is re-entrant)
             with self._lock:
-                current = self.g == g
-            if current:
-                self._release()
+                trace(self, "end seen", ended=g)
+                if self.g == g:
+                    self._release(by="watcher")
             g += 1
 
     # -- a failure ------------------------------------------------------------------------------------------
@@ -262,8 +278,9 @@ class Member:
         """The run loop's recovery handler (`loop.Recover`): None for an error that is this rank's own."""
         if not self.generation_failure(exc, trainer.step):
             return None
+        why = f"{type(exc).__name__}: {exc}"
         while True:
-            self.leave(f"{type(exc).__name__}: {exc}", trainer.step)
+            self.leave(why, trainer.step)
             after = self.drop(trainer, after)
             try:
                 plan = self.join(self.next_generation(self.g))
@@ -272,7 +289,20 @@ class Member:
             except Exception as e:  # noqa: BLE001 - a failure during the recovery: the next generation
                 if not self.generation_failure(e, trainer.step):
                     raise
-                exc = e
+                # its message, not the exception: the traceback holds the frames that hold the half-made groups
+                # (and their listeners, where a late peer's connection would wait unread) while the next one forms
+                why = f"{type(e).__name__}: {e}"
+
+
+def trace(member: Member, what: str, **more: Any) -> None:
+    """A line per membership transition into `$MEGATRONAPP_MEMBER_TRACE/member-<pid>.txt` when that variable names
+    a folder (off by default): for following a recovery drill rank by rank."""
+    folder = os.environ.get("MEGATRONAPP_MEMBER_TRACE")
+    if not folder:
+        return
+    with open(Path(folder, f"member-{os.getpid()}.txt"), "a") as f:
+        f.write(f"{time.time():.3f} rank={member.rank} g={member.g} {threading.current_thread().name}: {what} "
+                f"{more}\n")
 
 
 def restart_group_names() -> None:

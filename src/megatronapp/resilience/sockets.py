@@ -131,13 +131,16 @@ class GenerationSockets:
         self.size = size  # the most members a group of the generation has: its pairs' sequence numbers are below it
         self.before = set(socket_inodes().values())  # taken before the generation's first connection
         self.store: set[int] | None = None  # while the groups form: the inodes of the store connection alone
+        self.whole_left = False  # every socket of the generation was shut down (not only its store connection)
 
     def forming(self) -> None:
         """The generation's store connection is made and its groups are about to form: until `formed()`, leaving
         shuts down the store connection and answers the generation's gloo listeners (above). A rank blocked in the
         rendezvous waits on the store, which the first releases; one blocked in `Pair::connect` waits on its
-        listener, which the second releases; its half-made pairs are torn down by torch as the group's
-        construction fails."""
+        listener, which the second releases. The pairs of the groups it made or half made before are not torn down
+        by the failed construction (torch keeps the groups made before it, and the failure's traceback holds the
+        frames that hold them): the rank's own `Member.leave` shuts them down once it is out of the formation, or
+        a live peer whose groups formed over them would wait on a rank that left (docs/resilience.md)."""
         self.store = set(socket_inodes().values()) - self.before
 
     def formed(self) -> None:
@@ -155,6 +158,7 @@ class GenerationSockets:
         shut down."""
         _abort_nccl()
         forming = self.store is not None
+        self.whole_left = self.whole_left or not forming
         n = shut_down(self.new())
         if forming:
             answer_connects(listening(fd for fd, inode in socket_inodes().items() if inode not in self.before),
