@@ -25,6 +25,7 @@ from megatronapp.resilience import generations
 from megatronapp.resilience.supervisor import supervise
 from megatronapp.train.trainer import train
 from tests import inplace_jobs as jobs
+from tests.inplace_checks import caused
 from tests.inplace_jobs import STEPS, WORLD
 from tests.jobs import heartbeats
 
@@ -49,8 +50,8 @@ def test_kills_at_every_phase_and_a_stop_are_replaced_in_place_bit_identical(tmp
     summary = supervise(jobs.cfg(out, drills), jobs.opts(), logs.append)
     log = "\n".join(logs)
     assert summary["steps"] == STEPS and summary["restarts"] == 0, log
-    assert sorted(r["rank"] for r in summary["replacements"]) == [1, 2, 3, 4, 6, 7], log
-    failures = summary["failures"]
+    failures, replaced = caused(summary)
+    assert sorted(replaced) == [1, 2, 3, 4, 6, 7], log
     assert [f["rank"] for f in failures] == [1, 4, 2, 7, 3, 6], log
     assert all(f["signal"] == "SIGKILL" for f in failures[:5]) and "stopped" in failures[5]["message"], log
     # no copy of a lost rank's state was missing: every newcomer took it from its DP peer, none from the disk
@@ -80,9 +81,8 @@ def test_two_replicas_at_once_a_spare_killed_while_taking_over_and_a_hang(tmp_pa
     assert killed, "the first newcomer was never seen"
     assert summary["steps"] == STEPS and summary["restarts"] == 0, log
     # ranks 0 and 7 replaced, one of them twice: its first spare was killed while it joined
-    replaced = sorted(r["rank"] for r in summary["replacements"])
-    assert replaced in ([0, 0, 5, 7], [0, 5, 7, 7]), log
-    failures = summary["failures"]
+    failures, replaced = caused(summary)
+    assert sorted(replaced) in ([0, 0, 5, 7], [0, 5, 7, 7]), log
     assert all(f["kind"] == "exit" and f["signal"] == "SIGKILL" for f in failures[:-1]), log
     hang = failures[-1]
     assert hang["kind"] == "hang" and hang["rank"] == 5 and "waits for rank 5" in hang["message"], log
