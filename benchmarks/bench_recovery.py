@@ -7,8 +7,8 @@ diagnostics on the job's 4 ranks before the restart (the default); the differenc
 
     python -m benchmarks.bench_recovery [--hang-timeout 5]
     python -m benchmarks.bench_recovery --quick      (the restart-at-once drill only; writes nothing)
-    python -m benchmarks.bench_recovery --emulated [--drills 10] [--restart-drills 4] [--stop-drills 5]
-                                          [--hang-drills 5] [--seed 41]
+    python -m benchmarks.bench_recovery --emulated [--drills 10] [--restart-drills 4] [--stop-drills 10]
+                                          [--hang-drills 10] [--seed 41]
         8 emulated ranks: in-place recovery (--spares 1) from kill -9, SIGSTOP and a hang at drawn ranks and steps,
         split in parts, beside restarting every rank (benchmarks/recovery_emulated.py); --quick: one of each
     python -m benchmarks.bench_recovery --emulated --ranks 4 8 16 [--drills 5]
@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drills", type=int, default=None, help="with --emulated: in-place kill -9 drills (default 10; "
                     "with --ranks, per size: 5)")
     ap.add_argument("--restart-drills", type=int, default=4, help="with --emulated: restart-the-world drills")
-    ap.add_argument("--stop-drills", type=int, default=5, help="with --emulated: in-place SIGSTOP drills")
-    ap.add_argument("--hang-drills", type=int, default=5, help="with --emulated: in-place hang drills")
+    ap.add_argument("--stop-drills", type=int, default=10, help="with --emulated: in-place SIGSTOP drills")
+    ap.add_argument("--hang-drills", type=int, default=10, help="with --emulated: in-place hang drills")
     ap.add_argument("--seed", type=int, default=41, help="with --emulated: the draws of rank, step and delay")
     ap.add_argument("--ranks", type=int, nargs="+", help="with --emulated: world sizes to compare (4 8 16)")
     ap.add_argument("--overhead", action="store_true", help="with --emulated: the machinery's cost per step")
