@@ -49,6 +49,20 @@ def beats(hb: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
+def quiet_job(flags: list[str], timeout_s: float = 600.0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A supervised job without a fault (`megatronapp train FLAGS`, its --out given here): its `run_stats` and its
+    summary.json."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        proc = start([*flags, "--out", str(out)], Path(tmp))
+        try:
+            finish(proc, timeout_s)
+        except BaseException:
+            stop(proc)
+            raise
+        return run_stats(out), json.loads((out / "summary.json").read_text())
+
+
 def run_stats(out: Path) -> dict[str, Any]:
     """What a finished job's metrics.jsonl says: steps computed again (`replayed`) and the median step time of the
     steady state (steps after the first two, replays left out)."""

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, recovery_emulated, recovery_inplace, stats
@@ -27,17 +25,8 @@ SIDES = ("plain", "inplace")
 
 def job(side: str, timeout_s: float = 600.0) -> dict[str, Any]:
     """One supervised job without a fault; its steady-state step time and what its run recorded."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run"
-        spares = ["--spares", "1"] if side == "inplace" else []
-        proc = recovery_inplace.start([*recovery_emulated.flags(8, STEPS), *spares, "--out", str(out)], Path(tmp))
-        try:
-            recovery_inplace.finish(proc, timeout_s)
-        except BaseException:
-            recovery_inplace.stop(proc)
-            raise
-        ran = recovery_inplace.run_stats(out)
-        summary = harness.read_result(out / "summary.json")
+    spares = ["--spares", "1"] if side == "inplace" else []
+    ran, summary = recovery_inplace.quiet_job([*recovery_emulated.flags(8, STEPS), *spares], timeout_s)
     if ran["step_time_s"] is None:
         raise RuntimeError(f"{side}: no steady-state step recorded")
     return {"side": side, **ran, "restarts": summary.get("restarts", 0),

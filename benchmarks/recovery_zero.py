@@ -23,8 +23,6 @@ from __future__ import annotations
 import os
 import random
 import statistics
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, recovery_emulated, recovery_inplace, stats
@@ -43,17 +41,8 @@ def _extra(side: str) -> list[str]:
 
 def job(side: str, timeout_s: float = 600.0) -> dict[str, Any]:
     """One supervised job with a spare and no fault: its wall time per step and steady-state step time."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run"
-        flags = [*recovery_emulated.flags(8, STEPS), "--spares", "1", *_extra(side), "--out", str(out)]
-        proc = recovery_inplace.start(flags, Path(tmp))
-        try:
-            recovery_inplace.finish(proc, timeout_s)
-        except BaseException:
-            recovery_inplace.stop(proc)
-            raise
-        ran = recovery_inplace.run_stats(out)
-        summary = harness.read_result(out / "summary.json")
+    ran, summary = recovery_inplace.quiet_job([*recovery_emulated.flags(8, STEPS), "--spares", "1", *_extra(side)],
+                                              timeout_s)
     return {"side": side, **ran, "wall_per_step_s": _tokens_per_step() / float(summary["tokens_per_s"]),
             "host_share": summary.get("emulation", {}).get("host_share"), "load_avg": os.getloadavg()[0]}
 
