@@ -172,11 +172,13 @@ def test_a_kill_strikes_after_every_rank_finished_the_drawn_step_and_the_delay(t
 
 def test_a_hang_is_timed_from_the_hung_ranks_last_phase_change(tmp_path, monkeypatch):
     monkeypatch.setattr(recovery_inplace.os, "kill", lambda *a: pytest.fail("a hang sends no signal"))
-    _beat(tmp_path, 1, pid=7, step=2, phase="step 3", phase_since=50.0)
-    # the hung process beats on with the same phase; then its newcomer (another pid) takes the file over
-    threading.Timer(0.1, _beat, (tmp_path, 1), {"pid": 7, "step": 3, "phase": "step 4", "phase_since": 60.0}).start()
-    threading.Timer(0.3, _beat, (tmp_path, 1), {"pid": 9, "step": -1, "phase": "start-up: spawn",
-                                                 "phase_since": 70.0}).start()
+    # what the drill reads at each look (scripted, not timed: a loaded host must not skip one): the rank's beat of
+    # step 3; the hung process beating on in step 4; its newcomer (another pid) taking the file over
+    looks = iter([{1: {"pid": 7, "step": 2, "phase": "step 3", "phase_since": 50.0}},
+                  {1: {"pid": 7, "step": 3, "phase": "step 4", "phase_since": 60.0}},
+                  {1: {"pid": 7, "step": 3, "phase": "step 4", "phase_since": 60.0}},
+                  {1: {"pid": 9, "step": -1, "phase": "start-up: spawn", "phase_since": 70.0}}])
+    monkeypatch.setattr(recovery_inplace, "beats", lambda _hb: next(looks))
     fault = {"kind": "hang", "victim": 1, "step": 3, "delay_s": 0.0, "hang_timeout_s": 3.0}
     assert recovery_inplace._strike(_Running(), tmp_path, 2, fault, time.time() + 30) == \
         (60.0, "step 4", 7)
