@@ -91,6 +91,18 @@ def rotation(items: list[T], rep: int) -> list[T]:
     return items[k:] + items[:k]
 
 
+def paired_runs(sides: list[str], n: int, run: Callable[[str], T], show: Callable[[T], str]) -> list[dict[str, T]]:
+    """`n` pairs (or tuples) of `run(side)`, one per side, in `rotation`; each printed as it ends with `show`."""
+    runs = []
+    for i in range(n):
+        pair = {}
+        for side in rotation(list(sides), i):
+            pair[side] = run(side)
+            print(f"pair {i + 1} {side}: {show(pair[side])}", flush=True)
+        runs.append(pair)
+    return runs
+
+
 # -- the machine --------------------------------------------------------------------------------------------------
 @dataclass
 class Clock:

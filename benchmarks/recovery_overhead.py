@@ -36,14 +36,8 @@ def job(side: str, timeout_s: float = 600.0) -> dict[str, Any]:
 
 def main(pairs: int, write: bool = True) -> dict[str, Any]:
     clock = harness.Clock()
-    runs: list[dict[str, dict[str, Any]]] = []
-    for i in range(pairs):
-        pair = {}
-        for side in harness.rotation(list(SIDES), i):
-            pair[side] = job(side)
-            print(f"pair {i + 1} {side}: step {pair[side]['step_time_s']:.4f} s, host share "
-                  f"{pair[side]['host_share']}, load {pair[side]['load_avg']:.1f}", flush=True)
-        runs.append(pair)
+    runs = harness.paired_runs(list(SIDES), pairs, job, lambda r: f"step {r['step_time_s']:.4f} s, host share "
+                               f"{r['host_share']}, load {r['load_avg']:.1f}")
     ratios = stats.paired_ratios([p["inplace"]["step_time_s"] for p in runs], [p["plain"]["step_time_s"] for p in runs])
     summary = stats.summarize_ratios(ratios)
     diffs_ms = [1000 * (p["inplace"]["step_time_s"] - p["plain"]["step_time_s"]) for p in runs]

@@ -54,14 +54,8 @@ def _tokens_per_step() -> float:
 
 
 def overhead(pairs: int) -> dict[str, Any]:
-    runs = []
-    for i in range(pairs):
-        pair = {}
-        for side in harness.rotation(list(SIDES), i):
-            pair[side] = job(side)
-            print(f"pair {i + 1} {side}: {pair[side]['wall_per_step_s']:.4f} s per step (step_time "
-                  f"{pair[side]['step_time_s']:.4f} s), load {pair[side]['load_avg']:.1f}", flush=True)
-        runs.append(pair)
+    runs = harness.paired_runs(list(SIDES), pairs, job, lambda r: f"{r['wall_per_step_s']:.4f} s per step (step_time "
+                               f"{r['step_time_s']:.4f} s), load {r['load_avg']:.1f}")
     ratio = stats.summarize_ratios(stats.paired_ratios([p["buddy"]["wall_per_step_s"] for p in runs],
                                                        [p["nobuddy"]["wall_per_step_s"] for p in runs]))
     diffs = [1000 * (p["buddy"]["wall_per_step_s"] - p["nobuddy"]["wall_per_step_s"]) for p in runs]

@@ -47,7 +47,7 @@ from megatronapp.resilience.buddy import BUDDY_ENV, held_key, parse_held
 from megatronapp.resilience.commit import abort_undecided
 from megatronapp.resilience.handover import holders, sources
 from megatronapp.resilience.spare_pool import ForkServer, SparePool
-from megatronapp.resilience.watch import Failure, ProgressClock, judge_hang, process_state, read_beats, settle
+from megatronapp.resilience.watch import Failure, ProgressClock, confirm_hang, process_state, read_beats
 from megatronapp.train import checkpoint as ckpt
 
 EARLY_HEARTBEAT = "megatronapp.resilience.agent:early_start"
@@ -214,7 +214,7 @@ class GenerationJob:
                 self.step_times = clock.step_times
                 idle = clock.overdue(beats)
                 if idle is not None:
-                    failure = self._hang(beats, idle, clock)
+                    failure = self._hang(beats, clock)
                 else:
                     failure = self._left(now)
             if failure is None:
@@ -256,17 +256,10 @@ class GenerationJob:
                                now, noticed_at=now)
         return None
 
-    def _hang(self, beats: dict[int, dict[str, Any]], idle: float, clock: ProgressClock) -> Failure | None:
-        """The hang, named; None when the heartbeats that came in while settling show progress after all (a
-        slow host starves every heartbeat thread at once)."""
-        stale = max(3 * self.opts.heartbeat_s, 2.0)
-        beats = settle(beats, lambda: read_beats(self.hb_dir, self.world), self._state, stale,
-                       self.opts.heartbeat_s)
-        clock.update(beats)
-        if clock.overdue(beats) is None:
-            return None
-        return judge_hang(beats, self.world, self.labels, idle, clock.timeout(), stale, self._state,
-                          clock.longest_pause, clock.stuck)
+    def _hang(self, beats: dict[int, dict[str, Any]], clock: ProgressClock) -> Failure | None:
+        """The hang, named; None when late heartbeats show progress after all (`watch.confirm_hang`)."""
+        return confirm_hang(clock, beats, lambda: read_beats(self.hb_dir, self.world), self._state, self.labels,
+                            self.opts.heartbeat_s)
 
     def _formation_failure(self, now: float) -> Failure:
         """A generation that did not commit a step within form_timeout_s: blame its first member that never began

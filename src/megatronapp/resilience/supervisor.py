@@ -30,11 +30,10 @@ from megatronapp.resilience.stragglers import Straggler, StragglerWatch
 from megatronapp.resilience.watch import (
     Failure,
     ProgressClock,
+    confirm_hang,
     default_hang_timeout,  # noqa: F401  (imported from here by callers)
-    judge_hang,
     process_state,
     read_beats,
-    settle,
 )
 from megatronapp.train import checkpoint as ckpt
 from megatronapp.train import plugins
@@ -140,7 +139,7 @@ class Attempt:
             self.step_times, self.first_step_at = clock.step_times, clock.first_step_at
             idle = clock.overdue(beats)
             if idle is not None:
-                failure = self._hang_failure(beats, job, idle, clock)
+                failure = self._hang_failure(beats, job, clock)
                 if failure is None:  # late heartbeats showed progress: the host was slow, not the job
                     continue
                 job.stop(grace_s=1.0)
@@ -170,21 +169,11 @@ class Attempt:
         return Failure("exit", cause.rank, self.labels[cause.rank], cause.message, step, time.time(), signal=sig,
                        noticed_at=noticed)
 
-    def _settle(self, beats: dict[int, dict[str, Any]], job: launch.LocalJob,
-                stale_after: float) -> dict[int, dict[str, Any]]:
-        """Wait briefly for late heartbeats of ranks that still run (`watch.settle`)."""
-        return settle(beats, self.beats, lambda r: process_state(job.pids[r]), stale_after, self.opts.heartbeat_s)
-
-    def _hang_failure(self, beats: dict[int, dict[str, Any]], job: launch.LocalJob, idle_s: float,
+    def _hang_failure(self, beats: dict[int, dict[str, Any]], job: launch.LocalJob,
                       clock: ProgressClock) -> Failure | None:
-        """The hang, named; None when the heartbeats that came in while settling show progress after all."""
-        stale_after = max(3 * self.opts.heartbeat_s, 2.0)
-        beats = self._settle(beats, job, stale_after)
-        clock.update(beats)
-        if clock.overdue(beats) is None:
-            return None
-        return judge_hang(beats, self.world, self.labels, idle_s, clock.timeout(), stale_after,
-                          lambda r: process_state(job.pids[r]), clock.longest_pause, clock.stuck)
+        """The hang, named; None when late heartbeats show progress after all (`watch.confirm_hang`)."""
+        return confirm_hang(clock, beats, self.beats, lambda r: process_state(job.pids[r]), self.labels,
+                            self.opts.heartbeat_s)
 
 
 def attempt_config(cfg: RunConfig, number: int, log: Callable[[str], None],

@@ -211,12 +211,15 @@ class ProgressClock:
                         self.longest_pause = max(self.longest_pause, now - self.moved[r])
                     self.moved[r] = now
             self.seen, self.last_progress = seen, now
+        fresh = False
         for r, b in beats.items():
             if self.beat_seen.get(r, (None,))[0] != b["time"]:
                 self.beat_seen[r] = (b["time"], now)
-        flights = {r: b["flight"] for r, b in beats.items() if isinstance(b.get("flight"), dict)}
-        edges = wait_edges(flights)
-        self.roots = sorted({e.target for e in edges} - {e.waiter for e in edges})
+                fresh = True
+        if fresh:  # the wait edges change only with a new heartbeat
+            flights = {r: b["flight"] for r, b in beats.items() if isinstance(b.get("flight"), dict)}
+            edges = wait_edges(flights)
+            self.roots = sorted({e.target for e in edges} - {e.waiter for e in edges})
 
     def timeout(self) -> float:
         return self.hang_timeout_s or default_hang_timeout(self.step_times)
@@ -302,6 +305,21 @@ def settle(beats: dict[int, dict[str, Any]], reread: Callable[[], dict[int, dict
         time.sleep(poll_s)
         beats = reread()
     return beats
+
+
+def confirm_hang(clock: ProgressClock, beats: dict[int, dict[str, Any]],
+                 reread: Callable[[], dict[int, dict[str, Any]]], state_of: Callable[[int], str | None] | None,
+                 labels: dict[int, str], heartbeat_s: float) -> Failure | None:
+    """A hang `clock.overdue` saw, settled (`settle`) and named (`judge_hang`); None when the heartbeats that came
+    in while settling show progress after all (a slow host starves every heartbeat thread at once)."""
+    stale = max(3 * heartbeat_s, 2.0)
+    beats = settle(beats, reread, state_of, stale, heartbeat_s)
+    clock.update(beats)
+    idle = clock.overdue(beats)
+    if idle is None:
+        return None
+    return judge_hang(beats, clock.world, labels, idle, clock.timeout(), stale, state_of, clock.longest_pause,
+                      clock.stuck)
 
 
 def judge_hang(beats: dict[int, dict[str, Any]], world: int, labels: dict[int, str], idle_s: float,
