@@ -118,6 +118,13 @@ def test_a_failure_after_the_final_checkpoint_is_not_restarted(tmp_path):
     assert _already_finished(cfg) == {"steps": 4, "final_loss": 1.5}
 
 
+def _settle(att, beats: dict, job) -> dict:
+    """What the supervisor's hang confirmation (`watch.confirm_hang`) settles with: its heartbeats, its process view."""
+    from megatronapp.resilience import watch
+
+    return watch.settle(beats, att.beats, lambda r: watch.process_state(job.pids[r]), 2.0, att.opts.heartbeat_s)
+
+
 def test_a_running_rank_with_a_late_heartbeat_gets_time_to_beat_before_it_is_judged(tmp_path, monkeypatch):
     """A stale heartbeat from a process that still runs is waited out (the host may be overloaded); one from a
     stopped process is not."""
@@ -139,7 +146,7 @@ def test_a_running_rank_with_a_late_heartbeat_gets_time_to_beat_before_it_is_jud
     calls = []
     att.beats = lambda: calls.append(1) or fresh
     job = SimpleNamespace(pids={0: os.getpid()})  # this process: running
-    assert att._settle(stale, job, stale_after=2.0) is fresh and calls == [1]
+    assert _settle(att, stale, job) is fresh and calls == [1]
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         child.send_signal(signal.SIGSTOP)
@@ -152,7 +159,7 @@ def test_a_running_rank_with_a_late_heartbeat_gets_time_to_beat_before_it_is_jud
         slept: list[float] = []  # not waited for at all: no poll, not a wait that a fast host made short
         monkeypatch.setattr(watch, "time", SimpleNamespace(time=time.time, sleep=slept.append))
         job = SimpleNamespace(pids={0: child.pid})  # stopped: its heartbeat will not come back
-        assert att._settle(stale, job, stale_after=2.0) is stale and calls == [] and slept == []
+        assert _settle(att, stale, job) is stale and calls == [] and slept == []
     finally:
         child.kill()
         child.wait()
