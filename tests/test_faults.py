@@ -53,6 +53,14 @@ def test_install_checks_ranks_against_world():
         faults.install(["slow-link=1-9:5"], Topology(tp=1, pp=1, dp=4, rank=0))
 
 
+def _fake_clock(monkeypatch) -> FakeClock:
+    """The injector on virtual time: its clock, its sleeps and its reading of run-queue delay."""
+    clock = FakeClock()
+    monkeypatch.setattr(faults, "time", clock)
+    monkeypatch.setattr(faults, "_cpu_wait_s", clock.cpu_wait_s)
+    return clock
+
+
 def _traced(tmp_path, specs: list[str], clock: FakeClock, world: int = 1, granularity: str = "coarse"):
     """Rank 0 traced on `clock`, with the faults of `specs` installed."""
     header = {"rank": 0, "world": world, "coord": [0, 0, 0], "topo": [1, 1, world]}
@@ -66,8 +74,7 @@ def _traced(tmp_path, specs: list[str], clock: FakeClock, world: int = 1, granul
 # sleeps advance it too, so every span lasts exactly what the fault logic makes it last (a stretch counted twice,
 # a fault of another rank, a pause in the wrong iteration change these numbers), and no loaded host can move them.
 def test_slow_compute_and_pause_act_on_their_rank_only(tmp_path, monkeypatch):
-    clock = FakeClock()
-    monkeypatch.setattr(faults, "time", clock)
+    clock = _fake_clock(monkeypatch)
     tr, inj = _traced(tmp_path, ["slow-compute=0:2.0", "pause=0:80:2", "slow-compute=1:5"], clock, world=2)
     try:
         for it in range(4):
@@ -95,8 +102,7 @@ def test_slow_compute_and_pause_act_on_their_rank_only(tmp_path, monkeypatch):
 def test_slow_compute_stretches_layers_once_and_the_compute_around_them(tmp_path, monkeypatch):
     # A slow device is slow at every op: per-layer spans are stretched too (MegaScan measures stage work and
     # lone stages by them), and the compute span around them stretches only its time outside layers.
-    clock = FakeClock()
-    monkeypatch.setattr(faults, "time", clock)
+    clock = _fake_clock(monkeypatch)
     tr, inj = _traced(tmp_path, ["slow-compute=0:2.0"], clock, granularity="full")
     try:
         for it in range(3):
@@ -115,6 +121,29 @@ def test_slow_compute_stretches_layers_once_and_the_compute_around_them(tmp_path
     fwd = t.dur[name == "forward"]
     assert len(layer) == 6 and (layer == 40_000_000).all(), layer  # 2 x 20 ms
     assert len(fwd) == 3 and (fwd == 100_000_000).all(), fwd  # 2 x (10 + 2 x 20) ms, not 2 x (10 + 2 x 40)
+
+
+def test_slow_compute_does_not_stretch_time_spent_waiting_for_a_core(tmp_path, monkeypatch):
+    # A slow device is slow at its work, not at the host's run queue: of a 50 ms span that waited 20 ms for a core
+    # (in a layer, then outside it) only the 30 ms of work is stretched, once.
+    clock = _fake_clock(monkeypatch)
+    tr, inj = _traced(tmp_path, ["slow-compute=0:2.0"], clock, granularity="full")
+    try:
+        with tracing.step(0):
+            with tracing.span("forward", "compute"):
+                clock.advance(0.01)
+                clock.wait_for_core(0.005)
+                with tracing.span("layers.0", "layer"):
+                    clock.advance(0.01)
+                    clock.wait_for_core(0.015)
+                clock.advance(0.01)
+    finally:
+        inj.remove()
+        tr.close()
+    t = read_rank(tmp_path / "rank00000.mst")
+    name = np.array(t.names)[t.name]
+    assert t.dur[name == "layers.0"].tolist() == [35_000_000]  # 25 ms + its 10 ms of work again
+    assert t.dur[name == "forward"].tolist() == [80_000_000]  # 50 ms + 10 (the layer's work) + 20 (its own work)
 
 
 def test_hang_blocks_until_removed(tmp_path):
@@ -179,8 +208,7 @@ def test_slow_link_delays_sends_and_collectives(tmp_path, monkeypatch):
     assert np.all(t2.end[name2 == "all_reduce"] >= ar_start)
     # Which ops wait, exactly (a fake clock counts the interceptor's sleeps): a send over the link and a
     # collective holding both ends; not a send to another rank, a receive, or a collective holding one end.
-    clock = FakeClock()
-    monkeypatch.setattr(faults, "time", clock)
+    clock = _fake_clock(monkeypatch)
     inj = faults.install(["slow-link=0-1:30"], Topology(tp=1, pp=1, dp=3, rank=0))
     try:
         ops = [(CommOp("all_reduce", "dp", (0, 1, 2), 0, 16), 0.03),

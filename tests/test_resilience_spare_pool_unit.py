@@ -65,7 +65,11 @@ def _job(tmp_path: Path, store, server: ForkServer, logs: list[str], spare_world
     """A generation job of 8 ranks in generation 0, none of them a real process, with `server` and no spare
     (`spare_world`: the world its spares are told, wrong to make them fail)."""
     cfg = _cfg(tmp_path / "run")
-    job = generations.GenerationJob(cfg, Options(spares=1, spare_wait_s=1.0), logs.append, tmp_path / "events.jsonl")
+    # A long spare wait on purpose: the pool holds no spare, so the wait ends as soon as nothing may come (no fork
+    # server, or the one process forked on demand died); a 1 s wait ended first on a loaded CI host and the line
+    # said "not ready in time" for a process still starting up to die.
+    job = generations.GenerationJob(cfg, Options(spares=1, spare_wait_s=120.0), logs.append,
+                                    tmp_path / "events.jsonl")
     job.store, job.port, job.rundir, job.env = store, store.port, tmp_path, {}
     job.pool = SparePool(0, store, (spare_world, cfg.to_dict(), store.port, str(tmp_path / "result.json"),
                                     str(tmp_path), 1, {}), server, logs.append, job._event)
