@@ -6,10 +6,25 @@ gloo op is its peer's connection closing: gloo's TCP pair sees the end of stream
 operation on it ("Connection closed by peer", gloo/transport/tcp/pair.cc). A SIGKILLed peer closes its sockets
 through the kernel. A peer that is alive but left the generation for another reason (its own peer died, the
 supervisor ended the generation) must close them itself, or a rank blocked on it would wait for gloo's timeout.
-So a rank leaving a generation shuts down (`shutdown(SHUT_RDWR)`) every connected socket it opened while joining
-it: the generation's store connection and gloo's pairs. That wakes its own blocked operations (the store's
-`get`, a collective's `recv`) and, through the end of stream, its peers'. Listening sockets are left alone (gloo's
-listener thread terminates the process if its socket is shut: `accept: Invalid argument`, seen on torch 2.13).
+So a rank leaving a generation shuts down the receiving side (`shutdown(SHUT_RD)`) of every connected socket it
+opened while joining it: the generation's store connection and gloo's pairs. That wakes its own blocked operations
+(the store's `get`, a collective's `recv`: each reads the end of stream) and, once gloo has read the end and closed
+the pair, its peers'. Listening sockets are left alone (gloo's listener thread terminates the process if its
+socket is shut: `accept: Invalid argument`, seen on torch 2.13).
+
+Why only the receiving side. Shutting the sending side too (`SHUT_RDWR`, as this module did) strands a gloo send:
+gloo's device thread reads what is already in the socket before the end of stream, and a peer's "receive ready"
+notice read there makes it write the matching send (`Pair::handleRemotePendingRecv`). With the sending side shut
+that write fails with EPIPE, which gloo's asynchronous path treats as "try again later" (`Pair::write` returns
+false without an error) and queues; the end of stream read next fails the pair's pending operations, but of its
+queued writes only those of bound buffers (`Pair::signalException` loops over `tx_` for `op.buf`, never
+`op.ubuf`), and every collective and point-to-point op of `ProcessGroupGloo` sends from an unbound buffer. So the
+send waits in `UnboundBuffer::waitSend` for the operation timeout (300 s) while its peer, released, goes on:
+the survivor that never began the next generation (docs/resilience.md, "What we learned"). The same happens when
+the rank's own thread posts a send between the release and the device thread reading the end. With the sending
+side open every such write succeeds, the send completes, and the next operation fails on the closed pair. Closing
+is left to the socket's owner: gloo closes a pair once it has read the end of stream, which ends its peer's stream
+(a FIN, or a reset), so peers are still released transitively.
 
 A pair still connecting is not released by any socket closing. Gloo connects a pair from one side only: the side
 with the higher listening address connects to the other's listener and writes the pair's sequence number
@@ -64,8 +79,11 @@ def socket_inodes() -> dict[int, int]:
 
 
 def shut_down(fds: Iterable[int]) -> int:
-    """Shut down every connected socket among `fds` (listeners are skipped); returns how many. The descriptors stay
-    open (their owners close them): a duplicate is shut down, which acts on the socket they share."""
+    """Shut down the receiving side of every connected socket among `fds` (listeners are skipped); returns how many.
+    The descriptors stay open (their owners close them): a duplicate is shut down, which acts on the socket they
+    share. Only the receiving side (module docstring, "Why only the receiving side"): its owner reads the end of
+    stream and fails its operations, and gloo then closes the pair, which ends the peer's stream; its writes keep
+    working until then."""
     n = 0
     for fd in fds:
         try:
@@ -75,7 +93,7 @@ def shut_down(fds: Iterable[int]) -> int:
         try:
             if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 continue
-            s.shutdown(socket.SHUT_RDWR)
+            s.shutdown(socket.SHUT_RD)
             n += 1
         except OSError:  # not connected (any more)
             pass
