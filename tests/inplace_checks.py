@@ -24,8 +24,9 @@ FORMATION_FAILURE = "did not commit a step within"
 
 def caused(summary: dict) -> tuple[list[dict], list[int]]:
     """The failures a test caused and the ranks replaced for them, without the supervisor's formation failures.
-    Rarely (docs/resilience.md, Limits: 1 of 36 drills, not understood) a healthy survivor never begins the next
-    generation and the supervisor names it after `form_timeout_s`: it is replaced like any failure and the run
+    Rarely (docs/resilience.md, Limits: a gloo send stranded until the operation timeout, now only a large one
+    part-written when its peer leaves) a healthy survivor never begins the next generation and the supervisor names
+    it after `form_timeout_s`: it is replaced like any failure and the run
     stays bit-identical, so a test of something else leaves it out of its exact lists (and prints it)."""
     formation = [f for f in summary["failures"] if FORMATION_FAILURE in f["message"]]
     if formation:

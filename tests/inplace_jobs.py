@@ -25,6 +25,13 @@ from tests.inplace_checks import assert_healthy_ranks_kept, events  # noqa: F401
 
 STEPS = 12
 WORLD = 8
+# the every-phase test's drills (tests/test_resilience_inplace.py), also run as drills by tests/form_kill_drills.py
+EVERY_PHASE = ["kill=1:1:forward",      # rank 1, DP0-PP0-TP1: a TP peer of stage 0, in its forward
+               "kill=4:3:backward",     # rank 4, DP0-PP1-TP0: the last pipeline stage, in its backward
+               "kill=2:5:reduce",       # rank 2, DP1-PP0-TP0: DP replica 1, in the gradient reduction
+               "kill=7:6:optimizer",    # rank 7, DP1-PP1-TP1: in the update, after the step committed
+               "kill-save=3:8:copy",    # rank 3, DP1-PP0-TP1: during the background copy of checkpoint 8
+               "stop=6:10:backward"]    # rank 6, DP1-PP1-TP0: SIGSTOPped in its backward
 
 
 def flags(steps: int = STEPS) -> list[str]:

@@ -1,0 +1,133 @@
+"""A gloo send written after its generation's sockets were released completes, instead of waiting for the operation
+timeout while its peer goes on: the race that kept a healthy survivor in an ended generation (docs/resilience.md,
+"What we learned"; `resilience/sockets.py`, "Why only the receiving side"), with its order forced by stopping gloo's
+device thread with ptrace."""
+from __future__ import annotations
+
+import datetime
+import fcntl
+import os
+import socket
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatronapp.resilience.sockets import shut_down, socket_inodes
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, None, True, use_libuv=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    yield lambda: dist.TCPStore("127.0.0.1", server.port, None, False, timeout=datetime.timedelta(seconds=30))
+
+
+_PTRACE_STOP = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+tid = int(sys.argv[1])
+if libc.ptrace(0x4206, tid, None, None) != 0:  # PTRACE_SEIZE
+    print("refused", ctypes.get_errno(), flush=True)
+    sys.exit(1)
+libc.ptrace(0x4207, tid, None, None)  # PTRACE_INTERRUPT: this thread alone stops
+os.waitpid(tid, 0x40000000)  # __WALL
+print("stopped", flush=True)
+sys.stdin.readline()
+libc.ptrace(17, tid, None, None)  # PTRACE_DETACH: it runs on
+"""
+
+
+def _gloo_loops() -> set[str]:
+    return {t for t in os.listdir("/proc/self/task")
+            if Path(f"/proc/self/task/{t}/comm").read_text().strip() == "gloo_tcp_loop"}
+
+
+def _listening_ports() -> dict[int, int]:
+    """{inode: port} of this process's listening sockets."""
+    out = {}
+    for fd, inode in socket_inodes().items():
+        with socket.socket(fileno=os.dup(fd)) as s:
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                out[inode] = s.getsockname()[1]
+    return out
+
+
+def _until(what: str, pred) -> None:
+    deadline = time.monotonic() + 30  # a guard against a broken setup, not the subject of the test
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and ptrace")
+def test_a_gloo_send_written_after_its_generation_was_released_is_not_stranded(store):
+    """The race that kept a healthy survivor in its ended generation (docs/resilience.md, "What we learned"), with
+    its order forced: member 0 of a two-member gloo group has a send posted; its peer's "receive ready" notice is
+    in member 0's socket, not yet read, when the generation's end releases the socket. Gloo's device thread then
+    reads the notice and writes the send before it reads the end of stream. Had the release shut the writing side
+    too, that write would fail with EPIPE, which gloo's asynchronous path queues without an error, and the pair's
+    end of stream fails every pending operation but an unbound buffer's queued send: the send would wait for the
+    operation timeout while its peer went on (`sockets.py`). The device thread is held still (ptrace stops that
+    thread alone) so the notice is queued before the release and read after it."""
+    timeout = datetime.timedelta(seconds=5)  # a stranded send fails after this with "Timed out waiting"
+    pgs: dict[int, dist.ProcessGroupGloo] = {}
+
+    def make(rank: int) -> None:
+        pgs[rank] = dist.ProcessGroupGloo(dist.PrefixStore("strand/", store()), rank, 2, timeout)
+
+    loops, ports = _gloo_loops(), _listening_ports()
+    one = threading.Thread(target=make, args=(1,), daemon=True)
+    one.start()  # member 1's device (its listener and loop thread) first, so the two can be told apart
+    _until("member 1's device", lambda: len(_listening_ports()) > len(ports) and len(_gloo_loops()) > len(loops))
+    port1 = next(p for i, p in _listening_ports().items() if i not in ports)
+    loops1 = _gloo_loops() - loops
+    zero = threading.Thread(target=make, args=(0,), daemon=True)
+    zero.start()
+    zero.join(30)
+    one.join(30)
+    assert set(pgs) == {0, 1}
+    (loop0,) = _gloo_loops() - loops - loops1
+    port0 = next(p for i, p in _listening_ports().items() if i not in ports and p != port1)
+    mine = []  # member 0's end of the pair: accepted on its listener, or connected to member 1's
+    for fd in socket_inodes():
+        with socket.socket(fileno=os.dup(fd)) as s:
+            try:
+                local, peer = s.getsockname()[1], s.getpeername()[1]
+            except OSError:  # a listener, or not an internet socket
+                continue
+            if local == port0 or peer == port1:
+                mine.append(fd)
+    assert len(mine) == 1, mine
+
+    sent, got = torch.ones(4), torch.zeros(4)
+    send = pgs[0].send([sent], 1, 3)  # posted: it waits for member 1's notice that its receive is ready
+    stop = subprocess.Popen([sys.executable, "-c", _PTRACE_STOP, loop0], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = stop.stdout.readline().strip()
+        if line != "stopped":
+            pytest.skip(f"cannot stop gloo's device thread with ptrace here ({line})")
+        recv = pgs[1].recv([got], 0, 3)  # member 1's notice goes out and waits, unread, in member 0's socket
+        _until("member 1's notice in member 0's socket", lambda: _unread(mine[0]) > 0)
+        assert shut_down(mine) == 1  # the generation's end releases member 0's socket
+    finally:
+        stop.communicate("\n", timeout=30)  # the device thread runs on: the notice, then the end of stream
+    send.wait()  # written before the end was read: it completed (a stranded one raises "Timed out waiting")
+    recv.wait()
+    assert torch.equal(got, sent)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        pgs[0].send([sent], 1, 4).wait()  # and the pair is closed now: the next operation fails at once
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting to be read on socket `fd` (FIONREAD)."""
+    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
