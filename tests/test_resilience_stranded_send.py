@@ -68,6 +68,55 @@ def _until(what: str, pred) -> None:
         time.sleep(0.001)
 
 
+class _Pair:
+    """A two-member gloo group in this process, with what the tests need to force an order: member 0's device
+    thread (to stop it) and each member's end of the pair."""
+
+    def __init__(self, store) -> None:
+        timeout = datetime.timedelta(seconds=5)  # a stranded send fails after this with "Timed out waiting"
+        self.pgs: dict[int, dist.ProcessGroupGloo] = {}
+
+        def make(rank: int) -> None:
+            self.pgs[rank] = dist.ProcessGroupGloo(dist.PrefixStore("strand/", store()), rank, 2, timeout)
+
+        loops, ports = _gloo_loops(), _listening_ports()
+        one = threading.Thread(target=make, args=(1,), daemon=True)
+        one.start()  # member 1's device (its listener and loop thread) first, so the two can be told apart
+        _until("member 1's device", lambda: len(_listening_ports()) > len(ports) and len(_gloo_loops()) > len(loops))
+        port1 = next(p for i, p in _listening_ports().items() if i not in ports)
+        loops1 = _gloo_loops() - loops
+        zero = threading.Thread(target=make, args=(0,), daemon=True)
+        zero.start()
+        zero.join(30)
+        one.join(30)
+        assert set(self.pgs) == {0, 1}
+        (self.loop0,) = _gloo_loops() - loops - loops1
+        port0 = next(p for i, p in _listening_ports().items() if i not in ports and p != port1)
+        ends: dict[int, list[int]] = {0: [], 1: []}  # each member's end: accepted on its listener, or connected
+        for fd in socket_inodes():
+            with socket.socket(fileno=os.dup(fd)) as s:
+                try:
+                    local, peer = s.getsockname()[1], s.getpeername()[1]
+                except OSError:  # a listener, or not an internet socket
+                    continue
+                if local == port0 or peer == port1:
+                    ends[0].append(fd)
+                elif local == port1 or peer == port0:
+                    ends[1].append(fd)
+        assert len(ends[0]) == len(ends[1]) == 1, ends
+        self.end = {m: fds[0] for m, fds in ends.items()}
+
+    def stopped(self) -> subprocess.Popen:
+        """Member 0's device thread, stopped (its `communicate("\\n")` lets it run on)."""
+        stop = subprocess.Popen([sys.executable, "-c", _PTRACE_STOP, self.loop0], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+        line = stop.stdout.readline().strip()
+        if line != "stopped":
+            stop.communicate("\n", timeout=30)
+            pytest.skip(f"cannot stop gloo's device thread with ptrace here ({line})")
+        return stop
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and ptrace")
 def test_a_gloo_send_written_after_its_generation_was_released_is_not_stranded(store):
     """The race that kept a healthy survivor in its ended generation (docs/resilience.md, "What we learned"), with
@@ -78,54 +127,55 @@ def test_a_gloo_send_written_after_its_generation_was_released_is_not_stranded(s
     end of stream fails every pending operation but an unbound buffer's queued send: the send would wait for the
     operation timeout while its peer went on (`sockets.py`). The device thread is held still (ptrace stops that
     thread alone) so the notice is queued before the release and read after it."""
-    timeout = datetime.timedelta(seconds=5)  # a stranded send fails after this with "Timed out waiting"
-    pgs: dict[int, dist.ProcessGroupGloo] = {}
-
-    def make(rank: int) -> None:
-        pgs[rank] = dist.ProcessGroupGloo(dist.PrefixStore("strand/", store()), rank, 2, timeout)
-
-    loops, ports = _gloo_loops(), _listening_ports()
-    one = threading.Thread(target=make, args=(1,), daemon=True)
-    one.start()  # member 1's device (its listener and loop thread) first, so the two can be told apart
-    _until("member 1's device", lambda: len(_listening_ports()) > len(ports) and len(_gloo_loops()) > len(loops))
-    port1 = next(p for i, p in _listening_ports().items() if i not in ports)
-    loops1 = _gloo_loops() - loops
-    zero = threading.Thread(target=make, args=(0,), daemon=True)
-    zero.start()
-    zero.join(30)
-    one.join(30)
-    assert set(pgs) == {0, 1}
-    (loop0,) = _gloo_loops() - loops - loops1
-    port0 = next(p for i, p in _listening_ports().items() if i not in ports and p != port1)
-    mine = []  # member 0's end of the pair: accepted on its listener, or connected to member 1's
-    for fd in socket_inodes():
-        with socket.socket(fileno=os.dup(fd)) as s:
-            try:
-                local, peer = s.getsockname()[1], s.getpeername()[1]
-            except OSError:  # a listener, or not an internet socket
-                continue
-            if local == port0 or peer == port1:
-                mine.append(fd)
-    assert len(mine) == 1, mine
-
+    pair = _Pair(store)
     sent, got = torch.ones(4), torch.zeros(4)
-    send = pgs[0].send([sent], 1, 3)  # posted: it waits for member 1's notice that its receive is ready
-    stop = subprocess.Popen([sys.executable, "-c", _PTRACE_STOP, loop0], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    send = pair.pgs[0].send([sent], 1, 3)  # posted: it waits for member 1's notice that its receive is ready
+    stop = pair.stopped()
     try:
-        line = stop.stdout.readline().strip()
-        if line != "stopped":
-            pytest.skip(f"cannot stop gloo's device thread with ptrace here ({line})")
-        recv = pgs[1].recv([got], 0, 3)  # member 1's notice goes out and waits, unread, in member 0's socket
-        _until("member 1's notice in member 0's socket", lambda: _unread(mine[0]) > 0)
-        assert shut_down(mine) == 1  # the generation's end releases member 0's socket
+        recv = pair.pgs[1].recv([got], 0, 3)  # member 1's notice goes out and waits, unread, in member 0's socket
+        _until("member 1's notice in member 0's socket", lambda: _unread(pair.end[0]) > 0)
+        assert shut_down([pair.end[0]]) == 1  # the generation's end releases member 0's socket
     finally:
         stop.communicate("\n", timeout=30)  # the device thread runs on: the notice, then the end of stream
     send.wait()  # written before the end was read: it completed (a stranded one raises "Timed out waiting")
     recv.wait()
     assert torch.equal(got, sent)
     with pytest.raises(RuntimeError, match="Connection closed"):
-        pgs[0].send([sent], 1, 4).wait()  # and the pair is closed now: the next operation fails at once
+        pair.pgs[0].send([sent], 1, 4).wait()  # and the pair is closed now: the next operation fails at once
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and ptrace")
+def test_a_peer_released_first_does_not_strand_a_send_written_to_it(store):
+    """The other order of the same race, which the drills showed once the sending side stayed open: both members
+    are released by the generation's end, member 1 first. Gloo reads member 1's end of stream and closes its pair;
+    member 0's device thread, behind, then reads two "receive ready" notices queued before that and writes two
+    sends. Had member 1's socket really closed, the first write would draw a reset and the second fail with EPIPE
+    (on loopback the reset arrives within the first write), queued and stranded as in the test above. The release
+    keeps a duplicate of each socket it shuts down (`GenerationSockets.held`), so gloo's close ends nothing: both
+    writes succeed, and the connection ends once the duplicates are closed (`GenerationSockets.close`)."""
+    pair = _Pair(store)
+    sent, got = [torch.full((4,), 1.0), torch.full((4,), 2.0)], [torch.zeros(4), torch.zeros(4)]
+    sends = [pair.pgs[0].send([t], 1, tag) for tag, t in zip((3, 4), sent)]  # both wait for member 1's notices
+    held: dict[int, socket.socket] = {}
+    stop = pair.stopped()
+    try:
+        recvs = []
+        for tag, t in zip((3, 4), got):  # two notices, one after the other, unread by member 0
+            queued = _unread(pair.end[0])
+            recvs.append(pair.pgs[1].recv([t], 0, tag))
+            _until("member 1's notice in member 0's socket", lambda q=queued: _unread(pair.end[0]) > q)
+        inode1 = socket_inodes()[pair.end[1]]
+        assert shut_down([pair.end[1]], held) == 1  # the generation's end releases member 1 first, as GenerationSockets
+        for r in recvs:  # member 1's device thread read the end of stream: its receives fail, its pair is closed
+            with pytest.raises(RuntimeError, match="Connection closed"):
+                r.wait()
+        _until("gloo closed member 1's end", lambda: socket_inodes().get(pair.end[1]) != inode1)
+    finally:
+        stop.communicate("\n", timeout=30)  # member 0 reads the notices and writes the sends to member 1
+    for s in sends:
+        s.wait()  # written into a connection still open (a stranded send raises "Timed out waiting")
+    for s in held.values():
+        s.close()
 
 
 def _unread(fd: int) -> int:

@@ -70,6 +70,7 @@ class Member:
         self.commit: StepCommit | None = None
         self._lock = threading.Condition()
         self._sockets: GenerationSockets | None = None
+        self._retired: list[GenerationSockets] = []  # earlier generations' sockets, closed once the next one formed
         self._shut = self._reported = True
         self.rng: dict[str, Any] | None = None  # RNG at the start of step `rng_step` (its state if it is dropped)
         self.rng_step = -1
@@ -106,6 +107,8 @@ class Member:
         trace(self, "join", g=g)
         with self._lock:
             self.g, self._shut, self._reported = g, False, False
+            if self._sockets is not None:
+                self._retired.append(self._sockets)
             self._sockets = GenerationSockets(self.world)  # before the generation's first connection
             self._lock.notify_all()
         self.mark("plan")
@@ -157,6 +160,10 @@ class Member:
             ended = self._shut
             if ended:  # the generation ended while its groups formed: only the store connection was shut then
                 self._sockets.leave()
+            else:  # every member joined this generation: none operates on an earlier one's connections any more
+                for old in self._retired:
+                    old.close()
+                self._retired.clear()
         trace(self, "formed", ended=ended)
         if ended:
             raise GenerationEnded(f"generation {self.g} ended while rank {self.rank} formed its groups")

@@ -22,9 +22,20 @@ queued writes only those of bound buffers (`Pair::signalException` loops over `t
 send waits in `UnboundBuffer::waitSend` for the operation timeout (300 s) while its peer, released, goes on:
 the survivor that never began the next generation (docs/resilience.md, "What we learned"). The same happens when
 the rank's own thread posts a send between the release and the device thread reading the end. With the sending
-side open every such write succeeds, the send completes, and the next operation fails on the closed pair. Closing
-is left to the socket's owner: gloo closes a pair once it has read the end of stream, which ends its peer's stream
-(a FIN, or a reset), so peers are still released transitively.
+side open every such write succeeds, the send completes, and the next operation fails on the closed pair.
+
+Why the connections stay open until every member has left the generation. Gloo closes a pair once it has read the
+end of stream, and a closed socket ends its peer's stream: a FIN, and a reset for whatever the peer writes after.
+The peer was usually released at the same moment (the generation's end reaches every watcher) and its device
+thread can be as far behind: a "receive ready" notice read before the FIN makes it write, the first write draws
+the reset, and the next fails with EPIPE and is stranded as above (the drills caught this too, once the sending
+side stayed open). So the release keeps a duplicate of each socket it shuts down (`GenerationSockets.held`): gloo's
+close then ends nothing, every write of a peer into the generation succeeds, and each member is released by the
+end of stream of its own sockets, which its own watcher (the generation's end) or its own thread (leaving) brings.
+The duplicates are closed once the rank's groups of the next generation exist (`Member.formed`): every member
+has joined that one, so nobody operates on the old connections any more. A peer that dies still ends its
+connections at once, and a survivor writing to it can still be stranded in gloo the same way (not seen in the
+drills: a survivor reads a dead peer's end of stream within microseconds, unless it was already mid-write).
 
 A pair still connecting is not released by any socket closing. Gloo connects a pair from one side only: the side
 with the higher listening address connects to the other's listener and writes the pair's sequence number
@@ -78,27 +89,33 @@ def socket_inodes() -> dict[int, int]:
     return out
 
 
-def shut_down(fds: Iterable[int]) -> int:
+def shut_down(fds: Iterable[int], keep: dict[int, socket.socket] | None = None) -> int:
     """Shut down the receiving side of every connected socket among `fds` (listeners are skipped); returns how many.
     The descriptors stay open (their owners close them): a duplicate is shut down, which acts on the socket they
     share. Only the receiving side (module docstring, "Why only the receiving side"): its owner reads the end of
-    stream and fails its operations, and gloo then closes the pair, which ends the peer's stream; its writes keep
-    working until then."""
+    stream and fails its operations; its writes keep working. With `keep` ({inode: socket}) the duplicate of each
+    socket shut down is kept open there, so that its owner closing it ends nothing for its peer (module docstring,
+    "Why the connections stay open")."""
     n = 0
     for fd in fds:
         try:
             s = socket.socket(fileno=os.dup(fd))
         except OSError:  # closed meanwhile, or not a socket any more
             continue
+        kept = False
         try:
             if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 continue
             s.shutdown(socket.SHUT_RD)
             n += 1
+            inode = os.fstat(s.fileno()).st_ino
+            if keep is not None and inode not in keep:
+                keep[inode], kept = s, True
         except OSError:  # not connected (any more)
             pass
         finally:
-            s.close()
+            if not kept:
+                s.close()
     return n
 
 
@@ -150,6 +167,7 @@ class GenerationSockets:
         self.before = set(socket_inodes().values())  # taken before the generation's first connection
         self.store: set[int] | None = None  # while the groups form: the inodes of the store connection alone
         self.whole_left = False  # every socket of the generation was shut down (not only its store connection)
+        self.held: dict[int, socket.socket] = {}  # {inode: duplicate} of the sockets shut down, kept open (`close`)
 
     def forming(self) -> None:
         """The generation's store connection is made and its groups are about to form: until `formed()`, leaving
@@ -167,8 +185,9 @@ class GenerationSockets:
 
     def new(self) -> list[int]:
         """Descriptors of the sockets opened since (the generation's); while its groups form, the store's only."""
+        held = {s.fileno() for s in self.held.values()}
         return [fd for fd, inode in socket_inodes().items()
-                if inode not in self.before and (self.store is None or inode in self.store)]
+                if inode not in self.before and fd not in held and (self.store is None or inode in self.store)]
 
     def leave(self) -> int:
         """Release every operation of this generation, here and at its peers: abort NCCL communicators, shut down
@@ -177,11 +196,19 @@ class GenerationSockets:
         _abort_nccl()
         forming = self.store is not None
         self.whole_left = self.whole_left or not forming
-        n = shut_down(self.new())
+        n = shut_down(self.new(), self.held)
         if forming:
             answer_connects(listening(fd for fd, inode in socket_inodes().items() if inode not in self.before),
                             self.size)
         return n
+
+
+    def close(self) -> None:
+        """End the connections of this generation for its peers: call once every member has left it (the next
+        generation formed), never before (module docstring, "Why the connections stay open")."""
+        for s in self.held.values():
+            s.close()
+        self.held.clear()
 
 
 def _abort_nccl() -> None:
