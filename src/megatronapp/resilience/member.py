@@ -6,8 +6,9 @@ until the supervisor ends the rank's generation) and one connection per generati
 under the generation's prefix, and its step commits). Both long-lived connections exist before a generation's
 first socket, so leaving a generation (`sockets.GenerationSockets.leave`) never shuts them.
 
-Leaving a generation, in order: shut down its sockets (a rank blocked in a collective with this one is released,
-and so, through them, everyone transitively connected: `sockets.py`), report `Left`, drop the step in progress
+Leaving a generation, in order: release its sockets (the receiving side of each is shut: this rank's blocked
+operations fail; the connections stay open for its peers, each released by its own watcher or thread, until this
+rank's groups of the next generation exist: `sockets.py`), report `Left`, drop the step in progress
 (`Trainer.drop_step`: reducer, pipeline links, an unfinished save; RNG back to the step's start if the step was not
 committed), destroy the process groups. Joining the next: wait for its plan, make its process groups from its
 store prefix, give this rank's existing groups the new ones (`topology.adopt`: model, optimizer, data iterator
@@ -130,8 +131,9 @@ class Member:
         """Leave the current generation (idempotent): release its operations, report, destroy its groups.
         Every socket of the generation is shut down here, even one whose groups were still forming when the
         generation's end released it (then only its store connection was shut and its listeners answered): the
-        rank is out of the generation's operations now, and a pair of a half-made group that did connect to a live
-        peer must not stay open, or that peer, whose own groups formed, trains on it waiting for this rank."""
+        rank is out of the generation's operations now. The connections stay open for the peers until this rank's
+        groups of the next generation exist (`sockets.py`, "Why the connections stay open"): a live peer whose
+        groups formed over a pair of a half-made group is released by its own watcher, as the generation ended."""
         self._release(whole=True)
         trace(self, "leave", why=why[:120])
         with self._lock:

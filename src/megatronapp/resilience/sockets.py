@@ -1,16 +1,16 @@
-"""Leaving a generation's collectives: every way of failing must end in closed connections.
+"""Leaving a generation's collectives: every way of failing must end in an end of stream, never in a failed write.
 
 Gloo collectives cannot be aborted from outside (pytorch/pytorch#130345; `ProcessGroupGloo` does not override
 `Backend::abort()`, which is a no-op: torch/csrc/distributed/c10d/Backend.hpp). What releases a rank blocked in a
-gloo op is its peer's connection closing: gloo's TCP pair sees the end of stream and fails every pending
-operation on it ("Connection closed by peer", gloo/transport/tcp/pair.cc). A SIGKILLed peer closes its sockets
-through the kernel. A peer that is alive but left the generation for another reason (its own peer died, the
-supervisor ended the generation) must close them itself, or a rank blocked on it would wait for gloo's timeout.
-So a rank leaving a generation shuts down the receiving side (`shutdown(SHUT_RD)`) of every connected socket it
-opened while joining it: the generation's store connection and gloo's pairs. That wakes its own blocked operations
-(the store's `get`, a collective's `recv`: each reads the end of stream) and, once gloo has read the end and closed
-the pair, its peers'. Listening sockets are left alone (gloo's listener thread terminates the process if its
-socket is shut: `accept: Invalid argument`, seen on torch 2.13).
+gloo op is an end of stream on its pair: gloo's TCP pair reads it and fails every pending operation on it
+("Connection closed by peer", gloo/transport/tcp/pair.cc). A SIGKILLed peer's sockets are closed by the kernel.
+Otherwise every live member releases itself when the supervisor ends the generation (its watcher, `member.py`)
+or when it leaves on its own: it shuts down the receiving side (`shutdown(SHUT_RD)`) of every connected socket
+it opened while joining the generation, the generation's store connection and gloo's pairs. That wakes its own
+blocked operations (the store's `get`, a collective's `recv`: each reads the end of stream), and leaves the
+connections themselves open for its peers until the next generation formed (the two sections below say why).
+Listening sockets are left alone (gloo's listener thread terminates the process if its socket is shut:
+`accept: Invalid argument`, seen on torch 2.13).
 
 Why only the receiving side. Shutting the sending side too (`SHUT_RDWR`, as this module did) strands a gloo send:
 gloo's device thread reads what is already in the socket before the end of stream, and a peer's "receive ready"
@@ -175,8 +175,9 @@ class GenerationSockets:
         rendezvous waits on the store, which the first releases; one blocked in `Pair::connect` waits on its
         listener, which the second releases. The pairs of the groups it made or half made before are not torn down
         by the failed construction (torch keeps the groups made before it, and the failure's traceback holds the
-        frames that hold them): the rank's own `Member.leave` shuts them down once it is out of the formation, or
-        a live peer whose groups formed over them would wait on a rank that left (docs/resilience.md)."""
+        frames that hold them): the rank's own `Member.leave` releases them too once it is out of the formation,
+        and keeps them open with the rest until the next generation formed (a live peer whose groups formed over
+        them is released by its own watcher, the generation having ended)."""
         self.store = set(socket_inodes().values()) - self.before
 
     def formed(self) -> None:
