@@ -241,3 +241,41 @@ def test_leaving_a_forming_generation_releases_a_pair_waiting_for_a_peer_that_ne
     if not released:
         pytest.skip("this member was never the listening side of the pair in 12 tries")
 
+
+_KEEP: list = []  # store servers that must outlive a member's watcher thread
+
+
+def test_a_members_formation_backstop_comes_after_the_supervisors_judgement(tmp_path):
+    """A member that gave up waiting for a late peer's rendezvous key before the supervisor judged the generation
+    was blamed for waiting (a healthy rank replaced when a loaded start-up took over 30 s): every plan carries
+    the members' backstop, past the supervisor's own timeout for that generation, and a member forms under it."""
+    from megatronapp.cli import build_parser, config_from_args
+    from megatronapp.resilience import generations
+    from megatronapp.resilience.member import Member
+    from megatronapp.resilience.supervisor import Options
+
+    cfg = config_from_args(build_parser().parse_args(["train", "--nproc", "2", "--dp", "2", "--out",
+                                                      str(tmp_path / "run")]))
+    job = generations.GenerationJob(cfg, Options(startup_timeout_s=200.0, form_timeout_s=50.0), lambda _m: None,
+                                    tmp_path / "events.jsonl")
+    assert job._member_backstop(0) > 200.0 and job._member_backstop(1) > 50.0
+    # A member of a two-rank generation whose peer never comes waits the plan's backstop, not a constant of its own
+    # (the store's error names the wait it was given).
+    # Its own store server, kept for the life of the process: the member's watcher exits the process when it loses
+    # the supervisor's store; the generation's end parks it for good.
+    server = dist.TCPStore("127.0.0.1", 0, None, True, use_libuv=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    _KEEP.append(server)
+    server.set(gp.plan_key(0), gp.encode(gp.Plan(generation=0, world=2, source="start", newcomers=[0, 1], step=0,
+                                                 form_timeout_s=1.5)))
+    member = Member(server.port, 0, 2, "gloo")
+    try:
+        with pytest.raises(Exception, match="1500ms"):  # noqa: B017 - DistStoreError or gloo's, by version
+            member.join(0)
+        assert member.form_timeout == datetime.timedelta(seconds=1.5)
+    finally:
+        server.set(gp.end_key(0), "test over")
+        member.leave("test over", 0)
+    with pytest.raises(gp.ProtocolError, match="form_timeout_s: Input should be greater than 0"):
+        gp.decode(b'{"generation": 0, "world": 2, "source": "start", "step": 0, "form_timeout_s": -1}', gp.Plan,
+                  "ctl/plan/0")

@@ -102,6 +102,10 @@ class Plan(_Msg):
     newcomers: list[int] = Field(default_factory=list, max_length=4096)
     source: Literal["start", "peer", "peer+buddy", "disk"]
     step: int = Field(ge=-1, lt=1 << 40)  # the committed step the survivors stand after (-1: not known)
+    # A member's own backstop while the generation's groups form (its rendezvous waits), set past the supervisor's
+    # judgement of the generation: the supervisor, which sees every rank's marks, names the rank that is late; a
+    # member that gave up first was blamed for waiting on it (a healthy rank replaced at a loaded start-up).
+    form_timeout_s: float = Field(default=30.0, gt=0, le=7 * 86400)
 
 
 class Assignment(_Msg):
@@ -133,8 +137,13 @@ def decode(raw: bytes, model: type[M], key: str) -> M:
         raise ProtocolError(f"store key {key}: {len(raw)} bytes, more than {MAX_VALUE_BYTES}")
     try:
         return model.model_validate(json.loads(raw))
-    except (ValueError, ValidationError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ProtocolError(f"store key {key}: not a valid {model.__name__}: {e}".splitlines()[0]) from None
+    except ValidationError as e:  # name the field and what is wrong with it, not only "1 validation error"
+        first = e.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "(the value)"
+        raise ProtocolError(f"store key {key}: not a valid {model.__name__}: {where}: {first['msg']}"[:400]
+                            ) from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ProtocolError(f"store key {key}: not a valid {model.__name__}: {e}".splitlines()[0][:400]) from None
 
 
 def read(store: Any, key: str, model: type[M]) -> M:

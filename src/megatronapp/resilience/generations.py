@@ -51,6 +51,7 @@ from megatronapp.resilience.watch import Failure, ProgressClock, confirm_hang, p
 from megatronapp.train import checkpoint as ckpt
 
 EARLY_HEARTBEAT = "megatronapp.resilience.agent:early_start"
+FORM_BACKSTOP_MARGIN_S = 30.0  # the supervisor's judgement of a late generation, then its end, before a member's
 
 
 class SupervisorGaveUp(RuntimeError):
@@ -129,7 +130,8 @@ class GenerationJob:
         server = self._fork_server()  # before the ranks: its preload overlaps theirs, in its own process
         self.pool = SparePool(self.opts.spares, self.store, self._args(), server, self.log, self._event)
         self.store.set(gp.plan_key(0), gp.encode(gp.Plan(generation=0, world=self.world, source="start",
-                                                         newcomers=list(range(self.world)), step=self.step)))
+                                                         newcomers=list(range(self.world)), step=self.step,
+                                                         form_timeout_s=self._member_backstop(0))))
         self.store.set(gp.GEN, "0")
         self.ranks = {r: self._start_rank(r) for r in range(self.world)}
         for _ in range(self.opts.spares):
@@ -205,8 +207,7 @@ class GenerationJob:
                 failure = Failure("exit" if r in codes else "hang", r, self.labels[r], culprits[r],
                                   self._beat_step(r), now, noticed_at=now,
                                   signal=launch.signal_name(-codes[r]) if codes.get(r, 0) < 0 else None)
-            elif self.formed_at is None and now - self.generation_at > (
-                    self.opts.startup_timeout_s if self.g == 0 else self.opts.form_timeout_s):
+            elif self.formed_at is None and now - self.generation_at > self._form_timeout(self.g):
                 failure = self._formation_failure(now)
             elif self.formed_at is not None:
                 beats = read_beats(self.hb_dir, self.world)
@@ -260,6 +261,15 @@ class GenerationJob:
         """The hang, named; None when late heartbeats show progress after all (`watch.confirm_hang`)."""
         return confirm_hang(clock, beats, lambda: read_beats(self.hb_dir, self.world), self._state, self.labels,
                             self.opts.heartbeat_s)
+
+    def _form_timeout(self, g: int) -> float:
+        """How long generation `g` may take to commit its first step before the supervisor names its late rank."""
+        return self.opts.startup_timeout_s if g == 0 else self.opts.form_timeout_s
+
+    def _member_backstop(self, g: int) -> float:
+        """The members' own formation timeout in generation `g`: after the supervisor's judgement and the time to
+        end the generation (which releases every wait), so it fires only when the supervisor is gone."""
+        return self._form_timeout(g) + FORM_BACKSTOP_MARGIN_S
 
     def _formation_failure(self, now: float) -> Failure:
         """A generation that did not commit a step within form_timeout_s: blame its first member that never began
@@ -322,7 +332,8 @@ class GenerationJob:
                                            f"{self.pool.shortfall}")
         old_pids = {r: p.pid for r, p in self.ranks.items()}
         self.g += 1
-        plan = gp.Plan(generation=self.g, world=self.world, newcomers=newcomers, source=source, step=self.step)
+        plan = gp.Plan(generation=self.g, world=self.world, newcomers=newcomers, source=source, step=self.step,
+                       form_timeout_s=self._member_backstop(self.g))
         self.store.set(gp.plan_key(self.g), gp.encode(plan))
         for r, spare in zip(lost, taken):
             self.ranks[r] = spare.process

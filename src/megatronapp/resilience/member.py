@@ -59,9 +59,10 @@ class Member:
                  victim_wait_s: float = 60.0, form_timeout_s: float = 30.0):
         self.port, self.rank, self.world, self.backend = port, rank, world, backend
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        # A group's timeout while it forms, the backstop of its rendezvous; the groups get `timeout` once they
-        # exist. A pair whose peer died before connecting waits five times it in `Pair::connect` (gloo's listening
-        # side): the generation's end releases that wait (`sockets.py`), not this timeout.
+        # A group's timeout while it forms, the backstop of its rendezvous (each generation's plan sets it past
+        # the supervisor's own judgement of the generation); the groups get `timeout` once they exist. A pair
+        # whose peer died before connecting waits five times it in `Pair::connect` (gloo's listening side): the
+        # generation's end releases that wait (`sockets.py`), not this timeout.
         self.form_timeout = datetime.timedelta(seconds=form_timeout_s)
         self.victim_wait_s = victim_wait_s  # a rank whose collective failed waits this long for the generation's end
         self.control = connect(port, WEEK)
@@ -105,6 +106,7 @@ class Member:
         if plan.world != self.world or plan.generation != g:
             raise gp.ProtocolError(f"store key {gp.plan_key(g)}: a plan for generation {plan.generation} of "
                                    f"{plan.world} ranks; this job has {self.world}")
+        self.form_timeout = datetime.timedelta(seconds=plan.form_timeout_s)  # past the supervisor's judgement
         trace(self, "join", g=g)
         with self._lock:
             self.g, self._shut, self._reported = g, False, False
