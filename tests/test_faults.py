@@ -61,6 +61,12 @@ def _fake_clock(monkeypatch) -> FakeClock:
     return clock
 
 
+def _spans(tmp_path):
+    """Rank 0's trace and its spans' names."""
+    t = read_rank(tmp_path / "rank00000.mst")
+    return t, np.array(t.names)[t.name]
+
+
 def _traced(tmp_path, specs: list[str], clock: FakeClock, world: int = 1, granularity: str = "coarse"):
     """Rank 0 traced on `clock`, with the faults of `specs` installed."""
     header = {"rank": 0, "world": world, "coord": [0, 0, 0], "topo": [1, 1, world]}
@@ -115,8 +121,7 @@ def test_slow_compute_stretches_layers_once_and_the_compute_around_them(tmp_path
     finally:
         inj.remove()
         tr.close()
-    t = read_rank(tmp_path / "rank00000.mst")
-    name = np.array(t.names)[t.name]
+    t, name = _spans(tmp_path)
     layer = t.dur[np.char.startswith(name.astype(str), "layers.")]
     fwd = t.dur[name == "forward"]
     assert len(layer) == 6 and (layer == 40_000_000).all(), layer  # 2 x 20 ms
@@ -140,8 +145,7 @@ def test_slow_compute_does_not_stretch_time_spent_waiting_for_a_core(tmp_path, m
     finally:
         inj.remove()
         tr.close()
-    t = read_rank(tmp_path / "rank00000.mst")
-    name = np.array(t.names)[t.name]
+    t, name = _spans(tmp_path)
     assert t.dur[name == "layers.0"].tolist() == [35_000_000]  # 25 ms + its 10 ms of work again
     assert t.dur[name == "forward"].tolist() == [80_000_000]  # 50 ms + 10 (the layer's work) + 20 (its own work)
 
