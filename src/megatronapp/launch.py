@@ -105,6 +105,12 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, local_port
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **extra)
+        if backend == "gloo":
+            # Gloo's group is made when this rank's side of every pair is connected, not the peer's: a rank whose
+            # work needs no collective could exit while a peer still read its side of their pair, and that peer's
+            # group then failed to form ("Gloo connectFullMesh failed ... Connection closed by peer",
+            # ProcessGroupGloo.cpp:67; seen in a full suite run). A barrier holds every rank until all are formed.
+            dist.barrier()
     return rank, world
 
 
