@@ -55,7 +55,11 @@ def _listening_ports() -> dict[int, int]:
     """{inode: port} of this process's listening sockets."""
     out = {}
     for fd, inode in socket_inodes().items():
-        with socket.socket(fileno=os.dup(fd)) as s:
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:  # closed since it was listed (a thread of an earlier test's group or store)
+            continue
+        with s:
             if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 out[inode] = s.getsockname()[1]
     return out
@@ -94,7 +98,11 @@ class _Pair:
         port0 = next(p for i, p in _listening_ports().items() if i not in ports and p != port1)
         ends: dict[int, list[int]] = {0: [], 1: []}  # each member's end: accepted on its listener, or connected
         for fd in socket_inodes():
-            with socket.socket(fileno=os.dup(fd)) as s:
+            try:
+                dup = os.dup(fd)
+            except OSError:  # closed since it was listed
+                continue
+            with socket.socket(fileno=dup) as s:
                 try:
                     local, peer = s.getsockname()[1], s.getpeername()[1]
                 except OSError:  # a listener, or not an internet socket
