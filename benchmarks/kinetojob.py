@@ -17,6 +17,7 @@ Profiling windows: two per run (schedule repeat=2), so each rank writes two file
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -55,6 +56,14 @@ def _slow_down(layer: torch.nn.Linear, times: int) -> None:
     layer.register_forward_hook(forward)
 
 
+def run_queue_s() -> float:
+    """Seconds this thread has waited runnable for a core (Linux schedstat); 0 where unknown."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def job(rank: int, world: int, out: str, runs: list[tuple[str, str, str | None, int]]) -> None:
     """One rank (under `megatronapp.launch.spawn`): for each (run name, 'ddp' or 'fsdp', fault or None, faulty
     rank) train the same seeded model, profiled, writing out/<run>/rank<r>.w<window>.pt.trace.json[.gz]."""
@@ -83,6 +92,7 @@ def job(rank: int, world: int, out: str, runs: list[tuple[str, str, str | None, 
             prof.export_chrome_trace(str(d / f"rank{rank}.w{len(windows)}.pt.trace{ext}"))
             windows.append(1)
 
+        queued = run_queue_s()
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True, on_trace_ready=ready,
                      schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE, repeat=REPEAT)) as prof:
             for _ in range(STEPS):
@@ -101,4 +111,8 @@ def job(rank: int, world: int, out: str, runs: list[tuple[str, str, str | None, 
                 opt.step()
                 opt.zero_grad()
                 prof.step()
+        # The ground truth of a healthy job on a shared host: how long this rank waited for a core (a profiler trace
+        # does not record it), next to the traces, not among them.
+        (Path(out) / f"{run}.rank{rank}.cpuwait.json").write_text(json.dumps(
+            {"run_queue_ms_per_step": (run_queue_s() - queued) * 1e3 / STEPS}))
         torch.distributed.barrier()

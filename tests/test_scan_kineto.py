@@ -40,6 +40,23 @@ def _recorded() -> Path:
     return out
 
 
+def _waits(out: Path, run: str) -> list[float]:
+    """Each rank's wait for a core in `run`, ms per step (benchmarks/kinetojob.py)."""
+    return [json.loads((out / f"{run}.rank{r}.cpuwait.json").read_text())["run_queue_ms_per_step"]
+            for r in range(WORLD)]
+
+
+def _starved(out: Path, run: str, f) -> bool:  # noqa: ANN001
+    """Whether a slow-compute finding of a healthy run is the host's doing: its one rank waited for a core longer
+    than every peer by at least half the compute it is said to have lost per iteration."""
+    if f.kind != "slow-compute" or len(f.ranks) != 1:
+        return False
+    lost = f.evidence.get("floor_ms_per_iteration", 0.0) - f.evidence.get("peer_floor_ms_per_iteration", 0.0)
+    waits = _waits(out, run)
+    (r,) = f.ranks
+    return lost > 0 and all(waits[r] - w >= lost / 2 for i, w in enumerate(waits) if i != r)
+
+
 def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers(dest="command"))
@@ -66,7 +83,11 @@ def test_real_profiler_traces_name_the_faulty_rank_first_and_nothing_persistent_
             # records no CPU wait to tell it from a real pause (docs/megascan.md, Kineto). Only that may stand.
             odd = [f for f in rep.findings if f.kind != "transient-pause" or len(f.evidence.get("iterations", [])) != 1
                    or f.confidence > 0.7]
-            assert odd == [], (run, rep.to_text())
+            # A rank the host starved for the whole run computes slower on a CPU, and is slower: a slow-compute
+            # finding is then true, and excused only where the rank's measured wait for a core explains it (seen once
+            # at load 24: rank 0 at 1.43x). A finding the waits do not explain stays a false alarm.
+            odd = [f for f in odd if not _starved(out, run, f)]
+            assert odd == [], (run, rep.to_text(), _waits(out, run))
             continue
         assert rep.findings, (run, rep.to_text())
         top = rep.findings[0]
