@@ -35,7 +35,7 @@ import torch
 
 from megatronapp.parallel import comm
 from megatronapp.parallel.topology import Topology
-from megatronapp.train.checkpoint_read import PIECE_BYTES, encode
+from megatronapp.train.checkpoint_read import PIECE_BYTES, byte_image, encode
 
 BUDDY_ENV = "MEGATRONAPP_BUDDY_COPY"  # "0" (the supervisor's `--no-buddy-copy`): no per-step copies
 MAX_DESC_BYTES = 64 << 20  # a descriptor lists a slice's tensors: far below this for any model we build
@@ -140,14 +140,8 @@ class BuddyCopy:
         tr = self.trainer
         topo, device = tr.topo, tr.device
         desc, tensors = encode(tr.optimizer.slice_state())
-        n_data = sum(t.numel() * t.element_size() for t in tensors)
-        out = torch.empty(len(desc) + n_data, dtype=torch.uint8, device=device)
-        out[:len(desc)].copy_(torch.frombuffer(bytearray(desc), dtype=torch.uint8))
-        offset = len(desc)
-        for t in tensors:  # a buffer of its own: nothing changes what is on the wire before it left
-            n = t.numel() * t.element_size()
-            out[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8))
-            offset += n
+        out = byte_image(tensors, device, prefix=desc)  # its own buffer: the next update cannot change it in flight
+        n_data = out.numel() - len(desc)
         buddy, ward = buddy_of(topo, tr.rank), ward_of(topo, tr.rank)
         header = torch.tensor([step, len(desc), n_data], dtype=torch.int64, device=device)
         theirs = torch.zeros(3, dtype=torch.int64, device=device)

@@ -26,7 +26,7 @@ import torch
 from megatronapp.parallel import comm
 from megatronapp.parallel.topology import Topology
 from megatronapp.resilience.buddy import MAX_DESC_BYTES, BuddyCopy, buddy_of
-from megatronapp.train.checkpoint_read import PIECE_BYTES, decode, encode
+from megatronapp.train.checkpoint_read import PIECE_BYTES, byte_image, decode, encode
 from megatronapp.train.loop import AfterStep
 
 
@@ -58,14 +58,7 @@ def send_encoded(desc: bytes, data: torch.Tensor, dst: int, topo: Topology, devi
 def send_state(state: dict[str, Any], dst: int, topo: Topology, device: torch.device) -> None:
     """Send `state` to the newcomer `dst` (a DP peer)."""
     desc, tensors = encode(state)
-    n_data = sum(t.numel() * t.element_size() for t in tensors)
-    data = torch.empty(n_data, dtype=torch.uint8, device=device)
-    offset = 0
-    for t in tensors:  # the byte image of each tensor, in descriptor order
-        n = t.numel() * t.element_size()
-        data[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8))
-        offset += n
-    send_encoded(desc, data, dst, topo, device)
+    send_encoded(desc, byte_image(tensors, device), dst, topo, device)
 
 
 def recv_encoded(src: int, topo: Topology, device: torch.device, max_bytes: int | None = None) -> Any:

@@ -66,6 +66,21 @@ def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     return desc, tensors
 
 
+def byte_image(tensors: list[torch.Tensor], device: torch.device, prefix: bytes = b"") -> torch.Tensor:
+    """`prefix`, then the bytes of each of `tensors` (`encode`'s data order), in one uint8 tensor of its own:
+    nothing done to the tensors afterwards changes what is sent."""
+    n = len(prefix) + sum(t.numel() * t.element_size() for t in tensors)
+    out = torch.empty(n, dtype=torch.uint8, device=device)
+    if prefix:
+        out[:len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
+    offset = len(prefix)
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        out[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8))
+        offset += n
+    return out
+
+
 def decode(desc: bytes, data: torch.Tensor) -> Any:
     """The state from its descriptor and the received bytes (tensors are copies, on the CPU)."""
     def dec(node: dict) -> Any:
@@ -117,13 +132,7 @@ def read_state(d: Path, topo: Topology, sharded: bool, device: torch.device) -> 
         if topo.rank == src:
             raise state
         raise ckpt.CheckpointError(f"rank {src}, the reader of this rank's DP group, could not load {d}: {msg}")
-    data = torch.empty(n_data, dtype=torch.uint8, device=device)
-    if topo.rank == src:
-        offset = 0
-        for t in tensors:  # the byte image of each tensor, in descriptor order
-            n = t.numel() * t.element_size()
-            data[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8))
-            offset += n
+    data = byte_image(tensors, device) if topo.rank == src else torch.empty(n_data, dtype=torch.uint8, device=device)
     _bcast_bytes(data, src, topo)
     if topo.rank == src:
         return state
