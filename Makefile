@@ -32,10 +32,14 @@ browser:
 # run in the README's order. TEST_WORKERS=0 runs serially. The multi-host tests (hosts as network namespaces,
 # each job 4-8 ranks plus agents and a driver judged against a 10 s hang timeout) run after, on their own: once,
 # beside two other workers' launches, a 2-host job did not reach its second step in 300 s (not understood yet).
+# The MegaScan test on real profiler traces runs there too: it judges healthy jobs by their timing, and a profiler
+# trace records no CPU wait, so two other workers' launches made a starved rank read as slow compute (2 of 6
+# fresh-clone runs on 2026-12-07).
 TEST_WORKERS ?= 3
+ALONE := tests/test_hosts.py tests/test_scan_kineto.py
 test: $(STAMP) browser
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile -ra --durations=25 --ignore tests/test_hosts.py
-	$(BIN)/python -m pytest tests/test_hosts.py -ra
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile -ra --durations=25 $(addprefix --ignore ,$(ALONE))
+	$(BIN)/python -m pytest $(ALONE) -ra
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not slow" -ra --durations=10
