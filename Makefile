@@ -36,7 +36,7 @@ browser:
 # trace records no CPU wait, so two other workers' launches made a starved rank read as slow compute (2 of 6
 # fresh-clone runs on 2026-12-07).
 TEST_WORKERS ?= 3
-ALONE := tests/test_hosts.py tests/test_scan_kineto.py
+ALONE := tests/test_hosts.py tests/test_scan_kineto.py tests/test_scan_real.py
 test: $(STAMP) browser
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile -ra --durations=25 $(addprefix --ignore ,$(ALONE))
 	$(BIN)/python -m pytest $(ALONE) -ra
